@@ -1,0 +1,240 @@
+"""Eval datasets: ImageNet val folders, any class-folder set, and eval shards (.tar).
+
+All classification datasets yield (image_tensor, label) through the given transform and come
+with their class-name list; the retrieval shard dataset yields dicts like the training stream.
+
+ImageNet labels: `imagenet_synsets.txt` (next to this file) lists the 1000 ILSVRC2012 wnids in
+the standard sorted order; line i is open_clip's IMAGENET_CLASSNAMES[i] (n01440764 = tench, ...,
+n15075141 = toilet paper). Taken from public LOC_synset_mapping.txt / imagenet_class_index.json
+copies (three independent repositories agreed byte for byte).
+
+Shards: plain tar files in webdataset layout (members "<key>.<ext>", a sample's members
+adjacent). Image ext: jpg, jpeg, png, webp, bmp. Classification label: "cls" (an integer as
+text, CLIP_benchmark's layout). Retrieval captions: "txt", one caption per non-empty line.
+"""
+from __future__ import annotations
+
+import glob
+import io
+import os
+import tarfile
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence, Union
+
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+SYNSETS_PATH = Path(__file__).with_name("imagenet_synsets.txt")
+
+
+# ----------------------------------------------------------------------------- class folders
+
+def read_imagenet_synsets() -> list[str]:
+    """The 1000 ILSVRC2012 wnids; index i ↔ open_clip.IMAGENET_CLASSNAMES[i]."""
+    return [ln.strip() for ln in SYNSETS_PATH.read_text().splitlines() if ln.strip()]
+
+
+def read_lines(path: Union[str, os.PathLike]) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        return [ln.strip() for ln in f if ln.strip()]
+
+
+class LabeledImages(Dataset):
+    """Map-style dataset over [(path, label)]: yields (transform(RGB PIL image), label)."""
+
+    def __init__(self, samples: Sequence[tuple[str, int]], transform: Optional[Callable] = None):
+        self.samples = list(samples)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        path, label = self.samples[i]
+        with Image.open(path) as im:
+            img = im.convert("RGB")
+        return (self.transform(img) if self.transform else img), label
+
+
+def _class_dirs(root: Union[str, os.PathLike]) -> list[str]:
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"dataset root {root} is not a directory")
+    dirs = sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith("."))
+    if not dirs:
+        raise ValueError(f"{root} has no class folders")
+    return dirs
+
+
+def _images_in(folder: str) -> list[str]:
+    paths = []
+    for dirpath, _, files in os.walk(folder, followlinks=True):
+        paths += [os.path.join(dirpath, f) for f in files if f.lower().endswith(IMAGE_EXTENSIONS)]
+    return sorted(paths)
+
+
+def _folder_samples(root, dir_to_label: dict[str, int]) -> list[tuple[str, int]]:
+    samples = [(p, label) for d, label in dir_to_label.items() for p in _images_in(os.path.join(root, d))]
+    if not samples:
+        raise ValueError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}")
+    return samples
+
+
+def imagenet_folder(root, transform: Optional[Callable] = None) -> tuple[LabeledImages, list[str]]:
+    """ImageNet val (or any subset of it) laid out as root/<wnid>/*.JPEG.
+
+    Labels are the global ImageNet indices, so a subset of folders still scores against all
+    1000 classes. Returns (dataset, open_clip IMAGENET_CLASSNAMES)."""
+    from open_clip import IMAGENET_CLASSNAMES
+
+    wnid_to_idx = {w: i for i, w in enumerate(read_imagenet_synsets())}
+    dirs = _class_dirs(root)
+    unknown = [d for d in dirs if d not in wnid_to_idx]
+    if unknown:
+        raise ValueError(f"{root}: folders are not ImageNet-1k wnids: {unknown[:5]}"
+                         f"{' ...' if len(unknown) > 5 else ''}")
+    return LabeledImages(_folder_samples(root, {d: wnid_to_idx[d] for d in dirs}), transform), list(IMAGENET_CLASSNAMES)
+
+
+def class_folder(root, transform: Optional[Callable] = None,
+                 classnames: Union[None, str, Sequence[str]] = None) -> tuple[LabeledImages, list[str]]:
+    """Any root/<class_folder>/* set; label = index of the folder in sorted order.
+
+    classnames: None → folder names with "_" replaced by spaces; a path → a text file with one
+    name per line in sorted-folder order; a list → used as is (same order)."""
+    dirs = _class_dirs(root)
+    if classnames is None:
+        names = [d.replace("_", " ") for d in dirs]
+    else:
+        names = read_lines(classnames) if isinstance(classnames, (str, os.PathLike)) else list(classnames)
+        if len(names) != len(dirs):
+            raise ValueError(f"{len(names)} class names for {len(dirs)} folders in {root}")
+    return LabeledImages(_folder_samples(root, {d: i for i, d in enumerate(dirs)}), transform), names
+
+
+# ----------------------------------------------------------------------------- shards
+
+def expand_shards(spec: Union[str, Sequence[str]]) -> list[str]:
+    """A brace pattern ("eval/{000..009}.tar"), a glob, a directory (its *.tar, sorted), a
+    "::"-joined string of those, or a list of those → list of tar paths (order kept)."""
+    import braceexpand
+
+    parts = [spec] if isinstance(spec, str) else list(spec)
+    urls: list[str] = []
+    for part in parts:
+        for piece in str(part).split("::"):
+            if os.path.isdir(piece):
+                urls += sorted(glob.glob(os.path.join(piece, "*.tar")))
+            elif any(ch in piece for ch in "*?["):
+                urls += sorted(glob.glob(piece))
+            else:
+                urls += list(braceexpand.braceexpand(piece))
+    if not urls:
+        raise ValueError(f"no shards match {spec!r}")
+    missing = [u for u in urls if not os.path.exists(u)]
+    if missing:
+        raise FileNotFoundError(f"shards not found: {missing[:3]}")
+    return urls
+
+
+def iter_tar_samples(path: str) -> Iterator[dict[str, bytes]]:
+    """Group adjacent members "<key>.<ext>" of a tar into {"__key__": key, ext: bytes}.
+    The key is the member path up to the first dot of its file name (webdataset's rule)."""
+    current: Optional[dict] = None
+    with tarfile.open(path) as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            dirname, base = os.path.split(member.name)
+            if "." not in base:
+                continue
+            stem, ext = base.split(".", 1)
+            key = os.path.join(dirname, stem)
+            if current is None or current["__key__"] != key:
+                if current is not None:
+                    yield current
+                current = {"__key__": key}
+            current[ext.lower()] = tar.extractfile(member).read()
+    if current is not None:
+        yield current
+
+
+def _decode_image(sample: dict) -> Optional[Image.Image]:
+    for ext in ("jpg", "jpeg", "png", "webp", "bmp"):
+        if ext in sample:
+            with Image.open(io.BytesIO(sample[ext])) as im:
+                return im.convert("RGB")
+    return None
+
+
+class _ShardIterable(IterableDataset):
+    """Reads shards in order; DataLoader workers take every num_workers-th shard."""
+
+    def __init__(self, shards, transform: Optional[Callable]):
+        self.urls = expand_shards(shards)
+        self.transform = transform
+
+    def _my_samples(self) -> Iterator[dict]:
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        for url in self.urls[wid::nw]:
+            yield from iter_tar_samples(url)
+
+    def _image(self, sample):
+        img = _decode_image(sample)
+        if img is None:
+            raise ValueError(f"sample {sample['__key__']} has no image (found {sorted(sample)})")
+        return self.transform(img) if self.transform else img
+
+
+class ShardClassification(_ShardIterable):
+    """Eval shards with an integer "cls" member per sample → (image, label)."""
+
+    def __iter__(self):
+        for sample in self._my_samples():
+            if "cls" not in sample:
+                raise ValueError(f"sample {sample['__key__']} has no 'cls' label (found {sorted(sample)})")
+            yield self._image(sample), int(sample["cls"].decode().strip())
+
+
+class ShardRetrieval(_ShardIterable):
+    """Eval shards with image + "txt" (one caption per non-empty line) →
+    {"image": tensor, "text": LongTensor[K, L], "key": str}; batch with `collate_retrieval`."""
+
+    def __init__(self, shards, transform: Optional[Callable], tokenizer: Callable):
+        super().__init__(shards, transform)
+        self.tokenizer = tokenizer
+
+    def __iter__(self):
+        for sample in self._my_samples():
+            caps = [c.strip() for c in sample.get("txt", b"").decode("utf-8").splitlines() if c.strip()]
+            if not caps:
+                raise ValueError(f"sample {sample['__key__']} has no caption ('txt')")
+            yield {"image": self._image(sample), "text": self.tokenizer(caps), "key": sample["__key__"]}
+
+
+def collate_retrieval(items: list[dict]) -> dict:
+    """Stack images; keep per-sample caption tensors as a list (K varies); keys as a list."""
+    return {"image": torch.stack([it["image"] for it in items]),
+            "text": [it["text"] for it in items],
+            "key": [it["key"] for it in items]}
+
+
+def shard_classnames(shards, classnames: Union[None, str, Sequence[str]]) -> list[str]:
+    """classnames given (path or list), else classnames.txt beside the first shard or one level up
+    (CLIP_benchmark's wds layout: <root>/classnames.txt, <root>/test/0.tar)."""
+    if classnames is not None:
+        return read_lines(classnames) if isinstance(classnames, (str, os.PathLike)) else list(classnames)
+    first = Path(expand_shards(shards)[0]).parent
+    for cand in (first / "classnames.txt", first.parent / "classnames.txt"):
+        if cand.is_file():
+            return read_lines(cand)
+    raise ValueError(f"no class names given and no classnames.txt next to {first}")
+
+
+def make_eval_loader(dataset, batch_size: int = 64, num_workers: int = 0, collate_fn=None) -> DataLoader:
+    """Sequential, non-shuffled DataLoader (all samples exactly once, in order)."""
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
+                      collate_fn=collate_fn, pin_memory=torch.cuda.is_available(),
+                      persistent_workers=False)

@@ -1,0 +1,67 @@
+"""Writers for eval results: metrics.json (our names + CLIP_benchmark names) and a markdown table.
+
+`results` is what `eval.suite.run_eval_suite` returns: {dataset_name: entry}, where entry is
+  {"task": "retrieval", "metrics": {...}, "clip_benchmark": {...}, "n_images": N, "n_texts": M}
+  {"task": "classification", "metrics": {...}, "clip_benchmark": {...}, "n": N, "num_classes": C, ...}
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+RETRIEVAL_COLUMNS = [
+    ("image→text R@1", "image_to_text_R@1"), ("R@5", "image_to_text_R@5"), ("R@10", "image_to_text_R@10"),
+    ("text→image R@1", "text_to_image_R@1"), ("R@5", "text_to_image_R@5"), ("R@10", "text_to_image_R@10"),
+    ("i→t median rank", "image_to_text_median_rank"), ("t→i median rank", "text_to_image_median_rank"),
+]
+CLASSIFICATION_COLUMNS = [("top-1", "top1"), ("top-5", "top5"), ("mean per-class recall", "mean_per_class_recall")]
+
+
+def _atomic_write(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def write_json(results: dict[str, Any], path: str) -> str:
+    _atomic_write(path, json.dumps(results, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    return path
+
+
+def _fmt(key: str, value) -> str:
+    if value is None:
+        return "–"
+    if key.endswith("rank"):
+        return f"{value:g}"
+    return f"{100.0 * value:.2f}"  # recalls and accuracies as percentages
+
+
+def markdown_tables(results: dict[str, Any]) -> str:
+    """One table per task kind; recalls/accuracies in %, ranks as numbers."""
+    out = []
+    for task, columns, size_key in (("retrieval", RETRIEVAL_COLUMNS, "n_images"),
+                                    ("classification", CLASSIFICATION_COLUMNS, "n")):
+        rows = {name: e for name, e in results.items() if e.get("task") == task}
+        if not rows:
+            continue
+        heads = ["dataset", *[h for h, _ in columns], "images"]
+        out += [f"### {task}", "", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+        for name, entry in rows.items():
+            cells = [name, *[_fmt(k, entry["metrics"].get(k)) for _, k in columns], str(entry.get(size_key, ""))]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def write_markdown(results: dict[str, Any], path: str) -> str:
+    _atomic_write(path, markdown_tables(results))
+    return path
+
+
+def write_reports(results: dict[str, Any], out_dir: str) -> tuple[str, str]:
+    """Write out_dir/metrics.json and out_dir/metrics.md; returns both paths."""
+    return (write_json(results, os.path.join(out_dir, "metrics.json")),
+            write_markdown(results, os.path.join(out_dir, "metrics.md")))

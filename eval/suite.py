@@ -1,0 +1,118 @@
+"""`run_eval_suite`: the one entry point `vlp eval` (and the trainer's eval hook) calls."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from eval import datasets as D
+from eval.report import write_reports
+from eval.retrieval import clip_benchmark_names, embed_retrieval, retrieval_metrics
+from eval.zeroshot import build_classifier, load_templates, zeroshot_classify
+
+SUITE_KEYS = {"retrieval", "classification", "batch_size", "num_workers", "precision", "chunk_size"}
+RETRIEVAL_KEYS = {"name", "shards", "batch_size"}
+CLASSIFICATION_KEYS = {"name", "type", "root", "shards", "classnames", "templates", "batch_size"}
+
+
+def _check_keys(d: dict, allowed: set, where: str) -> None:
+    if not isinstance(d, dict):
+        raise TypeError(f"{where} must be a mapping, got {type(d).__name__}")
+    unknown = set(d) - allowed
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
+def _classification_dataset(entry: dict, transform):
+    """(dataset, classnames) for one classification entry."""
+    kind = entry.get("type") or ("shards" if "shards" in entry else
+                                 "imagenet" if entry["name"].lower().startswith("imagenet") else "folder")
+    if kind == "shards":
+        return D.ShardClassification(entry["shards"], transform), D.shard_classnames(entry["shards"], entry.get("classnames"))
+    if "root" not in entry:
+        raise ValueError(f"classification {entry['name']!r} (type {kind}) needs 'root'")
+    if kind == "imagenet":
+        if entry.get("classnames") is not None:
+            raise ValueError("type 'imagenet' uses open_clip's IMAGENET_CLASSNAMES; use type 'folder' for custom names")
+        return D.imagenet_folder(entry["root"], transform)
+    if kind == "folder":
+        return D.class_folder(entry["root"], transform, entry.get("classnames"))
+    raise ValueError(f"classification type must be imagenet, folder or shards; got {kind!r}")
+
+
+def run_eval_suite(
+    model,
+    tokenizer: Callable,
+    transform: Callable,
+    suite: dict,
+    device: torch.device | str,
+    out_dir: Optional[str],
+    *,
+    make_loader: Optional[Callable] = None,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """Run every task of `suite`, write out_dir/metrics.json and metrics.md, return the results.
+
+    suite (unknown keys are errors):
+      batch_size: 64, num_workers: 0, precision: "fp32" | "amp" | "amp_bf16" | "amp_fp16",
+      chunk_size: 4096 (retrieval query chunk),
+      retrieval: [{"name": "coco", "shards": "coco/{0..4}.tar", "batch_size": 64?}, ...]
+      classification: [
+        {"name": "imagenet", "root": "/data/imagenet/val", "templates": "openai"},
+        {"name": "pets", "type": "folder", "root": "/data/pets", "classnames": "names.txt"?},
+        {"name": "cifar10", "shards": "/data/cifar10/test/{0..3}.tar", "classnames": "..."?}, ...]
+    Classification `type` defaults to "shards" if `shards` is given, else "imagenet" when the name
+    starts with "imagenet", else "folder". `templates`: "openai" (default), "simple", a file, or a
+    list. Shard class names default to classnames.txt beside/above the shards.
+    Retrieval shards are read with `make_loader(urls, batch_size=, transform=, tokenize=,
+    mode="sequential")` (data_pipelines.stream.make_loader) when given, else with
+    eval.datasets.ShardRetrieval (image + "txt", one caption per line).
+
+    Returns {name: {"task", "metrics", "clip_benchmark", sizes...}}; out_dir=None writes nothing.
+    """
+    _check_keys(suite, SUITE_KEYS, "eval suite")
+    bs, nw = int(suite.get("batch_size", 64)), int(suite.get("num_workers", 0))
+    precision, chunk = suite.get("precision", "fp32"), int(suite.get("chunk_size", 4096))
+    device = torch.device(device)
+    results: dict[str, Any] = {}
+
+    def _name(entry, where):
+        if "name" not in entry:
+            raise ValueError(f"{where} entry needs a 'name'")
+        if entry["name"] in results:
+            raise ValueError(f"duplicate eval name {entry['name']!r}")
+        return entry["name"]
+
+    for entry in suite.get("retrieval") or []:
+        _check_keys(entry, RETRIEVAL_KEYS, "retrieval entry")
+        name, ebs = _name(entry, "retrieval"), int(entry.get("batch_size", bs))
+        if make_loader is not None:
+            loader = make_loader(D.expand_shards(entry["shards"]), batch_size=ebs, transform=transform,
+                                 tokenize=tokenizer, mode="sequential")
+        else:
+            loader = D.make_eval_loader(D.ShardRetrieval(entry["shards"], transform, tokenizer), ebs, nw,
+                                        collate_fn=D.collate_retrieval)
+        img_emb, txt_emb, txt_to_img = embed_retrieval(model, loader, device, precision=precision,
+                                                       show_progress=show_progress)
+        metrics = retrieval_metrics(img_emb.to(device), txt_emb.to(device), txt_to_img.to(device), chunk_size=chunk)
+        results[name] = {"task": "retrieval", "metrics": metrics, "clip_benchmark": clip_benchmark_names(metrics),
+                         "n_images": int(img_emb.shape[0]), "n_texts": int(txt_emb.shape[0])}
+
+    for entry in suite.get("classification") or []:
+        _check_keys(entry, CLASSIFICATION_KEYS, "classification entry")
+        name = _name(entry, "classification")
+        dataset, classnames = _classification_dataset(entry, transform)
+        templates_spec = entry.get("templates", "openai")
+        classifier = build_classifier(model, tokenizer, classnames, load_templates(templates_spec), device,
+                                      precision=precision, show_progress=show_progress)
+        loader = D.make_eval_loader(dataset, int(entry.get("batch_size", bs)), nw)
+        metrics = zeroshot_classify(model, classifier, loader, device, precision=precision,
+                                    show_progress=show_progress)
+        n = metrics.pop("n")
+        results[name] = {"task": "classification", "metrics": metrics, "clip_benchmark": clip_benchmark_names(metrics),
+                         "n": n, "num_classes": len(classnames),
+                         "templates": templates_spec if isinstance(templates_spec, str) else "custom"}
+
+    if out_dir is not None:
+        write_reports(results, out_dir)
+    return results

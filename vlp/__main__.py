@@ -1,0 +1,4 @@
+import sys
+from vlp.cli import main
+
+sys.exit(main())

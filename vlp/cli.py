@@ -1,0 +1,135 @@
+"""`vlp shards | train | eval | demo` — thin argument parsing over the library.
+
+Errors a user can fix (bad config, missing path, bad data) print one line
+`vlp: error: ...` and exit 2; set VLP_DEBUG=1 for the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from vlp.config import ConfigError
+
+USER_ERRORS = (ConfigError, FileNotFoundError, NotADirectoryError, ValueError, FloatingPointError)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", help="YAML config file (configs/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. loss.name=flatnce data.batch_per_device=32")
+
+
+def cmd_shards(args) -> int:
+    from data_pipelines.write import shards_from_source
+
+    summary = shards_from_source(
+        args.source, args.out, samples_per_shard=args.samples_per_shard, image_ext=args.image_format,
+        jpeg_quality=args.jpeg_quality, resize_longest=args.resize_longest, workers=args.workers,
+        split=args.split,
+    )
+    print(summary)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from vlp.config import load_config
+    from vlp.trainer import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    if not cfg.data.train_shards:
+        raise ConfigError("config: data.train_shards is empty: give a shard spec (see `vlp shards`)")
+    trainer = Trainer(cfg)
+    try:
+        result = trainer.train()
+    finally:
+        trainer.accelerator.end_training()
+    if trainer.accelerator.is_main_process:
+        _print_eval(result)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from vlp.evaluate import evaluate_checkpoint
+
+    results = evaluate_checkpoint(
+        checkpoint=args.checkpoint, model_name=args.model, suite=args.suite, shards=args.shards,
+        imagenet=args.imagenet, templates=args.templates, out_dir=args.out, batch_size=args.batch_size,
+        precision=args.precision, device=args.device,
+    )
+    from eval.report import markdown_table
+
+    print(markdown_table(results))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from vlp.demo import run_demo
+
+    run_demo(out_dir=args.out, overrides=args.overrides, config=args.config)
+    return 0
+
+
+def _print_eval(result: dict) -> None:
+    keys = [k for k in result if k.startswith("eval/")]
+    if keys:
+        print("  ".join(f"{k[5:]}={result[k]:.4g}" for k in keys if isinstance(result[k], (int, float))))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vlp", description="CLIP-style contrastive pretraining (InfoNCE, FlatNCE, SigLIP)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("shards", help="write webdataset shards from a source of image-text pairs")
+    p.add_argument("source", help="'openmoji' (embedded data), an image folder with .txt sidecars, "
+                   "a .csv/.tsv, a .parquet, or a Hugging Face datasets directory")
+    p.add_argument("out", help="output folder for {prefix}-NNNNNN.tar and sizes.json")
+    p.add_argument("--samples-per-shard", type=int, default=1000)
+    p.add_argument("--image-format", choices=["png", "jpg"], default=None,
+                   help="re-encode images (default: keep source bytes where possible)")
+    p.add_argument("--jpeg-quality", type=int, default=95)
+    p.add_argument("--resize-longest", type=int, default=None, help="resize so the longest side is at most N px")
+    p.add_argument("--workers", type=int, default=1, help="parallel encoding processes")
+    p.add_argument("--split", choices=["train", "eval", "all"], default="all",
+                   help="(openmoji) which split to write")
+    p.set_defaults(func=cmd_shards)
+
+    p = sub.add_parser("train", help="train a dual encoder from a YAML config")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="zero-shot retrieval / classification of a checkpoint")
+    p.add_argument("--checkpoint", required=True, help="vlp checkpoint (step_*.pt) or open_clip checkpoint file")
+    p.add_argument("--model", default=None, help="open_clip model name or JSON (default: from the vlp checkpoint)")
+    p.add_argument("--suite", default=None, help="eval suite YAML (configs/eval_*.yaml)")
+    p.add_argument("--shards", default=None, help="retrieval on these eval shards")
+    p.add_argument("--imagenet", default=None, help="zero-shot ImageNet from this val folder (one folder per synset)")
+    p.add_argument("--templates", default="openai", help="openai (80) | simple (7) | path to a template file")
+    p.add_argument("--out", default=None, help="folder for metrics.json and metrics.md")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("demo", help="embedded OpenMoji data: shards, train InfoNCE and FlatNCE, evaluate, print a table")
+    p.add_argument("--out", default="runs/demo", help="output folder")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as e:
+        if os.environ.get("VLP_DEBUG"):
+            raise
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"vlp: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

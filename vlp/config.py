@@ -1,0 +1,238 @@
+"""Typed experiment config: dataclasses, YAML files and dotted command-line overrides.
+
+    cfg = load_config("configs/demo.yaml", ["loss.name=flatnce", "data.batch_per_device=32"])
+
+Every field has a type and a docstring-comment; unknown keys, wrong types and impossible
+values raise `ConfigError` with one line that names the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem the user must fix; the message is one line naming the key."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "vlp-tiny"
+    """open_clip model name (built-in or vlp/model_configs/*.json) or a path to a model JSON."""
+    pretrained: Optional[str] = None
+    """Local open_clip checkpoint file to initialise from (never downloaded)."""
+    grad_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+
+
+@dataclass
+class DataConfig:
+    train_shards: str = ""
+    """Webdataset spec: brace expansion, several sources joined by '::'."""
+    eval_shards: Optional[str] = None
+    """Held-out shards for retrieval eval (sequential, every sample once)."""
+    batch_per_device: int = 64
+    """Per-device (per-GPU) micro-batch size: the knob the loss comparison sweeps."""
+    num_workers: int = 0
+    """Dataloader worker processes per rank."""
+    mode: Literal["split", "resampled"] = "split"
+    """'split': shuffled epochs without replacement; 'resampled': infinite, with replacement."""
+    weights: Optional[str] = None
+    """Per-source sampling weights for '::'-joined sources in resampled mode, e.g. '1::2'."""
+    shuffle_buffer: int = 1000
+    """Sample shuffle buffer size."""
+
+
+@dataclass
+class LossConfig:
+    name: Literal["infonce", "flatnce", "siglip"] = "infonce"
+    """Contrastive loss over the gathered global batch."""
+    temperature: Literal["learnable", "fixed", "infonce"] = "learnable"
+    """learnable: logit_scale trained by the loss; fixed: tau below, never trained;
+    infonce: (FlatNCE only) encoders get FlatNCE's gradient, logit_scale InfoNCE's."""
+    tau: float = 0.07
+    """Initial temperature (learnable/infonce) or the fixed one (fixed). SigLIP uses 0.1."""
+    max_logit_scale: float = 100.0
+    """logit_scale = 1/tau is clamped to [1, max_logit_scale] after each optimizer step."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 5e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.2
+    """AdamW weight decay (never on biases, norms, embeddings' gains or logit_scale/bias)."""
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-6
+    warmup_steps: int = 50
+    """Linear warmup steps."""
+    schedule: Literal["cosine", "constant", "const-cooldown"] = "cosine"
+    """LR schedule after warmup."""
+    cooldown_steps: int = 0
+    """Steps of linear cooldown at the end (const-cooldown)."""
+    grad_clip: Optional[float] = None
+    """Clip the global gradient norm to this value."""
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    """Seeds model init and the data order."""
+    samples: int = 100_000
+    """Budget of samples seen (global): steps = samples // global batch."""
+    accum_steps: int = 1
+    """Micro-batches per optimizer step; the contrastive batch grows k-fold (GradCache)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Autocast precision (losses are always computed in fp32)."""
+    log_every: int = 10
+    """Steps between console / JSONL log lines."""
+    eval_every: int = 0
+    """Steps between evals (0: only at the end)."""
+    checkpoint_every: int = 0
+    """Steps between checkpoints (0: only at the end)."""
+    keep_last: int = 2
+    """Number of step checkpoints to keep."""
+    output_dir: str = "runs/default"
+    """Where logs, checkpoints and eval results go."""
+    resume: Optional[str] = None
+    """'latest' (newest checkpoint in output_dir) or a checkpoint path."""
+    max_nonfinite: int = 5
+    """Stop after this many consecutive non-finite losses (each one skips its step)."""
+
+
+@dataclass
+class EvalConfig:
+    batch_size: int = 256
+    """Batch size for embedding eval data."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def validate(self) -> "Config":
+        positive = {
+            "data.batch_per_device": self.data.batch_per_device,
+            "train.samples": self.train.samples,
+            "optim.lr": self.optim.lr,
+            "loss.tau": self.loss.tau,
+            "eval.batch_size": self.eval.batch_size,
+            "train.accum_steps": self.train.accum_steps,
+            "train.log_every": self.train.log_every,
+        }
+        for key, value in positive.items():
+            if not value > 0:
+                raise ConfigError(f"config: {key} must be > 0, got {value}")
+        for key in ("data.num_workers", "optim.warmup_steps", "train.eval_every",
+                    "train.checkpoint_every", "optim.cooldown_steps"):
+            if _get(self, key) < 0:
+                raise ConfigError(f"config: {key} must be >= 0, got {_get(self, key)}")
+        if self.loss.temperature == "infonce" and self.loss.name != "flatnce":
+            raise ConfigError("config: loss.temperature=infonce only applies to loss.name=flatnce")
+        if self.loss.max_logit_scale < 1:
+            raise ConfigError("config: loss.max_logit_scale must be >= 1")
+        if self.train.resume not in (None, "latest") and not Path(self.train.resume).is_file():
+            raise ConfigError(f"config: train.resume: no such checkpoint file: {self.train.resume}")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _check_type(key: str, value: Any, tp: Any) -> Any:
+    """Return `value` coerced to `tp` (int → float only), or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _check_type(key, value, inner[0])
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"config: {key} must be one of {list(choices)}, got {value!r}")
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, float) and value.is_integer() and abs(value) >= 1000:
+        return int(value)  # allow 1e5 style budgets written as floats
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(f"config: {key} must be {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def from_dict(data: dict, cls: type = Config, prefix: str = "") -> Any:
+    """Build a dataclass tree from nested dicts, rejecting unknown keys and bad types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {prefix.rstrip('.') or 'top level'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(f"config: unknown key '{prefix}{key}' (valid: {', '.join(sorted(names))})")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = from_dict(value, tp, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _check_type(f"{prefix}{key}", value, tp)
+    return cls(**kwargs)
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b=value` overrides (value parsed as YAML) onto a nested dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"config: override '{item}' must look like key.sub=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config: override '{key}': '{part}' is not a section")
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
+    """YAML file (optional) + dotted overrides → validated Config."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config: no such file: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config: {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    data = apply_overrides(data, list(overrides or []))
+    return from_dict(data).validate()
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,127 @@
+"""Differentiable all-gather, rank/world helpers and positive-column offsets.
+
+The one place where contrastive features cross devices. No Accelerate here: the trainer owns the
+Accelerator; this module only needs ``torch.distributed`` (and works without it being initialised).
+
+Which columns are positives
+---------------------------
+Every rank holds ``b`` local pairs. ``gather_with_grad`` concatenates the features of all ranks in
+rank order, giving ``B = R * b`` global columns. Each rank computes a *local* loss: its ``b`` rows
+(anchors) against all ``B`` columns, so memory is O(b * B), never B x B. The positive of local row
+``i`` is global column ``o + i`` with ``o = positive_offset(b) = rank * b``::
+
+    R = 3 ranks, b = 2 local rows, B = 6 global columns; logits of rank 1 (o = 2):
+
+                      columns from  rank 0   rank 1   rank 2
+                                   +-------+-------+-------+
+        rank 1, local row 0        | .  .  | P  .  | .  .  |     P = positive (column o + i)
+        rank 1, local row 1        | .  .  | .  P  | .  .  |     . = negative
+                                   +-------+-------+-------+
+                                    col 0 1  col 2 3  col 4 5
+
+This assumes equal local batch sizes on every rank (the stream guarantees it);
+``positive_offset`` asserts it when given the gathered size, and ``gather_with_grad(x,
+check_shapes=True)`` checks it with one extra tiny collective.
+
+Autograd semantics (why there is no extra scale factor)
+-------------------------------------------------------
+Let rank r hold local features x_r and compute L_r, the mean loss over *its own* anchors, using
+X = gather_with_grad(x_r) (identical on every rank). The global loss -- exactly what a single
+process would compute on the concatenated batch of B = R*b pairs -- is L = (1/R) * sum_r L_r.
+
+* Backward of all_gather is a reduce-scatter with SUM: rank r receives, for its slot of X, the sum
+  over all ranks r' of dL_{r'}/dX[slot r]. Adding the direct path (x_r used as local anchors in
+  L_r), the gradient reaching x_r is  sum_{r'} dL_{r'}/dx_r = R * dL/dx_r.
+* Encoder parameters on rank r therefore get R * (dL/dx_r)(dx_r/dtheta); DDP *averages* over
+  ranks, giving (1/R) * sum_r R * (dL/dx_r)(dx_r/dtheta) = dL/dtheta. The factor R from the
+  summing backward cancels DDP's division by R.
+* Parameters used outside the gather (logit_scale, logit_bias) get dL_r/dt on rank r; the DDP
+  average is (1/R) * sum_r dL_r/dt = dL/dt.
+
+So each rank must return the *mean over its local anchors* (do not multiply by world size, do not
+sum), and after DDP averaging every parameter gradient equals the gradient of the global mean loss.
+tests/test_distributed.py checks this to 1e-6 (2 ranks x b versus 1 rank x 2b, float64).
+
+Caveats: the backward pass runs a collective, so every rank must backpropagate through the gather
+the same way (same losses, same order); ``all_gather`` is not supported under ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "is_distributed",
+    "get_rank",
+    "get_world_size",
+    "gather_with_grad",
+    "positive_offset",
+]
+
+
+def is_distributed() -> bool:
+    """True when a default process group is initialised."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    """Rank of this process in the default group; 0 without a process group."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    """Number of processes in the default group; 1 without a process group."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def _check_same_shape(x: Tensor) -> None:
+    """Raise ValueError unless every rank passes a tensor of the same shape (one tiny collective)."""
+    shape = torch.tensor(list(x.shape), dtype=torch.long, device=x.device)
+    shapes = [torch.empty_like(shape) for _ in range(get_world_size())]
+    dist.all_gather(shapes, shape)
+    found = [tuple(s.tolist()) for s in shapes]
+    if any(s != found[0] for s in found):
+        raise ValueError(
+            f"gather_with_grad needs the same shape on every rank (equal local batch sizes); "
+            f"got {found} in rank order"
+        )
+
+
+def gather_with_grad(x: Tensor, check_shapes: bool = False) -> Tensor:
+    """Concatenate ``x`` (b, ...) over ranks in rank order -> (R*b, ...), with autograd.
+
+    The identity (returns ``x`` itself) when the world size is 1. Gradient semantics: see the
+    module docstring. ``check_shapes=True`` first verifies equal shapes on all ranks (costs one
+    small collective and a host sync; use it once, e.g. on the first step).
+    """
+    if get_world_size() == 1:
+        return x
+    if check_shapes:
+        _check_same_shape(x)
+    import torch.distributed.nn.functional as dist_nn  # not importable on builds without dist
+
+    with warnings.catch_warnings():
+        # torch >= 2.10 marks this autograd all_gather deprecated in favour of a private API
+        # (_functional_collectives); it is the documented public differentiable gather.
+        warnings.filterwarnings("ignore", message=".*all_gather is deprecated.*")
+        parts = dist_nn.all_gather(x)
+    return torch.cat(parts, dim=0)
+
+
+def positive_offset(local_batch: int, global_batch: int | None = None) -> int:
+    """Global column of local row 0's positive: ``rank * local_batch`` (see the diagram above).
+
+    Assumes equal local batch sizes on every rank; pass the gathered size ``global_batch`` to
+    assert ``global_batch == world_size * local_batch``.
+    """
+    world = get_world_size()
+    if global_batch is not None and global_batch != world * local_batch:
+        raise AssertionError(
+            f"unequal local batch sizes? global batch {global_batch} != "
+            f"world size {world} x local batch {local_batch}"
+        )
+    return get_rank() * local_batch

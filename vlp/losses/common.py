@@ -1,0 +1,103 @@
+"""Pieces shared by the contrastive losses: input checks, the fp32 block, logits, positives.
+
+Conventions (all losses): ``b`` local rows, ``B`` gathered columns, positive of local row ``i`` is
+global column ``offset + i`` (see vlp/distributed.py). ``t`` is the exponentiated logit scale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+SCALE_GRAD_MODES = ("same", "infonce")
+
+
+def check_inputs(
+    img_local: Tensor,
+    txt_local: Tensor,
+    img_global: Tensor,
+    txt_global: Tensor,
+    offset: int,
+    scale_grad: str,
+    allowed_scale_grad: tuple[str, ...] = SCALE_GRAD_MODES,
+) -> tuple[int, int]:
+    """Validate shapes/offset/scale_grad and return (b, B)."""
+    if img_local.dim() != 2 or img_local.shape != txt_local.shape:
+        raise ValueError(
+            f"local features must both be (b, d); got {tuple(img_local.shape)} and "
+            f"{tuple(txt_local.shape)}"
+        )
+    if img_global.dim() != 2 or img_global.shape != txt_global.shape:
+        raise ValueError(
+            f"global features must both be (B, d); got {tuple(img_global.shape)} and "
+            f"{tuple(txt_global.shape)}"
+        )
+    b, d = img_local.shape
+    big_b = img_global.shape[0]
+    if img_global.shape[1] != d:
+        raise ValueError(f"feature dims differ: local d={d}, global d={img_global.shape[1]}")
+    if big_b < 2:
+        raise ValueError(f"contrastive losses need at least 2 global columns, got B={big_b}")
+    if not 0 <= offset <= big_b - b:
+        raise ValueError(f"offset {offset} with b={b} local rows does not fit in B={big_b} columns")
+    if scale_grad not in allowed_scale_grad:
+        raise ValueError(f"scale_grad must be one of {allowed_scale_grad}, got {scale_grad!r}")
+    return b, big_b
+
+
+@contextlib.contextmanager
+def fp32_block(device: torch.device) -> Iterator[None]:
+    """Disable autocast so the loss math runs in fp32 (inputs are cast with .float())."""
+    with torch.autocast(device_type=device.type, enabled=False):
+        yield
+
+
+def as_scalar(x: Tensor | float | None, device: torch.device) -> Tensor | None:
+    """A 0-d fp32 tensor (float64 stays float64) from a scalar tensor of shape () or (1,)."""
+    if x is None:
+        return None
+    if not isinstance(x, Tensor):
+        return torch.tensor(float(x), device=device)
+    x = x.reshape(())
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def as_fp32(x: Tensor) -> Tensor:
+    """fp32 copy of low-precision features; float32/float64 pass through unchanged."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def scaled_logits(
+    rows: Tensor, cols: Tensor, logit_scale: Tensor, logit_bias: Tensor | None = None
+) -> Tensor:
+    """(b, d) x (B, d) -> (b, B) logits t * rows @ cols.T (+ bias); scales the smaller side."""
+    logits = (logit_scale * rows) @ cols.T
+    return logits if logit_bias is None else logits + logit_bias
+
+
+def positive_index(b: int, offset: int, device: torch.device) -> Tensor:
+    """(b,) global column of each local row's positive: offset + i."""
+    return torch.arange(b, device=device) + offset
+
+
+def positive_mask(b: int, big_b: int, offset: int, device: torch.device) -> Tensor:
+    """(b, B) bool, True at (i, offset + i)."""
+    mask = torch.zeros(b, big_b, dtype=torch.bool, device=device)
+    return mask.scatter_(1, positive_index(b, offset, device)[:, None], True)
+
+
+def negative_margins(logits: Tensor, pos_idx: Tensor, pos_mask: Tensor) -> Tensor:
+    """(b, B) d_ij = logits_ij - logits_i,pos with the positive column set to -inf (masked out).
+
+    A logit bias cancels here, so every softmax-family statistic ignores it.
+    """
+    pos = logits.gather(1, pos_idx[:, None])  # (b, 1)
+    return (logits - pos).masked_fill(pos_mask, float("-inf"))
+
+
+def negative_lse(logits: Tensor, pos_idx: Tensor, pos_mask: Tensor) -> Tensor:
+    """(b,) v_i = logsumexp_{j != pos} t * (s_ij - s_i,pos); InfoNCE_i = softplus(v_i)."""
+    return torch.logsumexp(negative_margins(logits, pos_idx, pos_mask), dim=1)

@@ -1,0 +1,384 @@
+"""The training loop: the only module that touches the Accelerator.
+
+    Trainer(cfg).train()     # same code on 1 CPU process, N GPUs, several nodes
+
+One optimizer step (`train_step`) sees `accum_steps` micro-batches per rank; the contrastive
+batch is per_device × world × accum (DESIGN.md §3.3). Features are gathered across ranks with
+autograd (vlp.distributed), every anchor is contrasted with the global batch, and DDP averages
+the per-rank gradients, which equals the gradient of the global mean loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object, set_seed
+
+from vlp import checkpoint as ckpt
+from vlp.config import Config, save_config
+from vlp.distributed import gather_with_grad, get_rank
+from vlp.losses import get_loss
+from vlp.model import DualEncoder, build_model
+
+LOG_SCALE_MIN = 0.0  # logit_scale >= 1  (tau <= 1)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: no weight decay on biases, norms, gains and logit_scale/bias (open_clip rule)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        exclude = p.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
+        (no_decay if exclude else decay).append(p)
+    return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
+
+
+def lr_multiplier(step: int, total: int, warmup: int, schedule: str, cooldown: int = 0) -> float:
+    """LR factor at `step` (0-based): linear warmup, then cosine to 0 / constant / constant + linear cooldown."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    if schedule == "const-cooldown":
+        start = total - cooldown
+        return 1.0 if step < start else max(0.0, (total - step) / max(1, cooldown))
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+class Trainer:
+    def __init__(self, cfg: Config, accelerator: Optional[Accelerator] = None):
+        self.cfg = cfg
+        self.accelerator = accelerator or Accelerator(
+            mixed_precision="no" if cfg.train.precision == "fp32" else cfg.train.precision
+        )
+        acc = self.accelerator
+        set_seed(cfg.train.seed)
+        model, self.tokenizer, self.train_transform, self.eval_transform = build_model(cfg.model, cfg.loss)
+        self.loss_fn = get_loss(cfg.loss.name)
+        self.scale_grad = "infonce" if cfg.loss.temperature == "infonce" else "same"
+        self.max_log_scale = math.log(cfg.loss.max_logit_scale)
+
+        self.world = acc.num_processes
+        self.accum = cfg.train.accum_steps
+        self.global_batch = cfg.data.batch_per_device * self.world * self.accum
+        self.total_steps = cfg.train.samples // self.global_batch
+        if self.total_steps < 1:
+            raise ValueError(
+                f"train.samples={cfg.train.samples} is smaller than one global batch "
+                f"({cfg.data.batch_per_device} per device x {self.world} processes x {self.accum} accum)"
+            )
+        optimizer = torch.optim.AdamW(
+            param_groups(model, cfg.optim.weight_decay),
+            lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
+        )
+        o = cfg.optim
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_multiplier(s, self.total_steps, o.warmup_steps, o.schedule, o.cooldown_steps)
+        )
+        # The scheduler is not prepared: Accelerate would step it once per process.
+        self.model, self.optimizer = acc.prepare(model, optimizer)
+        self.out_dir = Path(cfg.train.output_dir)
+        self.ckpt_dir = self.out_dir / "checkpoints"
+        self.step = 0
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self.nonfinite_in_row = 0
+        self.nonfinite_total = 0
+        self.skipped: dict[str, int] = {}
+        self._log_file = None
+        self._tb = None
+
+    # ------------------------------------------------------------------ data
+    @property
+    def unwrapped(self) -> DualEncoder:
+        return self.accelerator.unwrap_model(self.model)
+
+    def make_train_loader(self, epoch: int, start_batch: int = 0):
+        from data_pipelines.stream import make_loader
+
+        d = self.cfg.data
+        return make_loader(
+            d.train_shards, batch_size=d.batch_per_device, transform=self.train_transform,
+            tokenize=self.tokenizer, seed=self.cfg.train.seed, epoch=epoch,
+            rank=self.accelerator.process_index, world_size=self.world, num_workers=d.num_workers,
+            mode=d.mode, shuffle_buffer=d.shuffle_buffer, start_batch=start_batch,
+            **({"weights": d.weights} if d.weights else {}),
+        )
+
+    def batches(self):
+        """Yield lists of `accum` micro-batches forever, tracking the stream position."""
+        while True:
+            loader = self.make_train_loader(self.epoch, start_batch=self.batch_in_epoch)
+            group = []
+            for batch in loader:
+                self.batch_in_epoch += 1
+                for kind, n in batch.get("skipped", {}).items():
+                    self.skipped[kind] = self.skipped.get(kind, 0) + n
+                group.append(batch)
+                if len(group) == self.accum:
+                    yield group
+                    group = []
+            if self.batch_in_epoch == 0:
+                raise ValueError(f"data.train_shards yielded no batch of {self.cfg.data.batch_per_device}")
+            self.epoch += 1
+            self.batch_in_epoch = 0
+
+    # ------------------------------------------------------------------ step
+    def _loss(self, img_local, txt_local, scale, bias):
+        img_global = gather_with_grad(img_local)
+        txt_global = gather_with_grad(txt_local)
+        offset = get_rank() * img_local.shape[0]
+        return self.loss_fn(
+            img_local, txt_local, img_global, txt_global, scale, bias,
+            offset=offset, scale_grad=self.scale_grad,
+        )
+
+    def compute_gradients(self, micro_batches: list[dict]) -> tuple[torch.Tensor, dict]:
+        """Backward of the global loss over all micro-batches; returns (loss, metrics).
+
+        k = 1: one forward/backward. k > 1 (GradCache / open_clip accum_freq): embed every
+        micro-batch without grad, then re-embed each with grad against the cached features of
+        the others; micro-batch j's backward gives exactly the global loss's gradient w.r.t. its
+        own features. logit_scale/bias get their gradient once (in the last micro-step). DDP
+        syncs only on the last backward.
+        """
+        dev = self.accelerator.device
+        images = [b["image"].to(dev, non_blocking=True) for b in micro_batches]
+        texts = [b["text"].to(dev, non_blocking=True) for b in micro_batches]
+        k = len(micro_batches)
+        if k == 1:
+            out = self.model(images[0], texts[0])
+            loss, metrics = self._loss(out.image_emb, out.text_emb, out.logit_scale, out.logit_bias)
+            if self._finite(loss):
+                self.accelerator.backward(loss)
+            return loss, metrics
+        with torch.no_grad():
+            cached = [self.model(x, t) for x, t in zip(images, texts)]
+        img_cache = [c.image_emb for c in cached]
+        txt_cache = [c.text_emb for c in cached]
+        # the non-finite check is made on the no-grad loss so every micro-step agrees
+        with torch.no_grad():
+            c0 = cached[0]
+            loss0, _ = self._loss(torch.cat(img_cache), torch.cat(txt_cache), c0.logit_scale, c0.logit_bias)
+        if not self._finite(loss0):
+            return loss0, {}
+        for j in range(k):
+            last = j == k - 1
+            ctx = contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
+            with ctx:
+                out = self.model(images[j], texts[j])
+                img = torch.cat(img_cache[:j] + [out.image_emb] + img_cache[j + 1:])
+                txt = torch.cat(txt_cache[:j] + [out.text_emb] + txt_cache[j + 1:])
+                scale = out.logit_scale if last else out.logit_scale.detach()
+                bias = out.logit_bias
+                if bias is not None and not last:
+                    bias = bias.detach()
+                loss, metrics = self._loss(img, txt, scale, bias)
+                self.accelerator.backward(loss)
+        return loss, metrics
+
+    def _finite(self, loss: torch.Tensor) -> bool:
+        """All ranks agree on whether the loss is finite (so DDP never waits on a skipped rank)."""
+        bad = (~torch.isfinite(loss.detach())).float().reshape(1)
+        if self.world > 1:
+            bad = self.accelerator.reduce(bad, reduction="sum")
+        return bool(bad.item() == 0)
+
+    def train_step(self, micro_batches: list[dict]) -> dict:
+        self.model.train()
+        loss, metrics = self.compute_gradients(micro_batches)
+        finite = bool(metrics) and torch.isfinite(loss.detach()).item()
+        if finite:
+            if self.cfg.optim.grad_clip:
+                self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+            self.optimizer.step()
+            self.nonfinite_in_row = 0
+        else:
+            self.nonfinite_in_row += 1
+            self.nonfinite_total += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        with torch.no_grad():  # clamp the temperature: 1 <= logit_scale <= max (open_clip rule)
+            self.unwrapped.log_logit_scale.clamp_(LOG_SCALE_MIN, self.max_log_scale)
+        self.step += 1
+        if self.nonfinite_in_row >= self.cfg.train.max_nonfinite:
+            raise FloatingPointError(
+                f"{self.nonfinite_in_row} non-finite losses in a row at step {self.step}; "
+                f"last valid checkpoint in {self.ckpt_dir}"
+            )
+        metrics = dict(metrics) if finite else {"nonfinite": 1.0}
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        rng = gather_object([ckpt.rng_state()]) if self.world > 1 else [ckpt.rng_state()]
+        state = {
+            "model": self.unwrapped.clip.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "samples_seen": self.step * self.global_batch,
+            "world_size": self.world,
+            "nonfinite_total": self.nonfinite_total,
+            "skipped": dict(self.skipped),
+            "rng": rng,
+            "config": self.cfg.to_dict(),
+        }
+        if self.accelerator.scaler is not None:
+            state["scaler"] = self.accelerator.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["world_size"] != self.world:
+            raise ValueError(
+                f"checkpoint was written by {state['world_size']} processes, this run has {self.world}: "
+                "exact resume needs the same world size"
+            )
+        self.unwrapped.clip.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if "scaler" in state and self.accelerator.scaler is not None:
+            self.accelerator.scaler.load_state_dict(state["scaler"])
+        self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+        self.nonfinite_total = state.get("nonfinite_total", 0)
+        self.skipped = dict(state.get("skipped", {}))
+        rngs = state["rng"]
+        ckpt.set_rng_state(rngs[self.accelerator.process_index])
+
+    def save_checkpoint(self) -> Optional[Path]:
+        state = self.state_dict()  # collective: every rank takes part
+        path = None
+        if self.accelerator.is_main_process:
+            path = self.ckpt_dir / f"step_{self.step:08d}.pt"
+            ckpt.atomic_save(state, path)
+            ckpt.prune(self.ckpt_dir, self.cfg.train.keep_last)
+        self.accelerator.wait_for_everyone()
+        return path
+
+    def maybe_resume(self) -> None:
+        resume = self.cfg.train.resume
+        if not resume:
+            return
+        path = ckpt.latest_checkpoint(self.ckpt_dir) if resume == "latest" else Path(resume)
+        if path is None:
+            self.print(f"[vlp] resume=latest: no checkpoint in {self.ckpt_dir}, starting fresh")
+            return
+        self.load_state_dict(ckpt.load(path))
+        self.print(f"[vlp] resumed from {path} at step {self.step} (epoch {self.epoch}, batch {self.batch_in_epoch})")
+
+    # ------------------------------------------------------------------ eval
+    def evaluate(self) -> dict:
+        """Zero-shot retrieval on data.eval_shards (main process); {} when none configured."""
+        if not self.cfg.data.eval_shards:
+            return {}
+        metrics = {}
+        if self.accelerator.is_main_process:
+            from data_pipelines.stream import make_loader
+            from eval.retrieval import embed_retrieval, retrieval_metrics
+
+            loader = make_loader(
+                self.cfg.data.eval_shards, batch_size=self.cfg.eval.batch_size,
+                transform=self.eval_transform, tokenize=self.tokenizer, mode="sequential", drop_last=False,
+            )
+            self.model.eval()
+            img, txt, txt_to_img = embed_retrieval(self.unwrapped, loader, self.accelerator.device)
+            metrics = retrieval_metrics(img, txt, txt_to_img)
+            metrics["num_images"] = int(img.shape[0])
+            metrics["chance_R@1"] = 1.0 / img.shape[0]
+            self.model.train()
+        self.accelerator.wait_for_everyone()
+        return metrics
+
+    # ------------------------------------------------------------------ logging
+    def print(self, *args) -> None:
+        if self.accelerator.is_main_process:
+            print(*args, flush=True)
+
+    def log(self, record: dict) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        if self._log_file is None:
+            self._log_file = open(self.out_dir / "log.jsonl", "a")
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.out_dir / "tb"))
+            except ImportError:  # tensorboard is optional at run time
+                self._tb = None
+        self._log_file.write(json.dumps(record) + "\n")
+        self._log_file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._tb.add_scalar(key, value, record["step"])
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> dict:
+        cfg, acc = self.cfg, self.accelerator
+        if acc.is_main_process:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.out_dir / "config.yaml")
+        self.maybe_resume()
+        self.print(
+            f"[vlp] loss={cfg.loss.name} temperature={cfg.loss.temperature} "
+            f"global batch={self.global_batch} (= {cfg.data.batch_per_device} per device x {self.world} "
+            f"processes x {self.accum} accum) steps={self.total_steps} device={acc.device}"
+        )
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not acc.is_main_process,
+                   dynamic_ncols=True, mininterval=1.0)
+        t_start, t_last, step_last = time.time(), time.time(), self.step
+        data = self.batches()
+        last_eval: dict = {}
+        while self.step < self.total_steps:
+            metrics = self.train_step(next(data))
+            bar.update(1)
+            is_last = self.step == self.total_steps
+            if self.step % cfg.train.log_every == 0 or is_last:
+                now = time.time()
+                sps = (self.step - step_last) * self.global_batch / max(now - t_last, 1e-9)
+                t_last, step_last = now, self.step
+                record = {"step": self.step, "samples_seen": self.step * self.global_batch, "epoch": self.epoch,
+                          "samples_per_s": sps, **metrics,
+                          **{f"skipped_{k}": v for k, v in self.skipped.items()}}
+                self.log(record)
+                bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}",
+                                infonce=f"{metrics.get('infonce', float('nan')):.3f}",
+                                scale=f"{metrics.get('logit_scale', float('nan')):.1f}",
+                                sps=f"{sps:.0f}", refresh=False)
+            if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0 and not is_last:
+                self.save_checkpoint()
+            if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and not is_last:
+                self.log({"step": self.step, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
+        bar.close()
+        train_time = time.time() - t_start
+        self.save_checkpoint()
+        if acc.is_main_process:
+            from vlp.model import export_open_clip
+
+            export_open_clip(self.unwrapped, self.out_dir / "open_clip_model.pt")
+        last_eval = self.evaluate()
+        result = {"step": self.step, "samples_seen": self.step * self.global_batch, "train_time_s": train_time,
+                  "global_batch": self.global_batch, "nonfinite_steps": self.nonfinite_total,
+                  "skipped": self.skipped, **{f"eval/{k}": v for k, v in last_eval.items()}}
+        if acc.is_main_process:
+            self.log({"step": self.step, **{k: v for k, v in result.items() if not isinstance(v, dict)}})
+            (self.out_dir / "result.json").write_text(json.dumps(result, indent=2))
+        if self._log_file:
+            self._log_file.close()
+        if self._tb:
+            self._tb.close()
+        return result
