@@ -58,9 +58,9 @@ def cmd_eval(args) -> int:
         imagenet=args.imagenet, templates=args.templates, out_dir=args.out, batch_size=args.batch_size,
         precision=args.precision, device=args.device,
     )
-    from eval.report import markdown_table
+    from eval.report import markdown_tables
 
-    print(markdown_table(results))
+    print(markdown_tables(results))
     return 0
 
 

@@ -172,10 +172,15 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
         if value not in choices:
             raise ConfigError(f"config: {key} must be one of {list(choices)}, got {value!r}")
         return value
+    if tp in (int, float) and isinstance(value, str):
+        try:  # YAML 1.1 reads '1e-4' as a string
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"config: {key} must be {tp.__name__}, got str {value!r}") from None
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if tp is int and isinstance(value, float) and value.is_integer() and abs(value) >= 1000:
-        return int(value)  # allow 1e5 style budgets written as floats
+    if tp is int and isinstance(value, float) and value.is_integer():
+        return int(value)  # allow 1e5 style budgets
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
         raise ConfigError(f"config: {key} must be {tp.__name__}, got {type(value).__name__} {value!r}")
     return value

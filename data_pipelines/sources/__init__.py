@@ -28,13 +28,12 @@ class Pair:
     """
 
     key: str
-    image: bytes
-    caption: str
+    image: bytes = dataclasses.field(repr=False)
+    caption: str = ""
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not _KEY_RE.match(self.key):
-            raise ValueError(f"pair key {self.key!r} is not filename-safe ([A-Za-z0-9_-]+)")
+        check_key(self.key)
 
     @property
     def image_png(self) -> bytes:

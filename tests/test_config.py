@@ -1,0 +1,44 @@
+import pytest
+
+from vlp.config import Config, ConfigError, load_config
+
+DEMO = "configs/demo.yaml"
+
+
+def test_demo_config_loads_with_overrides():
+    cfg = load_config(DEMO, ["loss.name=flatnce", "data.batch_per_device=32", "optim.lr=1e-4", "train.samples=2e5"])
+    assert isinstance(cfg, Config)
+    assert cfg.loss.name == "flatnce"
+    assert cfg.data.batch_per_device == 32
+    assert cfg.optim.lr == 1e-4
+    assert cfg.train.samples == 200000 and isinstance(cfg.train.samples, int)
+
+
+@pytest.mark.parametrize("override, needle", [
+    (["loss.nme=flatnce"], "unknown key 'loss.nme'"),
+    (["bogus.x=1"], "unknown key 'bogus'"),
+    (["data.batch_per_device=abc"], "data.batch_per_device must be int"),
+    (["data.batch_per_device=0"], "data.batch_per_device must be > 0"),
+    (["loss.name=nce"], "loss.name must be one of"),
+    (["loss.temperature=infonce"], "only applies to loss.name=flatnce"),
+    (["train.resume=/nope/ckpt.pt"], "no such checkpoint file"),
+    (["loss"], "must look like key.sub=value"),
+])
+def test_bad_config_is_one_clear_error(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, override)
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("loss: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    notmap = tmp_path / "list.yaml"
+    notmap.write_text("loss: 3\n")
+    with pytest.raises(ConfigError, match="loss must be a mapping"):
+        load_config(notmap)

@@ -1,0 +1,60 @@
+"""Contrastive gradient accumulation (DESIGN.md §3.3): k=2 x b equals k=1 x 2b."""
+import pytest
+import torch
+
+from vlp.config import load_config
+from vlp.trainer import Trainer, lr_multiplier, param_groups
+
+
+def _trainer(loss: str, accum: int, temperature: str = "learnable") -> Trainer:
+    cfg = load_config(None, [
+        "model.name=vlp-micro", "data.train_shards=unused", "data.batch_per_device=4",
+        f"loss.name={loss}", f"loss.temperature={temperature}", f"train.accum_steps={accum}",
+        "train.samples=64",
+    ])
+    t = Trainer(cfg)
+    t.model.double()
+    return t
+
+
+def _grads(t: Trainer, batches):
+    t.optimizer.zero_grad(set_to_none=True)
+    loss, metrics = t.compute_gradients(batches)
+    return loss.item(), {n: p.grad.clone() for n, p in t.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("loss,temperature", [("infonce", "learnable"), ("flatnce", "learnable"),
+                                              ("flatnce", "infonce"), ("siglip", "learnable")])
+def test_accum_2_equals_double_batch(loss, temperature):
+    torch.manual_seed(0)
+    images = torch.randn(8, 3, 32, 32, dtype=torch.float64)
+    text = torch.randint(1, 1000, (8, 16))
+    big = _trainer(loss, 1, temperature)
+    acc = _trainer(loss, 2, temperature)
+    acc.unwrapped.load_state_dict(big.unwrapped.state_dict())
+    l1, g1 = _grads(big, [{"image": images, "text": text}])
+    l2, g2 = _grads(acc, [{"image": images[:4], "text": text[:4]}, {"image": images[4:], "text": text[4:]}])
+    assert l1 == pytest.approx(l2, abs=1e-10)
+    assert g1.keys() == g2.keys() and len(g1) > 10
+    for name in g1:
+        torch.testing.assert_close(g2[name], g1[name], atol=1e-10, rtol=1e-7, msg=name)
+
+
+def test_param_groups_no_decay_on_gains_biases_and_scale():
+    t = _trainer("infonce", 1)
+    groups = param_groups(t.unwrapped, 0.2)
+    names = {id(p): n for n, p in t.unwrapped.named_parameters()}
+    no_decay = {names[id(p)] for p in groups[0]["params"]}
+    decay = {names[id(p)] for p in groups[1]["params"]}
+    assert "clip.logit_scale" in no_decay
+    assert all(p.ndim >= 2 for p in groups[1]["params"])
+    assert not any("bias" in n or ".ln" in n for n in decay)
+
+
+def test_lr_schedule_shapes():
+    assert lr_multiplier(0, 100, 10, "cosine") == pytest.approx(0.1)
+    assert lr_multiplier(9, 100, 10, "cosine") == pytest.approx(1.0)
+    assert lr_multiplier(10, 100, 10, "cosine") == pytest.approx(1.0)
+    assert lr_multiplier(99, 100, 10, "cosine") < 0.01
+    assert lr_multiplier(50, 100, 10, "constant") == 1.0
+    assert lr_multiplier(95, 100, 10, "const-cooldown", cooldown=10) == pytest.approx(0.5)

@@ -1,0 +1,109 @@
+"""Diagnostics of a contrastive batch, logged with every loss (no gradient).
+
+For anchor i (both directions, image->text and text->image, averaged over all 2b local anchors)
+with margins d_ij = t * (s_ij - s_i,pos) over the B - 1 negatives j and v_i = logsumexp_j d_ij:
+
+    infonce         mean log(1 + e^{v_i})                  (cross-entropy; = InfoNCE loss value)
+    log_xi          mean v_i                               (log of the FlatNCE ratio xi_i = e^{v_i})
+    grad_ratio      mean sigma(v_i)                        (|grad InfoNCE_i| / |grad FlatNCE_i|)
+    frac_saturated  fraction with sigma(v_i) < 1e-3        (InfoNCE gradient has vanished)
+    ess_neg         mean 1 / sum_j w_ij^2, w_i = softmax_j d_ij over negatives (1 .. B-1)
+    acc             fraction whose positive beats every negative (ties count as misses)
+    mi_nce          log B - infonce                        (InfoNCE bound on mutual information)
+    mi_loo          log(B - 1) - log_xi                    (leave-one-out bound)
+    logit_scale     t
+
+Usage: ``contrastive_diagnostics(img_b, txt_b, img_B, txt_B, logit_scale, offset=o)``. Losses call
+``diagnostics_from_logits`` on the logits they already computed, so no matmul is repeated, and all
+values reach the host in one transfer (one device sync per step).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from vlp.losses.common import (
+    as_fp32,
+    as_scalar,
+    check_inputs,
+    fp32_block,
+    negative_margins,
+    positive_index,
+    positive_mask,
+    scaled_logits,
+)
+
+SATURATION_THRESHOLD = 1e-3  # sigma(v) below this: the InfoNCE gradient is effectively gone
+
+
+@torch.no_grad()
+def diagnostics_from_logits(
+    logits_i2t: Tensor,
+    logits_t2i: Tensor,
+    offset: int,
+    logit_scale: Tensor,
+    extra: dict[str, Tensor | float] | None = None,
+) -> dict[str, float]:
+    """Diagnostics from the two (b, B) logit matrices; ``extra`` scalars are appended to the dict.
+
+    A logit bias in the logits has no effect (every statistic depends on margins only).
+    """
+    b, big_b = logits_i2t.shape
+    device = logits_i2t.device
+    pos_idx = positive_index(b, offset, device)
+    pos_mask = positive_mask(b, big_b, offset, device)
+    with fp32_block(device):
+        vs, ess, acc = [], [], []
+        for logits in (logits_i2t, logits_t2i):
+            d = negative_margins(as_fp32(logits.detach()), pos_idx, pos_mask)  # (b, B)
+            v = torch.logsumexp(d, dim=1)  # (b,)
+            w = torch.exp(d - v[:, None])  # softmax over negatives; 0 at the positive
+            vs.append(v)
+            ess.append(1.0 / (w * w).sum(dim=1))
+            acc.append(d.amax(dim=1) < 0)
+        v = torch.cat(vs)  # (2b,)
+        sig = torch.sigmoid(v)
+        infonce = F.softplus(v).mean()  # log(1 + e^v) == cross-entropy
+        log_xi = v.mean()
+        t = as_scalar(logit_scale, device).detach().to(v.dtype)
+        values = {
+            "infonce": infonce,
+            "log_xi": log_xi,
+            "grad_ratio": sig.mean(),
+            "frac_saturated": (sig < SATURATION_THRESHOLD).to(v.dtype).mean(),
+            "ess_neg": torch.cat(ess).mean(),
+            "acc": torch.cat(acc).to(v.dtype).mean(),
+            "mi_nce": math.log(big_b) - infonce,
+            "mi_loo": math.log(big_b - 1) - log_xi,
+            "logit_scale": t,
+        }
+        for key, val in (extra or {}).items():
+            values[key] = torch.as_tensor(val, device=device).detach().to(v.dtype).reshape(())
+        flat = torch.stack(list(values.values())).tolist()  # one host transfer
+    return dict(zip(values.keys(), flat))
+
+
+@torch.no_grad()
+def contrastive_diagnostics(
+    img_local: Tensor,
+    txt_local: Tensor,
+    img_global: Tensor,
+    txt_global: Tensor,
+    logit_scale: Tensor,
+    offset: int = 0,
+) -> dict[str, float]:
+    """Diagnostics (see module docstring) for (b, d) local and (B, d) gathered L2-normalised features.
+
+    ``logit_scale`` is t (already exponentiated); the positive of local row i is column offset + i.
+    """
+    check_inputs(img_local, txt_local, img_global, txt_global, offset, "same")
+    device = img_local.device
+    with fp32_block(device):
+        t = as_scalar(logit_scale, device)
+        logits_i2t = scaled_logits(as_fp32(img_local), as_fp32(txt_global), t)
+        logits_t2i = scaled_logits(as_fp32(txt_local), as_fp32(img_global), t)
+    return diagnostics_from_logits(logits_i2t, logits_t2i, offset, t)

@@ -1,0 +1,98 @@
+"""FlatNCE (Chen et al. 2021, "Simpler, Faster, Stronger: Breaking The log-K Curse On Contrastive
+Learners With FlatNCE", arXiv 2107.01152).
+
+For local anchor i with positive column p = offset + i and margins d_ij = t * (s_ij - s_ip) over
+the negatives j != p of the gathered batch (positive masked with -inf, not an additive constant):
+
+    v_i       = logsumexp_{j != p} d_ij
+    InfoNCE_i = log(1 + e^{v_i})                      (== cross-entropy)
+    FlatNCE   = mean_i exp(v_i - v_i.detach())         (value 1, gradient mean_i grad v_i)
+
+grad InfoNCE_i = sigma(v_i) * grad FlatNCE_i: FlatNCE removes the factor sigma(v_i), which vanishes
+when the positive already dominates (small batches, large t). The backpropagated loss is
+``flat - 1 + InfoNCE.detach()``, so the reported value is the InfoNCE value and the gradient is
+FlatNCE's. Both directions averaged, as in InfoNCE.
+
+``scale_grad``: "same" -- every input (features, logit_scale) gets FlatNCE's gradient;
+"infonce" -- features get FlatNCE's gradient, logit_scale gets InfoNCE's (FlatNCE's gradient
+w.r.t. t, mean_i E_w[s_ij - s_ip], does not calibrate a temperature). Implemented with one matmul:
+raw similarities s, flat part on t.detach() * s, InfoNCE part on t * s.detach().
+
+Shapes: img_local, txt_local (b, d); img_global, txt_global (B, d), L2-normalised, B >= 2;
+logit_scale t (0-d). Memory O(b * B); math in fp32 under autocast.
+
+Usage: ``loss, metrics = flatnce_loss(img_b, txt_b, img_B, txt_B, logit_scale,
+offset=positive_offset(b), scale_grad="infonce")``
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from vlp.losses.common import (
+    as_fp32,
+    as_scalar,
+    check_inputs,
+    fp32_block,
+    negative_lse,
+    positive_index,
+    positive_mask,
+    scaled_logits,
+)
+from vlp.losses.diagnostics import diagnostics_from_logits
+
+
+def flatnce_loss(
+    img_local: Tensor,
+    txt_local: Tensor,
+    img_global: Tensor,
+    txt_global: Tensor,
+    logit_scale: Tensor,
+    logit_bias: Tensor | None = None,
+    *,
+    offset: int = 0,
+    scale_grad: str = "same",
+) -> tuple[Tensor, dict[str, float]]:
+    """FlatNCE with InfoNCE's value; returns (loss, metrics) incl. "flatnce" (= 1.0 forward).
+
+    ``logit_bias`` cancels in the margins (kept in the graph, gets a zero gradient).
+    """
+    b, big_b = check_inputs(img_local, txt_local, img_global, txt_global, offset, scale_grad)
+    device = img_local.device
+    with fp32_block(device):
+        t = as_scalar(logit_scale, device)
+        bias = as_scalar(logit_bias, device)
+        img_b, txt_b = as_fp32(img_local), as_fp32(txt_local)
+        img_bb, txt_bb = as_fp32(img_global), as_fp32(txt_global)
+        pos_idx = positive_index(b, offset, device)
+        pos_mask = positive_mask(b, big_b, offset, device)
+
+        if scale_grad == "same":
+            logits_i2t = scaled_logits(img_b, txt_bb, t, bias)  # (b, B)
+            logits_t2i = scaled_logits(txt_b, img_bb, t, bias)  # (b, B)
+            v = torch.cat(
+                [negative_lse(logits_i2t, pos_idx, pos_mask), negative_lse(logits_t2i, pos_idx, pos_mask)]
+            )  # (2b,) both directions; mean over 2b == average of the two directions' means
+            flat = torch.exp(v - v.detach()).mean()
+            infonce_value = F.softplus(v.detach()).mean()
+            loss = flat - 1.0 + infonce_value
+        else:  # "infonce": features <- FlatNCE gradient, logit_scale <- InfoNCE gradient
+            sim_i2t = img_b @ txt_bb.T  # (b, B) raw cosine similarities, one matmul per direction
+            sim_t2i = txt_b @ img_bb.T
+            t_const = t.detach()
+            # (t_const * s) == scaled_logits up to rounding; the bias cancels in the margins.
+            v = torch.cat(
+                [negative_lse(t_const * sim_i2t, pos_idx, pos_mask),
+                 negative_lse(t_const * sim_t2i, pos_idx, pos_mask)]
+            )
+            flat = torch.exp(v - v.detach()).mean()
+            logits_i2t = t * sim_i2t.detach() if bias is None else t * sim_i2t.detach() + bias
+            logits_t2i = t * sim_t2i.detach() if bias is None else t * sim_t2i.detach() + bias
+            infonce_t = (F.cross_entropy(logits_i2t, pos_idx) + F.cross_entropy(logits_t2i, pos_idx)) / 2
+            loss = flat - 1.0 + infonce_t  # value: InfoNCE; d/dt: InfoNCE's; d/dfeatures: FlatNCE's
+    metrics = diagnostics_from_logits(
+        logits_i2t, logits_t2i, offset, t, extra={"loss": loss, "flatnce": flat}
+    )
+    return loss, metrics
