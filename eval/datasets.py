@@ -6,7 +6,7 @@ with their class-name list; the retrieval shard dataset yields dicts like the tr
 ImageNet labels: `imagenet_synsets.txt` (next to this file) lists the 1000 ILSVRC2012 wnids in
 the standard sorted order; line i is open_clip's IMAGENET_CLASSNAMES[i] (n01440764 = tench, ...,
 n15075141 = toilet paper). Taken from public LOC_synset_mapping.txt / imagenet_class_index.json
-copies (three independent repositories agreed byte for byte).
+copies (three independent repositories agree on all 1000 wnids, in order).
 
 Shards: plain tar files in webdataset layout (members "<key>.<ext>", a sample's members
 adjacent). Image ext: jpg, jpeg, png, webp, bmp. Classification label: "cls" (an integer as

@@ -29,43 +29,44 @@ from typing import Iterable, Sequence
 import torch
 from tqdm import tqdm
 
-DIRECTIONS = ("image_to_text", "text_to_image")
-
-
 # ----------------------------------------------------------------------------- metrics (pure)
 
 def ranks_of_best_positive(
     query_emb: torch.Tensor,
     cand_emb: torch.Tensor,
-    positive_mask_fn,
+    pos_query: torch.Tensor,
+    pos_cand: torch.Tensor,
     chunk_size: int = 4096,
 ) -> torch.Tensor:
     """1-based rank of each query's best positive under the stable-descending convention.
 
-    query_emb: [Q, d]; cand_emb: [C, d]; positive_mask_fn(start, stop) -> BoolTensor[stop-start, C]
-    marking the correct candidates of queries start..stop-1 (each row needs at least one True).
-    Returns LongTensor[Q] on query_emb.device. Peak memory O(chunk_size · C).
+    query_emb [Q, d], cand_emb [C, d]; the correct (query, candidate) pairs are
+    (pos_query[i], pos_cand[i]) (LongTensors on query_emb.device), sorted by pos_query. A query without any pair gets rank C + 1.
+    Returns LongTensor[Q] on query_emb.device. Peak memory O(chunk_size · C + #pairs).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    device = query_emb.device
     cand_f = cand_emb.float()
     num_q, num_c = query_emb.shape[0], cand_emb.shape[0]
-    cand_idx_c = torch.arange(num_c, device=cand_emb.device)
-    ranks = torch.empty(num_q, dtype=torch.long, device=query_emb.device)
+    cand_idx_c = torch.arange(num_c, device=device)
+    ranks = torch.empty(num_q, dtype=torch.long, device=device)
     for start in range(0, num_q, chunk_size):
         stop = min(start + chunk_size, num_q)
-        scores_qc = query_emb[start:stop].float() @ cand_f.T                # [q, C]
-        pos_qc = positive_mask_fn(start, stop)                              # [q, C] bool
-        if not bool(pos_qc.any(dim=1).all()):
-            bad = start + int((~pos_qc.any(dim=1)).nonzero()[0])
-            raise ValueError(f"query {bad} has no correct candidate")
-        # Best positive = highest score; among equal scores the lowest index (argmax returns
-        # the first maximum), i.e. the first positive of the stable descending order.
-        masked_qc = scores_qc.masked_fill(~pos_qc, float("-inf"))
-        best_idx_q = masked_qc.argmax(dim=1)                                # [q]
-        best_q1 = scores_qc.gather(1, best_idx_q[:, None])                 # [q, 1]
-        ahead_qc = (scores_qc > best_q1) | ((scores_qc == best_q1) & (cand_idx_c[None] < best_idx_q[:, None]))
-        ranks[start:stop] = ahead_qc.sum(dim=1) + 1
+        q = stop - start
+        scores_qc = query_emb[start:stop].float() @ cand_f.T                          # [q, C]
+        lo, hi = torch.searchsorted(pos_query, torch.tensor([start, stop], device=device)).tolist()
+        row_p, col_p = pos_query[lo:hi] - start, pos_cand[lo:hi]                     # this chunk's pairs
+        val_p = scores_qc[row_p, col_p]        # the very values of the score matrix (exact ties)
+        # Best positive = highest score, lowest candidate index among equal scores, i.e. the
+        # first positive of the stable descending order.
+        best_val_q = torch.full((q,), float("-inf"), device=device).scatter_reduce(0, row_p, val_p, "amax")
+        is_best_p = val_p == best_val_q[row_p]
+        best_idx_q = torch.full((q,), num_c, device=device).scatter_reduce(
+            0, row_p[is_best_p], col_p[is_best_p], "amin")
+        best_q1, best_idx_q1 = best_val_q[:, None], best_idx_q[:, None]
+        ranks[start:stop] = ((scores_qc > best_q1).sum(1)
+                             + ((scores_qc == best_q1) & (cand_idx_c[None] < best_idx_q1)).sum(1) + 1)
     return ranks
 
 
@@ -113,16 +114,12 @@ def retrieval_metrics(
     txt_to_img = txt_to_img.to(device=img_emb.device, dtype=torch.long)
     txt_emb = txt_emb.to(img_emb.device)
     _check_inputs(img_emb, txt_emb, txt_to_img)
-    img_idx_n = torch.arange(img_emb.shape[0], device=img_emb.device)
-
-    def i2t_positives(start, stop):  # [q, M]: caption m belongs to image start+i
-        return txt_to_img[None, :] == img_idx_n[start:stop, None]
-
-    def t2i_positives(start, stop):  # [q, N]: image txt_to_img[start+i]
-        return img_idx_n[None, :] == txt_to_img[start:stop, None]
-
-    i2t_ranks = ranks_of_best_positive(img_emb, txt_emb, i2t_positives, chunk_size)
-    t2i_ranks = ranks_of_best_positive(txt_emb, img_emb, t2i_positives, chunk_size)
+    # image→text pairs sorted by image (stable: captions keep their order); text→image: caption m
+    # has the single positive txt_to_img[m].
+    caption_idx_m = torch.arange(txt_emb.shape[0], device=img_emb.device)
+    order_m = torch.sort(txt_to_img, stable=True).indices
+    i2t_ranks = ranks_of_best_positive(img_emb, txt_emb, txt_to_img[order_m], caption_idx_m[order_m], chunk_size)
+    t2i_ranks = ranks_of_best_positive(txt_emb, img_emb, caption_idx_m, txt_to_img, chunk_size)
     return {**summarize_ranks(i2t_ranks, "image_to_text", ks), **summarize_ranks(t2i_ranks, "text_to_image", ks)}
 
 

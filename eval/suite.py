@@ -64,8 +64,9 @@ def run_eval_suite(
     Classification `type` defaults to "shards" if `shards` is given, else "imagenet" when the name
     starts with "imagenet", else "folder". `templates`: "openai" (default), "simple", a file, or a
     list. Shard class names default to classnames.txt beside/above the shards.
-    Retrieval shards are read with `make_loader(urls, batch_size=, transform=, tokenize=,
-    mode="sequential")` (data_pipelines.stream.make_loader) when given, else with
+    Retrieval shards are read with `make_loader(spec, batch_size=, transform=, tokenize=,
+    mode="sequential")` (data_pipelines.stream.make_loader; spec is the "shards" string, a list is
+    "::"-joined) when given, else with
     eval.datasets.ShardRetrieval (image + "txt", one caption per line).
 
     Returns {name: {"task", "metrics", "clip_benchmark", sizes...}}; out_dir=None writes nothing.
@@ -87,8 +88,8 @@ def run_eval_suite(
         _check_keys(entry, RETRIEVAL_KEYS, "retrieval entry")
         name, ebs = _name(entry, "retrieval"), int(entry.get("batch_size", bs))
         if make_loader is not None:
-            loader = make_loader(D.expand_shards(entry["shards"]), batch_size=ebs, transform=transform,
-                                 tokenize=tokenizer, mode="sequential")
+            spec = entry["shards"] if isinstance(entry["shards"], str) else "::".join(entry["shards"])
+            loader = make_loader(spec, batch_size=ebs, transform=transform, tokenize=tokenizer, mode="sequential")
         else:
             loader = D.make_eval_loader(D.ShardRetrieval(entry["shards"], transform, tokenizer), ebs, nw,
                                         collate_fn=D.collate_retrieval)

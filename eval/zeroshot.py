@@ -69,14 +69,17 @@ def build_classifier(
     model,
     tokenizer,
     classnames: Sequence[str],
-    templates: Sequence[Template],
+    templates: Union[str, Sequence[Template]],
     device: torch.device | str,
     batch_size: int = 10,
     precision: str = "fp32",
     show_progress: bool = False,
 ) -> torch.Tensor:
-    """Zero-shot classifier [d, C] (fp32, on device). batch_size = classes per text forward
+    """Zero-shot classifier [d, C] (fp32, on device). templates: a list, or a spec for
+    load_templates ("openai", "simple", a file). batch_size = classes per text forward
     (batch_size × len(templates) prompts each)."""
+    if isinstance(templates, str):
+        templates = load_templates(templates)
     if not classnames or not templates:
         raise ValueError("need at least one class name and one template")
     n_tpl = len(templates)

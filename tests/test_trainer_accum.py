@@ -6,9 +6,9 @@ from vlp.config import load_config
 from vlp.trainer import Trainer, lr_multiplier, param_groups
 
 
-def _trainer(loss: str, accum: int, temperature: str = "learnable") -> Trainer:
+def _trainer(shards: str, loss: str, accum: int, temperature: str = "learnable") -> Trainer:
     cfg = load_config(None, [
-        "model.name=vlp-micro", "data.train_shards=unused", "data.batch_per_device=4",
+        "model.name=vlp-micro", f"data.train_shards={shards}", "data.batch_per_device=4",
         f"loss.name={loss}", f"loss.temperature={temperature}", f"train.accum_steps={accum}",
         "train.samples=64",
     ])
@@ -25,12 +25,12 @@ def _grads(t: Trainer, batches):
 
 @pytest.mark.parametrize("loss,temperature", [("infonce", "learnable"), ("flatnce", "learnable"),
                                               ("flatnce", "infonce"), ("siglip", "learnable")])
-def test_accum_2_equals_double_batch(loss, temperature):
+def test_accum_2_equals_double_batch(tiny_shards, loss, temperature):
     torch.manual_seed(0)
     images = torch.randn(8, 3, 32, 32, dtype=torch.float64)
     text = torch.randint(1, 1000, (8, 16))
-    big = _trainer(loss, 1, temperature)
-    acc = _trainer(loss, 2, temperature)
+    big = _trainer(tiny_shards["train"], loss, 1, temperature)
+    acc = _trainer(tiny_shards["train"], loss, 2, temperature)
     acc.unwrapped.load_state_dict(big.unwrapped.state_dict())
     l1, g1 = _grads(big, [{"image": images, "text": text}])
     l2, g2 = _grads(acc, [{"image": images[:4], "text": text[:4]}, {"image": images[4:], "text": text[4:]}])
@@ -40,8 +40,8 @@ def test_accum_2_equals_double_batch(loss, temperature):
         torch.testing.assert_close(g2[name], g1[name], atol=1e-10, rtol=1e-7, msg=name)
 
 
-def test_param_groups_no_decay_on_gains_biases_and_scale():
-    t = _trainer("infonce", 1)
+def test_param_groups_no_decay_on_gains_biases_and_scale(tiny_shards):
+    t = _trainer(tiny_shards["train"], "infonce", 1)
     groups = param_groups(t.unwrapped, 0.2)
     names = {id(p): n for n, p in t.unwrapped.named_parameters()}
     no_decay = {names[id(p)] for p in groups[0]["params"]}

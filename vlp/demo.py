@@ -27,7 +27,7 @@ def prepare_openmoji_shards(root: Path) -> dict[str, str]:
         out = root / split
         if not (out / "sizes.json").is_file():
             write_shards(load_pairs(split), out, prefix=split, samples_per_shard=500)
-        specs[split] = shard_spec(out)
+        specs[split] = shard_spec(out, prefix=split)
     return specs
 
 

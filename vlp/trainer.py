@@ -62,11 +62,6 @@ class Trainer:
         )
         acc = self.accelerator
         set_seed(cfg.train.seed)
-        model, self.tokenizer, self.train_transform, self.eval_transform = build_model(cfg.model, cfg.loss)
-        self.loss_fn = get_loss(cfg.loss.name)
-        self.scale_grad = "infonce" if cfg.loss.temperature == "infonce" else "same"
-        self.max_log_scale = math.log(cfg.loss.max_logit_scale)
-
         self.world = acc.num_processes
         self.accum = cfg.train.accum_steps
         self.global_batch = cfg.data.batch_per_device * self.world * self.accum
@@ -76,6 +71,11 @@ class Trainer:
                 f"train.samples={cfg.train.samples} is smaller than one global batch "
                 f"({cfg.data.batch_per_device} per device x {self.world} processes x {self.accum} accum)"
             )
+        model, self.tokenizer, self.train_transform, self.eval_transform = build_model(cfg.model, cfg.loss)
+        self.make_train_loader(0)  # validates the shard spec before any work starts
+        self.loss_fn = get_loss(cfg.loss.name)
+        self.scale_grad = "infonce" if cfg.loss.temperature == "infonce" else "same"
+        self.max_log_scale = math.log(cfg.loss.max_logit_scale)
         optimizer = torch.optim.AdamW(
             param_groups(model, cfg.optim.weight_decay),
             lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,

@@ -94,14 +94,18 @@ class _Renderer:
     """Draws one emoji centred on a white square and rejects what the font cannot draw."""
 
     def __init__(self, image_size: int):
-        from fontTools.ttLib import TTFont
         from PIL import ImageFont
 
         path = str(font_path())
         self.size = image_size
         # The glyphs fill ~0.97 em; 0.75 of the side leaves a small white margin.
         self.font = ImageFont.truetype(path, max(8, round(image_size * 0.75)))
-        self.cmap = TTFont(path, lazy=True).getBestCmap()
+        try:  # an extra guard only: the advance and .notdef checks below suffice without it
+            from fontTools.ttLib import TTFont
+
+            self.cmap = TTFont(path, lazy=True).getBestCmap()
+        except ImportError:
+            self.cmap = None
         self.one_glyph = self.font.getlength(_REFERENCE)
         self.missing = self.draw(_MISSING_CODEPOINT).tobytes()
 
@@ -117,7 +121,8 @@ class _Renderer:
     def render(self, chars: str):
         """The image, or None when the font lacks a code point, does not ligate the
         sequence into one glyph (ZWJ / flag sequences), or draws nothing / tofu."""
-        if any(ord(c) not in self.cmap for c in chars if c not in "\u200d\ufe0f"):
+        if self.cmap is not None and any(
+                ord(c) not in self.cmap for c in chars if c not in "\u200d\ufe0f"):
             return None
         if abs(self.font.getlength(chars) - self.one_glyph) > 0.5:
             return None

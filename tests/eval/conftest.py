@@ -1,14 +1,9 @@
 """Shared fixtures for eval tests: a tiny open_clip model built from a config file (no weights,
-no downloads) and small image folders / shards written on the fly."""
-import io
+no downloads). File-writing helpers live in eval_helpers.py."""
 import json
-import os
-import tarfile
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 TINY_CFG = {
     "embed_dim": 64,
@@ -30,31 +25,3 @@ def tiny_clip(tmp_path_factory):
     tokenizer = open_clip.get_tokenizer("vlp-eval-tiny")
     transform = open_clip.image_transform(32, is_train=False)
     return model, tokenizer, transform
-
-
-def random_png(rng: np.random.Generator, size=(40, 36)) -> bytes:
-    arr = rng.integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def write_class_folders(root, folders, per_class=2, seed=0):
-    rng = np.random.default_rng(seed)
-    for d in folders:
-        os.makedirs(os.path.join(root, d), exist_ok=True)
-        for i in range(per_class):
-            with open(os.path.join(root, d, f"img{i}.png"), "wb") as f:
-                f.write(random_png(rng))
-    return root
-
-
-def write_tar(path, samples):
-    """samples: list of (key, {ext: bytes})."""
-    with tarfile.open(path, "w") as tar:
-        for key, members in samples:
-            for ext, data in members.items():
-                info = tarfile.TarInfo(f"{key}.{ext}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    return str(path)

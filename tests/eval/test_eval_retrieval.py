@@ -125,6 +125,27 @@ def test_ties_follow_candidate_index():
     assert m["text_to_image_mean_rank"] == 2.5 and m["text_to_image_median_rank"] == 2.5
 
 
+class LargestTensor(torch.overrides.TorchFunctionMode):
+    """Records the largest tensor any torch op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self.max_numel = max(self.max_numel, out.numel())
+        return out
+
+
+def test_memory_is_chunk_times_candidates():
+    img, txt, txt_to_img = make_features(0, n_img=40, d=4)
+    with LargestTensor() as spy:
+        retrieval_metrics(img, txt, txt_to_img, chunk_size=3)
+    assert spy.max_numel <= max(3 * len(txt), 4 * len(txt)) < 40 * len(txt)  # chunk×M or M×d, never N×M
+
+
 # ----------------------------------------------------------------------------- embedding
 
 class FakeCLIP(torch.nn.Module):

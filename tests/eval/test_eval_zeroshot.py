@@ -65,6 +65,8 @@ def test_classifier_matches_open_clip(tiny_clip, templates, tmp_path):
         ref_tpl = open_clip.OPENAI_IMAGENET_TEMPLATES if templates == "openai" else open_clip.SIMPLE_IMAGENET_TEMPLATES
     ref = open_clip.build_zero_shot_classifier(model, tokenizer, CLASSNAMES, ref_tpl, num_classes_per_batch=4)
     ours = build_classifier(model, tokenizer, CLASSNAMES, ours_tpl, "cpu", batch_size=3)
+    if templates != "file":
+        assert torch.equal(build_classifier(model, tokenizer, CLASSNAMES, templates, "cpu", batch_size=3), ours)
     assert ours.shape == (64, len(CLASSNAMES))
     torch.testing.assert_close(ours, ref, atol=1e-6, rtol=0)
     torch.testing.assert_close(ours.norm(dim=0), torch.ones(len(CLASSNAMES)))

@@ -101,3 +101,8 @@ def negative_margins(logits: Tensor, pos_idx: Tensor, pos_mask: Tensor) -> Tenso
 def negative_lse(logits: Tensor, pos_idx: Tensor, pos_mask: Tensor) -> Tensor:
     """(b,) v_i = logsumexp_{j != pos} t * (s_ij - s_i,pos); InfoNCE_i = softplus(v_i)."""
     return torch.logsumexp(negative_margins(logits, pos_idx, pos_mask), dim=1)
+
+
+def softplus_exact(v: Tensor) -> Tensor:
+    """log(1 + e^v) without F.softplus's linear cut-off at v > 20 (an e^-20 error in float64)."""
+    return torch.logaddexp(v, torch.zeros_like(v))

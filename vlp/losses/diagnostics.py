@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from vlp.losses.common import (
@@ -35,6 +34,7 @@ from vlp.losses.common import (
     positive_index,
     positive_mask,
     scaled_logits,
+    softplus_exact,
 )
 
 SATURATION_THRESHOLD = 1e-3  # sigma(v) below this: the InfoNCE gradient is effectively gone
@@ -67,7 +67,7 @@ def diagnostics_from_logits(
             acc.append(d.amax(dim=1) < 0)
         v = torch.cat(vs)  # (2b,)
         sig = torch.sigmoid(v)
-        infonce = F.softplus(v).mean()  # log(1 + e^v) == cross-entropy
+        infonce = softplus_exact(v).mean()  # log(1 + e^v) == cross-entropy
         log_xi = v.mean()
         t = as_scalar(logit_scale, device).detach().to(v.dtype)
         values = {

@@ -40,6 +40,7 @@ from vlp.losses.common import (
     positive_index,
     positive_mask,
     scaled_logits,
+    softplus_exact,
 )
 from vlp.losses.diagnostics import diagnostics_from_logits
 
@@ -76,7 +77,7 @@ def flatnce_loss(
                 [negative_lse(logits_i2t, pos_idx, pos_mask), negative_lse(logits_t2i, pos_idx, pos_mask)]
             )  # (2b,) both directions; mean over 2b == average of the two directions' means
             flat = torch.exp(v - v.detach()).mean()
-            infonce_value = F.softplus(v.detach()).mean()
+            infonce_value = softplus_exact(v.detach()).mean()
             loss = flat - 1.0 + infonce_value
         else:  # "infonce": features <- FlatNCE gradient, logit_scale <- InfoNCE gradient
             sim_i2t = img_b @ txt_bb.T  # (b, B) raw cosine similarities, one matmul per direction

@@ -1,0 +1,641 @@
+"""Shards -> batches: split/resample by rank and worker, shuffle, decode, transform, tokenize.
+
+    loader = make_loader("/d/shard-{000000..000009}.tar", batch_size=256, transform=preprocess,
+                         tokenize=tokenizer, seed=0, rank=rank, world_size=world, num_workers=4)
+    for epoch in range(n):
+        loader.set_epoch(epoch)
+        for batch in loader:  # {"image": [b,3,H,W], "text": [b,L], "key": [..], "skipped": {..}}
+            ...
+
+How an epoch is laid out (all of it is a pure function of seed, epoch, rank, worker):
+
+* ``split``: the shard list is shuffled with (seed, epoch), identically on every rank, and read
+  as one virtual sequence of N samples (sizes from sizes.json). Rank r owns the contiguous
+  range [r*P, (r+1)*P) with P = num_batches * batch_size, so every rank yields exactly
+  ``num_batches`` batches and no sample is used twice, even with uneven shards or fewer shards
+  than ranks x workers. Within a rank, batch j belongs to worker j % num_workers; each worker
+  reads its own contiguous sub-range through a seeded shuffle buffer. If skipped (bad)
+  samples leave a worker short, it re-reads its range (a few duplicates instead of a hang).
+* ``resampled``: every worker draws shards with replacement (per-source weights), forever;
+  each rank takes exactly ``num_batches`` batches per epoch.
+* ``sequential`` (eval): no shuffle; ranks own contiguous near-equal ranges (every sample once
+  over all ranks, so per-rank ``num_batches`` may differ by one: run eval on rank 0 or gather
+  without per-batch collectives); the last batch may be partial; batches keep file order.
+
+Bad samples are skipped and counted by kind (``SKIP_KINDS``); each batch's ``skipped`` holds
+what its worker skipped since its previous batch, and ``Loader.stats`` sums them.
+``start_batch=n`` skips the first n batches by reading bytes only: sample validity is decided
+before shuffling by a cheap check (caption present, image header/draft decode), so a resumed
+epoch yields exactly the batches the uninterrupted one would have. A resumed run must use the
+same num_workers, world_size and batch_size.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import io
+import json
+import math
+import os
+import random
+import tarfile
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")  # first present wins
+TEXT_EXTS = ("txt", "text", "caption")
+SKIP_KINDS = ("corrupt_image", "missing_caption", "missing_image", "bad_member", "bad_shard")
+MODES = ("split", "resampled", "sequential")
+
+
+# ----------------------------------------------------------------------------- shard lists
+def expand_sources(urls: str) -> list[list[str]]:
+    """'a-{0..3}.tar::b.tar' -> [[a-0.tar, .., a-3.tar], [b.tar]]; raises FileNotFoundError
+    for a missing path. A directory stands for the shards listed in its sizes.json."""
+    import braceexpand
+
+    sources, missing = [], []
+    for part in str(urls).split("::"):
+        part = part.strip()
+        if not part:
+            continue
+        paths = []
+        for path in braceexpand.braceexpand(part):
+            if os.path.isdir(path):
+                paths += [os.path.join(path, n) for n in _read_sizes(path)]
+            elif not os.path.isfile(path):
+                missing.append(path)
+            else:
+                paths.append(path)
+        if not paths and not missing:
+            raise FileNotFoundError(f"no shards in {part!r} (directory without sizes.json?)")
+        sources.append(paths)
+    if missing:
+        raise FileNotFoundError(f"{len(missing)} shard(s) not found: {', '.join(missing[:5])}"
+                                + (" ..." if len(missing) > 5 else ""))
+    if not sources:
+        raise ValueError(f"empty shard spec {urls!r}")
+    return sources
+
+
+def _read_sizes(directory: str) -> dict[str, int]:
+    path = os.path.join(directory, "sizes.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return {str(k): int(v) for k, v in json.load(f).items()}
+
+
+def shard_sizes(paths: list[str]) -> list[int]:
+    """Samples per shard from sizes.json beside each shard (counted from the tar if absent)."""
+    cache: dict[str, dict[str, int]] = {}
+    sizes = []
+    for path in paths:
+        directory, name = os.path.split(os.path.abspath(path))
+        table = cache.setdefault(directory, _read_sizes(directory))
+        sizes.append(table[name] if name in table else _count_samples(path))
+    return sizes
+
+
+def sizes_from_spec(urls: str) -> int:
+    """Total samples of a (brace / '::') shard spec, from sizes.json."""
+    return sum(shard_sizes([p for src in expand_sources(urls) for p in src]))
+
+
+def _count_samples(path: str) -> int:
+    """Samples in a tar without sizes.json (headers only; stops at the first error)."""
+    count, last = 0, None
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for info in tar:
+                prefix = _split_name(info.name)[0]
+                if info.isfile() and prefix != last:
+                    count, last = count + 1, prefix
+    except (OSError, tarfile.TarError, EOFError):
+        pass
+    return count
+
+
+# ----------------------------------------------------------------------------- reading tars
+def _split_name(name: str) -> tuple[str, str]:
+    """webdataset convention: 'dir/key.a.b' -> ('dir/key', 'a.b')."""
+    directory, base = os.path.split(name)
+    stem, _, ext = base.partition(".")
+    return os.path.join(directory, stem), ext.lower()
+
+
+def _read_shard(path: str, start: int, stop: int | None, skipped: Counter,
+                want: Callable[[int], bool] | None = None,
+                seen_exts: set | None = None) -> Iterator[tuple[int, str, dict]]:
+    """Yield (index in shard, key, {ext: bytes}) for samples start <= index < stop.
+
+    Streams member by member (random access to skip, so skipped samples cost headers only).
+    A sample is yielded once the next sample's header is read or the archive's end marker is
+    seen, so a truncated tar yields its complete samples and counts the one in progress as
+    'bad_member'. An unopenable tar counts one 'bad_shard'.
+    """
+    try:
+        fileobj = open(path, "rb")
+        tar = tarfile.open(fileobj=fileobj, mode="r:")
+    except (OSError, tarfile.TarError, EOFError):
+        skipped["bad_shard"] += 1
+        return
+    index, key, members = -1, None, {}
+    keep = False
+    try:
+        with fileobj, tar:
+            while True:
+                try:
+                    info = tar.next()
+                except (OSError, tarfile.TarError, EOFError):
+                    info, truncated = None, True
+                else:
+                    truncated = info is None and not _at_end_marker(tar)
+                if info is None:
+                    if keep and not truncated:
+                        yield index, key, members
+                    elif keep:
+                        skipped["bad_member"] += 1
+                    return
+                if not info.isfile():
+                    continue
+                prefix, ext = _split_name(info.name)
+                if seen_exts is not None and len(seen_exts) < 32:
+                    seen_exts.add(ext)
+                if prefix != key:
+                    if keep:
+                        yield index, key, members
+                    index, key, members = index + 1, prefix, {}
+                    if stop is not None and index >= stop:
+                        return
+                    keep = index >= start and (want is None or want(index))
+                if keep and (ext in IMAGE_EXTS or ext in TEXT_EXTS):
+                    try:
+                        members[ext] = tar.extractfile(info).read()
+                    except (OSError, tarfile.TarError, EOFError):
+                        skipped["bad_member"] += 1
+                        return
+    finally:
+        tar.members = []  # release the member index of big shards
+
+
+def _at_end_marker(tar: tarfile.TarFile) -> bool:
+    """True if the archive ends with a zero block (a cut-off tar does not)."""
+    tar.fileobj.seek(tar.offset)
+    block = tar.fileobj.read(tarfile.BLOCKSIZE)
+    return len(block) == tarfile.BLOCKSIZE and block.count(0) == tarfile.BLOCKSIZE
+
+
+def _check_sample(key: str, members: dict, url: str) -> tuple | str:
+    """(key, image bytes, caption) of a usable sample, or the kind of skip.
+
+    The image check is cheap but catches truncated files: JPEGs decode at 1/8 scale,
+    other formats run PIL's verify()."""
+    from PIL import Image
+
+    image_ext = next((e for e in IMAGE_EXTS if e in members), None)
+    text_ext = next((e for e in TEXT_EXTS if e in members), None)
+    if image_ext is None:
+        return "missing_image"
+    if text_ext is None:
+        return "missing_caption"
+    try:
+        caption = members[text_ext].decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return "bad_member"
+    if not caption:
+        return "missing_caption"
+    data = members[image_ext]
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            if image.format == "JPEG":
+                image.draft("RGB", (1, 1))
+                image.load()
+            else:
+                image.verify()
+    except Exception:  # PIL raises many types for bad bytes
+        return "corrupt_image"
+    return os.path.basename(key), data, caption
+
+
+def decode_image(data: bytes, decode_size: int | None = None):
+    """PIL RGB image from bytes; JPEGs are DCT-downscaled while both sides stay >= size."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(data))
+    if decode_size and image.format == "JPEG":
+        image.draft("RGB", (decode_size, decode_size))
+    return image.convert("RGB")
+
+
+# ----------------------------------------------------------------------------- epoch layout
+def _rng(*parts: Any) -> random.Random:
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "big"))
+
+
+def _batch_sizes(mode: str, n: int, batch: int, world: int, drop_last: bool) -> list[int]:
+    """Batch sizes of one rank for split/resampled (same on every rank)."""
+    if drop_last or mode == "resampled":
+        count = n // (batch * world) if drop_last else math.ceil(n / (batch * world))
+        return [batch] * count
+    per_rank = math.ceil(n / world)
+    count = math.ceil(per_rank / batch)
+    return [batch] * (count - 1) + [per_rank - (count - 1) * batch] if count else []
+
+
+def _segments(order: list[int], sizes: list[int], n: int, start: int, stop: int):
+    """Shard pieces (shard, begin, end) of virtual positions [start, stop), wrapping at n."""
+    bounds = [0]
+    for shard in order:
+        bounds.append(bounds[-1] + sizes[shard])
+    pieces = []
+    pos = start
+    while pos < stop:
+        p = pos % n
+        k = bisect.bisect_right(bounds, p) - 1
+        take = min(bounds[k + 1] - p, n - p, stop - pos)
+        pieces.append((order[k], p - bounds[k], p - bounds[k] + take))
+        pos += take
+    return pieces
+
+
+class _Plan:
+    """Everything a worker needs; picklable; no I/O in __init__ besides sizes.json."""
+
+    def __init__(self, sources, weights, mode, batch_size, world_size, rank, seed,
+                 num_samples, drop_last, shuffle_buffer, num_workers):
+        self.paths = [p for src in sources for p in src]
+        self.sizes = shard_sizes(self.paths)
+        self.weights = [w for src, w in zip(sources, weights) for _ in src]
+        self.mode, self.batch, self.world, self.rank = mode, batch_size, world_size, rank
+        self.seed, self.drop_last, self.buffer = seed, drop_last, shuffle_buffer
+        self.workers = max(1, num_workers)
+        total = sum(self.sizes)
+        self.n = total if num_samples is None else int(num_samples)
+        if mode == "split" and self.n > total:
+            raise ValueError(f"num_samples={self.n} > {total} samples in the shards; "
+                             "use mode='resampled' to draw more than one pass")
+        if mode == "sequential":
+            lo, hi = self.rank_range()
+            self.sizes_per_batch = [min(batch_size, hi - s) for s in range(lo, hi, batch_size)]
+        else:
+            self.sizes_per_batch = _batch_sizes(mode, self.n, batch_size, world_size, drop_last)
+        if not self.sizes_per_batch and mode != "sequential":
+            raise ValueError(f"{self.n} samples cannot fill one batch of {batch_size} on each "
+                             f"of {world_size} ranks")
+
+    def rank_range(self) -> tuple[int, int]:
+        """Sequential mode: near-equal contiguous ranges covering every sample once."""
+        base, extra = divmod(self.n, self.world)
+        lo = self.rank * base + min(self.rank, extra)
+        return lo, lo + base + (1 if self.rank < extra else 0)
+
+    def worker_batches(self, worker: int) -> list[int]:
+        return list(range(worker, len(self.sizes_per_batch), self.workers))
+
+
+# ----------------------------------------------------------------------------- worker side
+class _Stream:
+    """One (rank, worker)'s batches for one epoch. Collates, tokenizes, counts skips."""
+
+    def __init__(self, plan: _Plan, epoch: int, worker: int, start_batch: int, transform,
+                 tokenize, decode_size):
+        self.plan, self.epoch, self.worker, self.start = plan, epoch, worker, start_batch
+        self.transform, self.tokenize, self.decode_size = transform, tokenize, decode_size
+        self.skipped: Counter[str] = Counter()
+        self.seen_keys: list[str] = []
+        self.seen_exts: set[str] = set()
+
+    def rng(self, tag: str) -> random.Random:
+        p = self.plan
+        return _rng(p.seed, self.epoch, p.rank, self.worker, tag)
+
+    def valid(self, pieces) -> Iterator[tuple]:
+        """Usable samples of the shard pieces (one pass), skips counted."""
+        for shard, begin, end in pieces:
+            url = self.plan.paths[shard]
+            for _, key, members in _read_shard(url, begin, end, self.skipped,
+                                               seen_exts=self.seen_exts):
+                if len(self.seen_keys) < 8:
+                    self.seen_keys.append(os.path.basename(key))
+                sample = _check_sample(key, members, url)
+                if isinstance(sample, str):
+                    self.skipped[sample] += 1
+                else:
+                    yield sample
+
+    def split(self, pieces) -> Iterator[tuple]:
+        """Shuffled passes over this worker's range; a pass after the first only happens
+        when skipped samples left the worker short of its quota."""
+        rng = self.rng("buffer")
+        while True:
+            found = 0
+            for sample in self.shuffled(self.valid(pieces), rng):
+                found += 1
+                yield sample
+            if not found:
+                self.no_valid_samples([self.plan.paths[s] for s, _, _ in pieces])
+
+    def no_valid_samples(self, urls: list[str]):
+        raise ValueError(
+            f"no valid samples in {sorted(set(urls))[:4]}: found keys {self.seen_keys}, "
+            f"extensions {sorted(self.seen_exts)}; need one of {IMAGE_EXTS} and one of "
+            f"{TEXT_EXTS} per key; skipped so far {dict(self.skipped)}")
+
+    def resampled(self) -> Iterator[tuple]:
+        rng = self.rng("shards")
+        p, picks_without = self.plan, 0
+        indices = list(range(len(p.paths)))
+        while True:
+            shard = rng.choices(indices, weights=p.weights)[0]
+            got = 0
+            for sample in self.valid([(shard, 0, None)]):
+                got += 1
+                yield sample
+            picks_without = 0 if got else picks_without + 1
+            if picks_without > 4 * len(indices) + 8:
+                self.no_valid_samples(p.paths)
+
+    def shuffled(self, samples: Iterator[tuple], rng: random.Random) -> Iterator[tuple]:
+        buffer = []
+        for sample in samples:
+            if len(buffer) < self.plan.buffer:
+                buffer.append(sample)
+                continue
+            i = rng.randrange(len(buffer))
+            buffer[i], sample = sample, buffer[i]
+            yield sample
+        rng.shuffle(buffer)
+        yield from buffer
+
+    def split_pieces(self, mine: list[int]):
+        p = self.plan
+        order = list(range(len(p.paths)))
+        _rng(p.seed, self.epoch, "shard-order").shuffle(order)
+        per_rank = sum(p.sizes_per_batch)
+        before = sum(p.sizes_per_batch[j] for j in range(len(p.sizes_per_batch))
+                     if j % p.workers < self.worker)
+        lo = p.rank * per_rank + before
+        return _segments(order, p.sizes, p.n, lo, lo + sum(p.sizes_per_batch[j] for j in mine))
+
+    def __iter__(self) -> Iterator[dict]:
+        p = self.plan
+        mine = p.worker_batches(self.worker)
+        if not mine:
+            return
+        if p.mode == "sequential":
+            yield from self.sequential(mine)
+            return
+        if p.mode == "resampled":
+            samples = self.shuffled(self.resampled(), self.rng("buffer"))
+        else:
+            samples = self.split(self.split_pieces(mine))
+        for j in mine:
+            chunk = [next(samples) for _ in range(p.sizes_per_batch[j])]
+            if j < self.start:
+                self.skipped.clear()  # counts belong to the skipped batch
+                continue
+            yield self.collate(j, self.decode_all(chunk, samples))
+
+    def decode_all(self, chunk: list[tuple], spare: Iterator[tuple] | None) -> list:
+        out = []
+        while chunk:
+            key, data, caption = chunk.pop(0)
+            try:
+                image = decode_image(data, self.decode_size)
+            except Exception:  # PIL raises many types for bad bytes; transform errors do not
+                self.skipped["corrupt_image"] += 1  # land here
+                if spare is not None:  # keep batches full: take the next sample instead
+                    chunk.append(next(spare))
+                continue
+            out.append((key, self.transform(image), caption))
+        return out
+
+    def sequential(self, mine: list[int]) -> Iterator[dict]:
+        p = self.plan
+        lo, hi = p.rank_range()
+        todo = [j for j in mine if j >= self.start]
+        if not todo:
+            return
+        wanted = set(todo)
+        first = todo[0] * p.batch + lo
+        pieces = _segments(list(range(len(p.paths))), p.sizes, p.n, first, hi)
+        by_batch: dict[int, list] = {}
+        position = first
+        for shard, begin, end in pieces:
+            url, off = p.paths[shard], position - begin - lo  # shard index -> rank position
+            for index, key, members in _read_shard(
+                    url, begin, end, self.skipped, want=lambda i, o=off: (i + o) // p.batch
+                    in wanted):
+                j = (index + off) // p.batch
+                while todo and todo[0] < j:  # earlier batches are complete
+                    done = todo.pop(0)
+                    yield self.collate_or_empty(done, by_batch.pop(done, []))
+                sample = _check_sample(key, members, url)
+                if isinstance(sample, str):
+                    self.skipped[sample] += 1
+                else:
+                    by_batch.setdefault(j, []).append(sample)
+            position += end - begin
+        for done in todo:
+            yield self.collate_or_empty(done, by_batch.pop(done, []))
+
+    def collate_or_empty(self, index: int, chunk: list) -> dict:
+        decoded = self.decode_all(chunk, None)
+        if not decoded:
+            return {"index": index, "empty": True, "skipped": self._take_skipped()}
+        return self.collate(index, decoded)
+
+    def _take_skipped(self) -> dict[str, int]:
+        out = dict(self.skipped)
+        self.skipped.clear()
+        return out
+
+    def collate(self, index: int, decoded: list) -> dict:
+        keys = [k for k, _, _ in decoded]
+        images = torch.stack([img for _, img, _ in decoded])
+        text = self.tokenize([c for _, _, c in decoded])
+        return {"image": images, "text": text, "key": keys, "skipped": self._take_skipped(),
+                "index": index}
+
+
+class _EpochDataset(torch.utils.data.IterableDataset):
+    def __init__(self, plan, epoch, start_batch, transform, tokenize, decode_size):
+        super().__init__()
+        self.args = (plan, epoch, start_batch, transform, tokenize, decode_size)
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        plan, epoch, start, transform, tokenize, decode_size = self.args
+        worker = 0 if info is None else info.id
+        return iter(_Stream(plan, epoch, worker, start, transform, tokenize, decode_size))
+
+
+def _seed_worker(worker_id: int) -> None:
+    """Seed python/numpy RNGs of a worker from torch's (deterministic) worker seed."""
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+# ----------------------------------------------------------------------------- main side
+class Loader:
+    """Iterable over one epoch of batches; see the module docstring for the layout."""
+
+    def __init__(self, plan: _Plan, transform, tokenize, epoch: int, start_batch: int,
+                 num_workers: int, decode_size: int | None):
+        self.plan, self.transform, self.tokenize = plan, transform, tokenize
+        self.num_workers, self.decode_size = num_workers, decode_size
+        self.epoch, self.start_batch = epoch, 0
+        self.set_epoch(epoch, start_batch)
+        self.stats: Counter[str] = Counter()
+        self.position = start_batch
+
+    @property
+    def num_batches(self) -> int:
+        """Batches this rank yields per epoch (equal on all ranks except sequential)."""
+        return len(self.plan.sizes_per_batch)
+
+    @property
+    def num_samples(self) -> int:
+        """Samples this rank yields per epoch."""
+        return sum(self.plan.sizes_per_batch)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def set_epoch(self, epoch: int, start_batch: int | None = None) -> None:
+        """Select the epoch for the next iter(); start_batch (if given) skips that many
+        batches of it. A start_batch applies to the next iter() only."""
+        if start_batch is not None:
+            if not 0 <= start_batch <= self.num_batches:
+                raise ValueError(f"start_batch={start_batch} not in [0, {self.num_batches}]")
+            self.start_batch = start_batch
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[dict]:
+        start, self.start_batch = self.start_batch, 0
+        dataset = _EpochDataset(self.plan, self.epoch, start, self.transform, self.tokenize,
+                                self.decode_size)
+        if self.num_workers > 0:
+            generator = torch.Generator()
+            generator.manual_seed(_rng(self.plan.seed, self.epoch, self.plan.rank).getrandbits(63))
+            batches = torch.utils.data.DataLoader(
+                dataset, batch_size=None, num_workers=self.num_workers, generator=generator,
+                worker_init_fn=_seed_worker, persistent_workers=False)
+        else:
+            batches = dataset
+        self.position, yielded = start, 0
+        for batch in self._in_order(iter(batches), start):
+            yielded += 1
+            yield batch
+        if not yielded and start < self.num_batches:
+            raise ValueError(f"no valid samples in {self.plan.paths[:4]}...: skipped "
+                             f"{dict(self.stats)}")
+
+    def _in_order(self, batches: Iterator[dict], expected: int) -> Iterator[dict]:
+        """Workers deliver round-robin from worker 0; after a resume the true order starts at
+        another worker, so hold back at most num_workers batches and emit by index."""
+        pending: dict[int, dict] = {}
+        carry: Counter[str] = Counter()
+        for batch in batches:
+            pending[batch.pop("index")] = batch
+            while expected in pending:
+                out = pending.pop(expected)
+                expected += 1
+                yield from self._emit(out, carry)
+        for index in sorted(pending):
+            yield from self._emit(pending.pop(index), carry)
+        if carry:
+            self.stats.update(carry)
+
+    def _emit(self, batch: dict, carry: Counter) -> Iterator[dict]:
+        carry.update(batch["skipped"])
+        self.position += 1
+        if batch.get("empty"):
+            return
+        batch["skipped"] = dict(carry)
+        self.stats.update(carry)
+        carry.clear()
+        yield batch
+
+
+def make_loader(
+    urls: str,
+    *,
+    batch_size: int,
+    transform: Callable,
+    tokenize: Callable[[list[str]], torch.Tensor],
+    seed: int = 0,
+    epoch: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 0,
+    mode: str = "split",
+    shuffle_buffer: int = 1000,
+    num_samples: int | None = None,
+    drop_last: bool = True,
+    start_batch: int = 0,
+    weights: str | list[float] | None = None,
+    decode_size: int | None = None,
+) -> Loader:
+    """Build the batch stream of one rank over ``urls`` (brace spec, '::' joins sources).
+
+    mode:        'split' | 'resampled' | 'sequential' (module docstring).
+    num_samples: samples per epoch over all ranks (default: total from sizes.json).
+    drop_last:   split mode only; False pads ranks by wrapping around (a few repeats) and
+                 keeps a partial last batch.
+    start_batch: skip this many batches of ``epoch`` (resume); see ``Loader.set_epoch``.
+    weights:     resampled mode: per-source weights, e.g. '1::2' (each shard of a source is
+                 drawn with its source's weight, like open_clip's upsampling factors).
+    decode_size: decode JPEGs at reduced DCT scale keeping both sides >= this (fast path).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size or num_workers < 0:
+        raise ValueError(f"bad sizes: batch_size={batch_size} rank={rank} "
+                         f"world_size={world_size} num_workers={num_workers}")
+    sources = expand_sources(urls)
+    source_weights = _parse_weights(weights, len(sources))
+    if weights is not None and mode != "resampled" and len(set(source_weights)) > 1:
+        raise ValueError("per-source weights need mode='resampled'")
+    plan = _Plan(sources, source_weights, mode, batch_size, world_size, rank, seed,
+                 num_samples, drop_last, shuffle_buffer, num_workers)
+    _probe(plan.paths)
+    return Loader(plan, transform, tokenize, epoch, start_batch, num_workers, decode_size)
+
+
+def _parse_weights(weights, count: int) -> list[float]:
+    if weights is None:
+        return [1.0] * count
+    values = [float(w) for w in (weights.split("::") if isinstance(weights, str) else weights)]
+    if len(values) != count or any(w < 0 for w in values) or not any(values):
+        raise ValueError(f"weights {weights!r} must give {count} non-negative values")
+    return values
+
+
+def _probe(paths: list[str], max_samples: int = 32) -> None:
+    """Fail fast when the first readable shard has no image+caption pair at all."""
+    for path in paths[:3]:
+        skipped: Counter[str] = Counter()
+        keys, exts, usable = [], set(), False
+        for i, key, members in _read_shard(path, 0, max_samples, skipped, seen_exts=exts):
+            keys.append(os.path.basename(key))
+            usable |= any(e in members for e in IMAGE_EXTS) and \
+                any(e in members for e in TEXT_EXTS)
+        if usable:
+            return
+        if keys or not skipped:
+            raise ValueError(
+                f"{path} has no usable samples: keys {keys[:8]}, image/text extensions "
+                f"{sorted(exts)}; need one of {IMAGE_EXTS} and one of {TEXT_EXTS} per key")

@@ -1,0 +1,33 @@
+"""Project-wide fixtures: tiny real shards (OpenMoji subset) shared by trainer/CLI tests."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_shards(tmp_path_factory):
+    """{'train': spec (160 pairs in 3 uneven shards), 'eval': spec (40 pairs)} at 32 px."""
+    from data_pipelines.sources.openmoji import load_pairs
+    from data_pipelines.write import write_shards
+
+    root = tmp_path_factory.mktemp("tiny_shards")
+    train = load_pairs("train", image_size=32)[:160]
+    held = load_pairs("eval", image_size=32)[:40]
+    return {
+        "train": write_shards(train, root / "train", prefix="train", samples_per_shard=64).spec,
+        "eval": write_shards(held, root / "eval", prefix="eval", samples_per_shard=64).spec,
+    }
+
+
+def run_env() -> dict:
+    """Environment for subprocesses: one thread each, repo on the path, no GPU."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+    return env
+
+
+PYTHON = sys.executable

@@ -1,0 +1,127 @@
+"""Streaming loader: shapes, determinism, equal batches per rank, resume, skipped samples."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from data_pipelines.stream import make_loader
+from data_pipelines.write import write_shards
+from dp_helpers import png_bytes, to_tensor, tokenize, write_sizes, write_tar
+
+
+@pytest.fixture(scope="module")
+def uneven(small_pairs, tmp_path_factory):
+    """50 samples in shards of 7 (7,7,7,7,7,7,7,1): uneven shards."""
+    out = tmp_path_factory.mktemp("uneven")
+    return write_shards(small_pairs, out, samples_per_shard=7).spec
+
+
+def loader(spec, **kwargs):
+    kwargs.setdefault("batch_size", 4)
+    return make_loader(spec, transform=to_tensor, tokenize=tokenize, **kwargs)
+
+
+def keys_of(batches):
+    return [k for b in batches for k in b["key"]]
+
+
+def test_batch_shapes(uneven):
+    batches = list(loader(uneven))
+    assert len(batches) == 12  # 50 // 4
+    batch = batches[0]
+    assert set(batch) == {"image", "text", "key", "skipped"}
+    assert batch["image"].shape == (4, 3, 64, 64) and batch["image"].dtype == torch.float32
+    assert batch["text"].shape == (4, 8) and batch["text"].dtype == torch.long
+    assert len(batch["key"]) == 4 and batch["skipped"] == {}
+
+
+def test_deterministic_order(uneven):
+    a = keys_of(loader(uneven, seed=3))
+    assert a == keys_of(loader(uneven, seed=3))
+    assert a != keys_of(loader(uneven, seed=4))
+    other_epoch = loader(uneven, seed=3)
+    other_epoch.set_epoch(1)
+    assert keys_of(other_epoch) != a
+    assert len(set(a)) == len(a) == 48
+
+
+@pytest.mark.parametrize("mode", ["split", "resampled"])
+def test_equal_batches_across_ranks(uneven, mode):
+    per_rank = [list(loader(uneven, rank=r, world_size=2, mode=mode)) for r in range(2)]
+    counts = [len(b) for b in per_rank]
+    assert counts == [6, 6]  # 50 // (4 * 2)
+    if mode == "split":
+        keys = keys_of(per_rank[0]) + keys_of(per_rank[1])
+        assert len(keys) == len(set(keys)) == 48
+
+
+def test_sequential_keeps_every_sample_once_in_order(uneven, small_pairs):
+    everything = [p.key for p in small_pairs]
+    single = list(loader(uneven, mode="sequential", batch_size=8))
+    assert keys_of(single) == everything
+    assert [len(b["key"]) for b in single] == [8] * 6 + [2]
+    ranks = [keys_of(loader(uneven, mode="sequential", batch_size=8, rank=r, world_size=2))
+             for r in range(2)]
+    assert ranks[0] + ranks[1] == everything
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_start_batch_resumes_exactly(uneven, num_workers):
+    full = list(loader(uneven, seed=1, epoch=2, num_workers=num_workers))
+    resumed = list(loader(uneven, seed=1, epoch=2, num_workers=num_workers, start_batch=5))
+    assert len(resumed) == len(full) - 5
+    for a, b in zip(full[5:], resumed):
+        assert a["key"] == b["key"]
+        assert torch.equal(a["image"], b["image"]) and torch.equal(a["text"], b["text"])
+
+
+def test_workers_match_across_runs_and_cover_rank(uneven):
+    a = list(loader(uneven, num_workers=2, rank=1, world_size=2))
+    b = list(loader(uneven, num_workers=2, rank=1, world_size=2))
+    assert len(a) == 6 and keys_of(a) == keys_of(b)
+    assert len(set(keys_of(a))) == 24
+
+
+def test_corrupt_image_skipped_and_counted(tmp_path):
+    samples = [(f"s{i:03d}", {"png": png_bytes(i), "txt": f"caption {i}".encode()})
+               for i in range(20)]
+    samples[7] = ("s007", {"png": b"\x89PNG garbage", "txt": b"broken"})
+    write_tar(tmp_path / "a-000000.tar", samples)
+    write_sizes(tmp_path, {"a-000000.tar": 20})
+    run = loader(str(tmp_path / "a-000000.tar"), batch_size=4, mode="sequential")
+    batches = list(run)
+    keys = keys_of(batches)
+    assert "s007" not in keys and len(keys) == 19
+    assert sum(Counter(b["skipped"])["corrupt_image"] for b in batches) == 1
+    assert run.stats == {"corrupt_image": 1}
+    split = loader(str(tmp_path / "a-000000.tar"), batch_size=4)
+    got = list(split)
+    assert len(got) == 5 and split.stats["corrupt_image"] >= 1
+    assert "s007" not in keys_of(got)
+
+
+def test_zero_valid_samples_names_what_it_found(tmp_path):
+    write_tar(tmp_path / "x.tar", [("k1", {"jpeg2": b"a", "label": b"b"})])
+    with pytest.raises(ValueError, match=r"k1.*jpeg2|jpeg2.*k1"):
+        loader(str(tmp_path / "x.tar"), batch_size=1)
+
+
+def test_missing_shard_is_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothere-3.tar"):
+        loader(str(tmp_path / "nothere-{1..3}.tar"))
+
+
+def test_too_few_samples_is_a_clear_error(uneven):
+    with pytest.raises(ValueError, match="cannot fill one batch"):
+        loader(uneven, batch_size=40, world_size=2)
+
+
+@pytest.mark.parametrize("mode", ["split", "sequential"])
+def test_all_corrupt_is_an_error_not_a_hang(tmp_path, mode):
+    write_tar(tmp_path / "bad.tar", [(f"k{i}", {"png": b"\x89PNG nope", "txt": b"c"})
+                                     for i in range(3)])
+    with pytest.raises(ValueError, match="no valid samples"):
+        list(loader(str(tmp_path / "bad.tar"), batch_size=1, mode=mode))

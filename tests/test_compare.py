@@ -1,0 +1,265 @@
+"""`vlp compare`: grid expansion, equal budget, run loop (resume, retry, failure), table, plots."""
+import argparse
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO
+from vlp import compare
+from vlp.compare import (
+    GridSpec, aggregate, expand_grid, load_compare_config, markdown_table, mean_curve, parse_grid,
+    plot_curves, plot_metric_vs_batch, read_log, run_config, run_grid, steps_for,
+)
+from vlp.config import ConfigError
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _base(shards, samples=32):
+    return {"model": {"name": "vlp-micro"},
+            "data": {"train_shards": shards["train"], "eval_shards": shards["eval"], "shuffle_buffer": 64},
+            "optim": {"lr": 2e-3}, "train": {"samples": samples}, "eval": {"batch_size": 64}}
+
+
+def _grid(out, **kw):
+    raw = {"losses": ["infonce", "flatnce"], "batch_per_device": [4, 8], "seeds": [0, 1],
+           "out_dir": str(out), "warmup_samples": 8, "log_every_samples": 8, **kw}
+    return parse_grid(raw)
+
+
+def _csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def _check_png(path):
+    from PIL import Image
+
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    with Image.open(path) as im:
+        im.load()
+        assert im.size[0] > 100 and im.size[1] > 100
+
+
+def test_tiny_grid_end_to_end_then_rerun_skips_everything(tiny_shards, tmp_path, monkeypatch):
+    grid = _grid(tmp_path / "cmp")
+    rows = run_grid(_base(tiny_shards), grid)
+    out = tmp_path / "cmp"
+    csv_rows = _csv(out / "runs.csv")
+    assert len(rows) == len(csv_rows) == 8
+    assert sorted((r["loss"], int(r["batch_per_device"]), int(r["seed"])) for r in csv_rows) == sorted(
+        (loss, b, s) for loss in ("infonce", "flatnce") for b in (4, 8) for s in (0, 1))
+    for r in csv_rows:
+        b = int(r["batch_per_device"])
+        assert r["status"] == "ok" and r["error"] == ""
+        assert int(r["global_batch"]) == b and int(r["steps"]) == 32 // b and int(r["samples_seen"]) == 32
+        for key in compare.EVAL_KEYS + compare.DIAG_KEYS + ("wall_time_s",):
+            assert r[key] != "", key
+        assert 0.0 <= float(r["mean_R@1"]) <= 1.0
+    # the curves are read from the Trainer's log: log_every = 8 samples // batch
+    log = read_log(out / "infonce_b4_s0" / "log.jsonl")
+    assert [rec["samples_seen"] for rec in log] == [8, 16, 24, 32]
+    md = (out / "results.md").read_text()
+    assert md.count("| infonce |") == 2 and md.count("| flatnce |") == 2 and "**" in md
+    for name in ("metric_vs_batch.png", "curves.png"):
+        _check_png(out / name)
+
+    # rerun: every run has result.json, so nothing trains and the report is rebuilt identically
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(compare, "_train_once", no_training)
+    (out / "runs.csv").unlink()
+    rows_again = run_grid(_base(tiny_shards), grid)
+    assert rows_again == rows
+    assert _csv(out / "runs.csv") == csv_rows
+
+
+def _fake_train(calls, fail=lambda cfg: False):
+    """A stand-in for one Trainer run: writes what the Trainer writes, instantly."""
+    def train_once(cfg, accelerator):
+        calls.append(Path(cfg.train.output_dir).name)
+        out = Path(cfg.train.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+        gb = cfg.data.batch_per_device
+        steps = cfg.train.samples // gb
+        with open(out / "log.jsonl", "a") as f:
+            for step in range(1, steps + 1):
+                f.write(json.dumps({"step": step, "samples_seen": step * gb, "infonce": 1.0 / step,
+                                    "log_xi": 0.5, "grad_ratio": 0.9, "frac_saturated": 0.0, "ess_neg": 2.0,
+                                    "acc": 0.5, "logit_scale": 14.0}) + "\n")
+                if fail(cfg) and step == 1:
+                    raise RuntimeError("CUDA out of memory (fake)\nsecond line")
+        r1 = 0.1 * cfg.train.seed + (0.2 if cfg.loss.name == "flatnce" else 0.0)
+        (out / "result.json").write_text(json.dumps({
+            "step": steps, "samples_seen": steps * gb, "global_batch": gb, "train_time_s": 0.1,
+            **{f"eval/{k}": r1 for k in compare.EVAL_KEYS[:-1]}, "eval/chance_R@1": 0.025}))
+        return {}
+    return train_once
+
+
+def test_crashed_run_is_retried_once_then_recorded_and_grid_continues(tiny_shards, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(compare, "_train_once", _fake_train(
+        calls, fail=lambda cfg: cfg.loss.name == "flatnce" and cfg.data.batch_per_device == 8))
+    grid = _grid(tmp_path / "cmp")
+    rows = run_grid(_base(tiny_shards), grid)
+    assert len(calls) == 8 + 2  # two failing runs, each tried twice
+    assert calls.count("flatnce_b8_s0") == calls.count("flatnce_b8_s1") == 2
+    failed = [r for r in rows if r["status"] != "ok"]
+    assert {r["run"] for r in failed} == {"flatnce_b8_s0", "flatnce_b8_s1"}
+    assert all(r["error"] == "RuntimeError: CUDA out of memory (fake)" for r in failed)
+    assert all(r["steps"] == 1 and r["samples_seen"] == 8 for r in failed)  # from the log
+    md = (tmp_path / "cmp" / "results.md").read_text()
+    assert "| 8 | 8 | flatnce | 1 | 8 | 0/2 | — |" in md and "Failed runs: flatnce_b8_s0" in md
+    # rerun: finished runs skipped, failed ones attempted again
+    calls.clear()
+    run_grid(_base(tiny_shards), grid)
+    assert sorted(calls) == ["flatnce_b8_s0"] * 2 + ["flatnce_b8_s1"] * 2
+
+
+def test_rerun_with_a_changed_budget_refuses_to_mix_results(tiny_shards, tmp_path, monkeypatch):
+    monkeypatch.setattr(compare, "_train_once", _fake_train([]))
+    grid = _grid(tmp_path / "cmp", losses=["infonce"], seeds=[0])
+    run_grid(_base(tiny_shards), grid)
+    with pytest.raises(ConfigError, match=r"infonce_b4_s0 was run with another config \(train.samples: 32"):
+        run_grid(_base(tiny_shards, samples=64), grid)
+
+
+def test_equal_budget_arithmetic(tiny_shards, tmp_path):
+    assert steps_for(12288, 8) == 1536 and steps_for(12288, 128) == 96
+    assert steps_for(12288, 32, world=4) == 96 and steps_for(12288, 32, world=4, accum=2) == 48
+    assert steps_for(1000, 128) == 7  # samples actually seen: 896, reported as such
+    grid = _grid(tmp_path, warmup_samples=64, log_every_samples=16, batch_per_device=[2, 8])
+    base = _base(tiny_shards, samples=128)
+    runs = expand_grid(grid)
+    assert [r.name for r in runs[:4]] == ["infonce_b2_s0", "flatnce_b2_s0", "infonce_b8_s0", "flatnce_b8_s0"]
+    for world in (1, 2):
+        for run in runs:
+            cfg = run_config(base, grid, run, world)
+            gb = run.batch_per_device * world
+            assert (cfg.loss.name, cfg.data.batch_per_device, cfg.train.seed) == (
+                run.loss, run.batch_per_device, run.seed)
+            assert cfg.train.samples == 128 and cfg.optim.warmup_steps == 64 // gb
+            assert cfg.train.log_every == max(1, 16 // gb)
+            assert cfg.train.output_dir == str(tmp_path / run.name) and cfg.train.resume == "latest"
+    with pytest.raises(ConfigError, match="gives 0 steps for infonce_b8_s0"):
+        run_config(_base(tiny_shards, samples=4), grid, runs[2])
+
+
+def test_loss_overrides_and_grid_validation(tmp_path):
+    grid = parse_grid({"losses": ["infonce", "flatnce"], "batch_per_device": [8], "seeds": [0],
+                       "loss_overrides": {"flatnce": {"loss": {"temperature": "infonce"}, "optim.lr": 1e-4}}})
+    runs = {r.loss: r for r in expand_grid(grid)}
+    base = {"train": {"samples": 64}}
+    assert run_config(base, grid, runs["flatnce"]).loss.temperature == "infonce"
+    assert run_config(base, grid, runs["flatnce"]).optim.lr == 1e-4
+    assert run_config(base, grid, runs["infonce"]).loss.temperature == "learnable"
+    good = {"losses": ["infonce"], "batch_per_device": [8], "seeds": [0]}
+    bad = [
+        (None, "needs a 'grid:' section"),
+        ({**good, "batchsize": [8]}, "unknown key 'grid.batchsize'"),
+        ({**good, "losses": ["nce"]}, "grid.losses: unknown loss 'nce'"),
+        ({**good, "batch_per_device": []}, "grid.batch_per_device must be a non-empty list"),
+        ({**good, "batch_per_device": [8, 0]}, "grid.batch_per_device values must be >= 1"),
+        ({**good, "seeds": [0, 0]}, "grid.seeds has duplicates"),
+        ({**good, "loss_overrides": {"siglip": {"optim.lr": 1.0}}}, "not one of grid.losses"),
+        ({**good, "loss_overrides": {"infonce": {"train.seed": 3}}}, "set by the grid"),
+        ({**good, "metric": "R@1"}, "grid.metric must be one of"),
+    ]
+    for raw, message in bad:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+            parse_grid(raw)
+    typo = parse_grid({**good, "loss_overrides": {"infonce": {"optim.lrr": 1.0}}})
+    with pytest.raises(ConfigError, match="unknown key 'optim.lrr'"):
+        run_config(base, typo, expand_grid(typo)[0])
+
+
+@pytest.mark.parametrize("name,runs,model", [("compare_small_batch.yaml", 27, "vlp-compare"),
+                                             ("compare_gpu_vitb32.yaml", 27, "ViT-B-32")])
+def test_shipped_configs_load(name, runs, model):
+    base, grid = load_compare_config(REPO / "configs" / name)
+    assert len(expand_grid(grid)) == runs and len(grid.seeds) >= 3
+    assert set(grid.losses) == {"infonce", "flatnce", "siglip"}
+    for run in expand_grid(grid):
+        assert run_config(base, grid, run).model.name == model
+    base, grid = load_compare_config(REPO / "configs" / name, ["grid.seeds=[5]", "train.samples=4096"])
+    assert grid.seeds == [5] and base["train"]["samples"] == 4096
+
+
+def test_cli_hook_parses():
+    parser = argparse.ArgumentParser(prog="vlp")
+    compare.add_compare_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["compare", "-c", "x.yaml", "--report-only", "grid.seeds=[0]"])
+    assert args.func is compare.cmd_compare and args.report_only and args.overrides == ["grid.seeds=[0]"]
+
+
+# ---------------------------------------------------------------------------- pure functions
+def _row(loss, batch, seed, r1, status="ok", infonce=2.0):
+    return {"run": f"{loss}_b{batch}_s{seed}", "loss": loss, "batch_per_device": batch, "global_batch": 2 * batch,
+            "seed": seed, "steps": 64 // batch, "samples_seen": 64, "status": status, "wall_time_s": 10.0,
+            **{k: (r1 if status == "ok" else None) for k in compare.EVAL_KEYS},
+            **{k: (infonce if status == "ok" else None) for k in compare.DIAG_KEYS}}
+
+
+def test_aggregate_mean_std_and_bold_best_per_batch():
+    rows = [_row("infonce", 8, 0, 0.10), _row("infonce", 8, 1, 0.20),
+            _row("flatnce", 8, 0, 0.30), _row("flatnce", 8, 1, 0.50), _row("flatnce", 8, 2, 0.9, "failed"),
+            _row("infonce", 32, 0, 0.40), _row("infonce", 32, 1, 0.40),
+            _row("flatnce", 32, 0, 0.40), _row("flatnce", 32, 1, 0.40)]
+    table = {(r["loss"], r["batch_per_device"]): r for r in aggregate(rows)}
+    f8 = table[("flatnce", 8)]
+    assert (f8["n_ok"], f8["n_runs"], f8["global_batch"], f8["steps"]) == (2, 3, 16, 8)
+    assert f8["mean_R@1"][0] == pytest.approx(0.4) and f8["mean_R@1"][1] == pytest.approx(0.1414213, rel=1e-5)
+    assert table[("infonce", 32)]["mean_R@1"] == pytest.approx((0.4, 0.0))
+    md = markdown_table(list(table.values()), losses=["infonce", "flatnce"]).splitlines()
+    assert [line.split(" | ")[2] for line in md[2:]] == ["infonce", "flatnce", "infonce", "flatnce"]
+    i8, f8_line, i32, f32 = md[2:]
+    assert "| 15.0 ± 7.1 |" in i8 and "| **40.0 ± 14.1** |" in f8_line and "| 2/3 |" in f8_line
+    assert i32.count("**40.0 ± 0.0**") == 7 and f32.count("**40.0 ± 0.0**") == 7  # ties: both bold
+    assert "**2" not in f8_line  # diagnostics (InfoNCE, logit scale) are never bolded
+    only_failed = aggregate([_row("siglip", 8, 0, 0.0, "failed")])
+    assert only_failed[0]["mean_R@1"] is None and "| — |" in markdown_table(only_failed)
+
+
+def test_plots_have_one_series_per_loss_and_per_loss_batch(tmp_path):
+    rows = [_row(loss, b, s, 0.1 * s + b / 100) for loss in ("infonce", "flatnce", "siglip")
+            for b in (8, 32) for s in (0, 1, 2)]
+    fig = plot_metric_vs_batch(aggregate(rows), "mean_R@1", path=tmp_path / "m.png", chance=0.01)
+    ax = fig.axes[0]
+    assert len(ax.containers) == 3  # one errorbar series per loss
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["infonce", "flatnce", "siglip", "chance"]
+    assert ax.get_xscale() == "log"
+    _check_png(tmp_path / "m.png")
+
+    def log(seed, gb):
+        return [{"step": k, "samples_seen": k * gb, **{key: seed + k for key in compare.CURVE_KEYS}}
+                for k in range(1, 5)]
+
+    curves = {(loss, b): [log(s, b) for s in (0, 1, 2)] for loss in ("infonce", "flatnce") for b in (8, 32)}
+    fig = plot_curves(curves, path=tmp_path / "c.png")
+    panels = [ax for ax in fig.axes if ax.get_title() in compare.CURVE_KEYS]
+    assert len(panels) == len(compare.CURVE_KEYS)
+    assert all(len(ax.get_lines()) == 4 for ax in panels)  # loss x batch
+    _check_png(tmp_path / "c.png")
+    xs, ys = mean_curve(curves[("infonce", 8)], "infonce")
+    assert xs == [8, 16, 24, 32] and ys == [2.0, 3.0, 4.0, 5.0]  # mean over seeds 0, 1, 2
+
+
+def test_read_log_keeps_training_records_last_one_per_step(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"step": 1, "samples_seen": 8, "infonce": 3.0}, {"step": 2, "samples_seen": 16, "infonce": 2.0},
+        {"step": 2, "samples_seen": 16, "infonce": 2.5},  # replayed after a resume
+        {"step": 2, "eval/image_to_text_R@1": 0.1}, {"step": 2, "samples_seen": 16, "train_time_s": 1.0},
+    ]) + '\n{"step": 3, "samp')
+    assert [(r["step"], r["infonce"]) for r in read_log(path)] == [(1, 3.0), (2, 2.5)]
+
+
+def test_grid_spec_defaults():
+    spec = GridSpec(losses=["infonce"], batch_per_device=[8], seeds=[0])
+    assert spec.retries == 1 and spec.metric == "mean_R@1" and spec.keep_checkpoints

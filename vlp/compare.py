@@ -1,0 +1,608 @@
+"""`vlp compare`: a grid of trainings (loss × per-GPU batch × seed) at an equal sample budget.
+
+    vlp compare -c configs/compare_small_batch.yaml                  # CPU, embedded OpenMoji data
+    vlp compare -c configs/compare_small_batch.yaml grid.seeds=[0] train.samples=4096
+    accelerate launch -m vlp compare -c configs/compare_gpu_vitb32.yaml   # N GPUs
+    vlp compare -c configs/compare_small_batch.yaml --report-only      # rebuild table and plots
+
+Fairness: every run sees the same budget of samples (steps = samples // global batch, so a
+smaller batch takes more steps; the samples actually seen are reported), the same data order
+for a given seed (the Trainer seeds the stream with train.seed), and the same held-out
+retrieval eval (data.eval_shards) at the end. Under `accelerate launch` the per-GPU batch is
+the swept knob and global batch = per-GPU × processes × accum is reported.
+
+    <out_dir>/<loss>_b<batch>_s<seed>/  one Trainer run: log.jsonl, result.json, config.yaml
+    <out_dir>/runs.csv                  one row per run (config, status, eval, final diagnostics)
+    <out_dir>/results.md                mean ± std over seeds per loss × batch, best per batch bold
+    <out_dir>/metric_vs_batch.png       eval metric vs per-GPU batch (log2), one line per loss
+    <out_dir>/curves.png                diagnostics vs samples seen, one line per loss × batch
+
+Resumable: a run with result.json is skipped; an unfinished one resumes from its latest
+checkpoint; a run that raises is retried once (from its latest checkpoint), then recorded as
+failed and the grid goes on. All processes walk the grid in the same order (the Trainer's
+collectives need it); only the main process writes files. Limitation: an exception raised on
+one rank only (e.g. one GPU's OOM) usually hangs the others in a collective, as in any DDP job.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import math
+import shutil
+import statistics
+import time
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import yaml
+
+from vlp.config import Config, ConfigError, LossConfig, apply_overrides, from_dict
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "compare_small_batch.yaml"
+OPENMOJI_CACHE = Path(".cache") / "shards" / "openmoji"  # same cache as `vlp demo`
+LOSS_NAMES = typing.get_args(typing.get_type_hints(LossConfig)["name"])
+DIRECTIONS = ("image_to_text", "text_to_image")
+EVAL_KEYS = tuple(f"{d}_R@{k}" for d in DIRECTIONS for k in (1, 5, 10)) + ("mean_R@1",)
+DIAG_KEYS = ("infonce", "log_xi", "grad_ratio", "frac_saturated", "ess_neg", "acc", "logit_scale")
+CSV_COLUMNS = ("run", "loss", "temperature", "batch_per_device", "global_batch", "seed", "steps",
+               "samples_seen", "wall_time_s", "status", "error", *EVAL_KEYS, "chance_R@1", *DIAG_KEYS)
+CURVE_KEYS = ("infonce", "log_xi", "grad_ratio", "frac_saturated", "logit_scale")
+# Grid-controlled keys: a per-loss override of these would silently break the grid.
+GRID_KEYS = ("loss.name", "data.batch_per_device", "train.seed", "train.output_dir", "train.resume")
+# Keys that may change between a finished run and a rerun without making the run stale.
+HARMLESS_KEYS = ("train.resume", "train.output_dir", "train.checkpoint_every", "train.keep_last",
+                 "train.log_every", "eval.batch_size")
+
+
+# ---------------------------------------------------------------------------- grid spec
+@dataclass
+class GridSpec:
+    """The `grid:` section of a compare config (popped before the rest becomes a vlp Config)."""
+
+    losses: list[str]
+    """Losses to compare (loss.name values)."""
+    batch_per_device: list[int]
+    """Per-GPU batch sizes to sweep (data.batch_per_device values)."""
+    seeds: list[int]
+    """Seeds (train.seed): model init and data order; the same order for every loss and batch."""
+    out_dir: str = "runs/compare"
+    """Results folder: one subfolder per run plus runs.csv, results.md and the plots."""
+    loss_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per-loss dotted overrides, e.g. {flatnce: {loss.temperature: infonce}}."""
+    warmup_samples: Optional[int] = None
+    """If set, optim.warmup_steps = warmup_samples // global batch (equal warmup in samples)."""
+    log_every_samples: Optional[int] = None
+    """If set, train.log_every = max(1, log_every_samples // global batch) (aligned curves)."""
+    keep_checkpoints: bool = True
+    """False: delete a run's checkpoints/ once it succeeded (open_clip_model.pt is kept)."""
+    retries: int = 1
+    """Extra attempts for a run that raises, before it is recorded as failed."""
+    metric: str = "mean_R@1"
+    """Eval metric of metric_vs_batch.png (one of EVAL_KEYS)."""
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{a: {b: 1}, 'c.d': 2} -> {'a.b': 1, 'c.d': 2} (overrides may come nested from the CLI)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _int_list(raw: dict, key: str, minimum: Optional[int]) -> list[int]:
+    value = raw.get(key)
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if (not isinstance(value, list) or not value
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+        raise ConfigError(f"config: grid.{key} must be a non-empty list of integers, got {value!r}")
+    if minimum is not None and min(value) < minimum:
+        raise ConfigError(f"config: grid.{key} values must be >= {minimum}, got {value}")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"config: grid.{key} has duplicates: {value}")
+    return value
+
+
+def parse_grid(raw: Any) -> GridSpec:
+    """Validate the `grid:` mapping; every problem is one ConfigError line naming the key."""
+    if not isinstance(raw, dict):
+        raise ConfigError("config: compare needs a 'grid:' section with losses, batch_per_device and seeds")
+    known = set(GridSpec.__dataclass_fields__)
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"config: unknown key 'grid.{key}' (valid: {', '.join(sorted(known))})")
+    losses = raw.get("losses")
+    if isinstance(losses, str):
+        losses = [losses]
+    if not isinstance(losses, list) or not losses:
+        raise ConfigError(f"config: grid.losses must be a non-empty list, got {losses!r}")
+    for name in losses:
+        if name not in LOSS_NAMES:
+            raise ConfigError(f"config: grid.losses: unknown loss {name!r} (valid: {', '.join(LOSS_NAMES)})")
+    if len(set(losses)) != len(losses):
+        raise ConfigError(f"config: grid.losses has duplicates: {losses}")
+    overrides = raw.get("loss_overrides") or {}
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"config: grid.loss_overrides must map a loss to overrides, got {overrides!r}")
+    flat = {}
+    for loss, sets in overrides.items():
+        if loss not in losses:
+            raise ConfigError(f"config: grid.loss_overrides.{loss}: not one of grid.losses {losses}")
+        if not isinstance(sets, dict):
+            raise ConfigError(f"config: grid.loss_overrides.{loss} must map dotted keys to values, got {sets!r}")
+        flat[loss] = _flatten(sets)
+        for key in flat[loss]:
+            if key in GRID_KEYS:
+                raise ConfigError(f"config: grid.loss_overrides.{loss}.{key}: set by the grid, not per loss")
+    spec = GridSpec(
+        losses=list(losses),
+        batch_per_device=_int_list(raw, "batch_per_device", 1),
+        seeds=_int_list(raw, "seeds", 0),
+        loss_overrides=flat,
+        **{k: raw[k] for k in ("out_dir", "warmup_samples", "log_every_samples", "keep_checkpoints",
+                               "retries", "metric") if k in raw},
+    )
+    if not isinstance(spec.out_dir, str) or not spec.out_dir:
+        raise ConfigError(f"config: grid.out_dir must be a folder path, got {spec.out_dir!r}")
+    for key in ("warmup_samples", "log_every_samples", "retries"):
+        value = getattr(spec, key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ConfigError(f"config: grid.{key} must be an integer >= 0, got {value!r}")
+    if not isinstance(spec.keep_checkpoints, bool):
+        raise ConfigError(f"config: grid.keep_checkpoints must be true or false, got {spec.keep_checkpoints!r}")
+    if spec.metric not in EVAL_KEYS:
+        raise ConfigError(f"config: grid.metric must be one of {list(EVAL_KEYS)}, got {spec.metric!r}")
+    return spec
+
+
+def load_compare_config(path: str | Path, overrides: Sequence[str] = ()) -> tuple[dict, GridSpec]:
+    """YAML + dotted overrides (grid.* included) → (base vlp config dict, GridSpec), both validated."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config: no such file: {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    data = apply_overrides(data, list(overrides))
+    grid = parse_grid(data.pop("grid", None))
+    from_dict(copy.deepcopy(data)).validate()  # fail on a bad base config before any run
+    return data, grid
+
+
+# ---------------------------------------------------------------------------- runs
+@dataclass(frozen=True)
+class RunSpec:
+    loss: str
+    batch_per_device: int
+    seed: int
+    overrides: tuple[tuple[str, Any], ...] = ()
+    """Per-loss dotted overrides, applied after the base config."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.loss}_b{self.batch_per_device}_s{self.seed}"
+
+
+def expand_grid(grid: GridSpec) -> list[RunSpec]:
+    """All runs, seed-major: after the first seed the table already has every loss × batch cell."""
+    return [
+        RunSpec(loss, batch, seed, tuple(sorted(grid.loss_overrides.get(loss, {}).items())))
+        for seed in grid.seeds for batch in grid.batch_per_device for loss in grid.losses
+    ]
+
+
+def steps_for(samples: int, batch_per_device: int, world: int = 1, accum: int = 1) -> int:
+    """Optimizer steps for a sample budget: samples // global batch (the Trainer's rule)."""
+    return samples // (batch_per_device * world * accum)
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    node = tree
+    for part in key.split(".")[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"config: override '{key}': '{part}' is not a section")
+    node[key.split(".")[-1]] = value
+
+
+def run_config(base: dict, grid: GridSpec, run: RunSpec, world: int = 1) -> Config:
+    """The Trainer config of one run: base + per-loss overrides + the grid's coordinates."""
+    tree = copy.deepcopy(base)
+    sets = {**dict(run.overrides), "loss.name": run.loss, "data.batch_per_device": run.batch_per_device,
+            "train.seed": run.seed, "train.output_dir": str(Path(grid.out_dir) / run.name),
+            "train.resume": "latest"}  # an unfinished run continues from its last checkpoint
+    for key, value in sets.items():
+        _set_dotted(tree, key, value)
+    cfg = from_dict(tree)
+    global_batch = run.batch_per_device * world * cfg.train.accum_steps
+    if cfg.train.samples < global_batch:
+        raise ConfigError(f"config: train.samples={cfg.train.samples} gives 0 steps for {run.name} "
+                          f"(global batch {global_batch}); raise the budget or drop the batch size")
+    if grid.warmup_samples is not None:
+        cfg.optim.warmup_steps = grid.warmup_samples // global_batch
+    if grid.log_every_samples is not None:
+        cfg.train.log_every = max(1, grid.log_every_samples // global_batch)
+    return cfg.validate()
+
+
+def _stale_key(saved: dict, current: dict) -> Optional[str]:
+    """First dotted key whose value differs between a run's saved config and the current one."""
+    a, b = _flatten(saved), _flatten(current)
+    for key in sorted(set(a) | set(b)):
+        if key not in HARMLESS_KEYS and a.get(key) != b.get(key):
+            return f"{key}: {a.get(key)!r} then, {b.get(key)!r} now"
+    return None
+
+
+def _plan(runs: list[RunSpec], cfgs: dict[str, Config], out: Path) -> tuple[list[bool], str]:
+    """(done flag per run, error); a run folder written under another config is an error, so
+    results of two configs are never mixed in one table."""
+    done = []
+    for run in runs:
+        run_dir = out / run.name
+        saved = run_dir / "config.yaml"
+        if saved.is_file():
+            why = _stale_key(yaml.safe_load(saved.read_text()) or {}, cfgs[run.name].to_dict())
+            if why:
+                return [], (f"compare: {run_dir} was run with another config ({why}); "
+                            "use a new grid.out_dir or delete that folder")
+        done.append((run_dir / "result.json").is_file())
+    return done, ""
+
+
+def _train_once(cfg: Config, accelerator) -> dict:
+    from vlp.trainer import Trainer
+
+    try:
+        return Trainer(cfg, accelerator=accelerator).train()
+    finally:
+        accelerator.free_memory()  # drop the prepared model/optimizer before the next run
+
+
+def run_one(run: RunSpec, cfg: Config, accelerator, retries: int = 1, keep_checkpoints: bool = True) -> dict:
+    """Train + eval one run, retrying on exceptions; writes compare.json (main). Returns its record."""
+    t0 = time.time()
+    status, error, attempts = "failed", "", 0
+    for attempts in range(1, retries + 2):
+        try:
+            _train_once(cfg, accelerator)
+            status, error = "ok", ""
+            break
+        except Exception as e:  # noqa: BLE001 - a crashed run must not stop the grid
+            error = (f"{type(e).__name__}: {e}".splitlines() or [""])[0][:300]
+            if accelerator.is_main_process:
+                print(f"[compare] {run.name}: attempt {attempts} failed: {error}", flush=True)
+    record = {"status": status, "error": error, "attempts": attempts, "wall_time_s": time.time() - t0}
+    run_dir = Path(cfg.train.output_dir)
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "compare.json").write_text(json.dumps(record, indent=2))
+        if status == "ok" and not keep_checkpoints:
+            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return record
+
+
+def _broadcast(obj: Any, state) -> Any:
+    """The main process's value on every process (so every rank takes the same branch)."""
+    if state.num_processes == 1:
+        return obj
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([obj])[0]
+
+
+def resolve_data(base: dict, state) -> dict:
+    """data.train_shards '' or 'openmoji': the embedded OpenMoji shards (train + held-out eval)."""
+    data = base.setdefault("data", {})
+    if data.get("train_shards") not in (None, "", "openmoji"):
+        return base
+    from vlp.demo import prepare_openmoji_shards
+
+    if state.is_main_process:  # renders and writes once; the others then only read the specs
+        prepare_openmoji_shards(OPENMOJI_CACHE)
+    state.wait_for_everyone()
+    specs = prepare_openmoji_shards(OPENMOJI_CACHE)
+    data["train_shards"] = specs["train"]
+    if not data.get("eval_shards"):
+        data["eval_shards"] = specs["eval"]
+    return base
+
+
+def run_grid(base: dict, grid: GridSpec, report_only: bool = False, accelerator=None) -> list[dict]:
+    """Run every unfinished run of the grid, then write the report; returns the runs.csv rows."""
+    from accelerate import PartialState
+
+    state = PartialState()
+    base = resolve_data(copy.deepcopy(base), state)
+    runs = expand_grid(grid)
+    cfgs = {r.name: run_config(base, grid, r, state.num_processes) for r in runs}
+    out = Path(grid.out_dir)
+    done, error = _broadcast(_plan(runs, cfgs, out) if state.is_main_process else None, state)
+    if error:  # raised on every rank, so none waits in a collective
+        raise ConfigError(error)
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare_config.yaml").write_text(yaml.safe_dump(
+            {**base, "grid": {**grid.__dict__}}, sort_keys=False))
+        print(f"[compare] {len(runs)} runs ({sum(done)} already done) -> {out}", flush=True)
+    if not report_only and not all(done):
+        if accelerator is None:
+            from accelerate import Accelerator
+
+            precision = cfgs[runs[0].name].train.precision
+            accelerator = Accelerator(mixed_precision="no" if precision == "fp32" else precision)
+        for i, (run, finished) in enumerate(zip(runs, done)):
+            if finished:
+                continue
+            state.print(f"[compare] run {i + 1}/{len(runs)}: {run.name}")
+            rec = run_one(run, cfgs[run.name], accelerator, grid.retries, grid.keep_checkpoints)
+            state.print(f"[compare] {run.name}: {rec['status']} in {rec['wall_time_s']:.0f} s")
+            if state.is_main_process:  # partial results are always on disk
+                write_report(out, collect_rows(runs, cfgs, state.num_processes), grid)
+    rows = collect_rows(runs, cfgs, state.num_processes)
+    if state.is_main_process:
+        write_report(out, rows, grid)
+        print(markdown_table(aggregate(rows), grid.losses), flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------- rows
+def read_log(path: Path) -> list[dict]:
+    """Training records of a log.jsonl (those with diagnostics), one per step (last wins on resume)."""
+    by_step: dict[int, dict] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill
+                continue
+            if "infonce" in rec and "step" in rec:
+                by_step[rec["step"]] = rec
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def run_row(run: RunSpec, cfg: Config, world: int = 1) -> Optional[dict]:
+    """The runs.csv row of a finished or failed run (None while it has not been attempted)."""
+    run_dir = Path(cfg.train.output_dir)
+    result_path, record_path = run_dir / "result.json", run_dir / "compare.json"
+    result = json.loads(result_path.read_text()) if result_path.is_file() else None
+    record = json.loads(record_path.read_text()) if record_path.is_file() else {}
+    if result is None and not record:
+        return None
+    log = read_log(run_dir / "log.jsonl")
+    last = log[-1] if log else {}
+    row = {
+        "run": run.name, "loss": run.loss, "temperature": cfg.loss.temperature,
+        "batch_per_device": run.batch_per_device,
+        "global_batch": (result or {}).get("global_batch", run.batch_per_device * world * cfg.train.accum_steps),
+        "seed": run.seed,
+        "steps": (result or last).get("step", 0), "samples_seen": (result or last).get("samples_seen", 0),
+        "wall_time_s": record.get("wall_time_s", (result or {}).get("train_time_s")),
+        "status": "ok" if result is not None else record.get("status", "failed"),
+        "error": "" if result is not None else record.get("error", ""),
+    }
+    for key in EVAL_KEYS[:-1]:
+        row[key] = (result or {}).get(f"eval/{key}")
+    r1 = [row[f"{d}_R@1"] for d in DIRECTIONS]
+    row["mean_R@1"] = None if None in r1 else sum(r1) / 2
+    row["chance_R@1"] = (result or {}).get("eval/chance_R@1")
+    row.update({k: last.get(k) for k in DIAG_KEYS})
+    return row
+
+
+def collect_rows(runs: list[RunSpec], cfgs: dict[str, Config], world: int = 1) -> list[dict]:
+    return [row for run in runs if (row := run_row(run, cfgs[run.name], world)) is not None]
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "" if row.get(k) is None else row[k] for k in CSV_COLUMNS})
+
+
+# ---------------------------------------------------------------------------- aggregation
+def _mean_std(values: list[float]) -> Optional[tuple[float, float]]:
+    """(mean, sample std over seeds); std 0 for one seed; None for no value."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return None
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def aggregate(rows: list[dict], keys: Sequence[str] = EVAL_KEYS + DIAG_KEYS + ("wall_time_s",)) -> list[dict]:
+    """One table row per (loss, batch_per_device): counts, and (mean, std) over the ok seeds per key."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["loss"], row["batch_per_device"]), []).append(row)
+    table = []
+    for (loss, batch), members in groups.items():
+        ok = [r for r in members if r["status"] == "ok"]
+        ref = (ok or members)[0]
+        entry = {"loss": loss, "batch_per_device": batch, "global_batch": ref["global_batch"],
+                 "steps": ref["steps"], "samples_seen": ref["samples_seen"],
+                 "n_ok": len(ok), "n_runs": len(members)}
+        entry.update({k: _mean_std([r.get(k) for r in ok]) for k in keys})
+        table.append(entry)
+    return table
+
+
+TABLE_COLUMNS = (  # (key, header, scale, higher is better → bold the best per batch size)
+    ("mean_R@1", "mean R@1", 100, True),
+    ("image_to_text_R@1", "I→T R@1", 100, True), ("image_to_text_R@5", "I→T R@5", 100, True),
+    ("image_to_text_R@10", "I→T R@10", 100, True),
+    ("text_to_image_R@1", "T→I R@1", 100, True), ("text_to_image_R@5", "T→I R@5", 100, True),
+    ("text_to_image_R@10", "T→I R@10", 100, True),
+    ("infonce", "InfoNCE (last step)", 1, False), ("logit_scale", "logit scale", 1, False),
+    ("wall_time_s", "wall s", 1, False),
+)
+
+
+def markdown_table(table: list[dict], losses: Optional[Sequence[str]] = None, columns=TABLE_COLUMNS) -> str:
+    """Rows sorted by batch then loss; 'mean ± std' cells; the best mean per batch size in bold
+    (compared as displayed, so ties are all bold). Eval metrics in percent."""
+    order = {name: i for i, name in enumerate(losses or [])}
+    table = sorted(table, key=lambda r: (r["batch_per_device"], order.get(r["loss"], len(order)), r["loss"]))
+
+    def shown(stat, scale):
+        return None if stat is None else round(stat[0] * scale, 1)
+
+    best = {}
+    for key, _, scale, bold in columns:
+        for r in table:
+            value = shown(r.get(key), scale)
+            if bold and value is not None:
+                b = (key, r["batch_per_device"])
+                best[b] = max(best.get(b, value), value)
+    head = ["batch/GPU", "global batch", "loss", "steps", "samples seen", "seeds ok"] + [c[1] for c in columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in table:
+        cells = [str(r["batch_per_device"]), str(r["global_batch"]), r["loss"], str(r["steps"]),
+                 str(r["samples_seen"]), f"{r['n_ok']}/{r['n_runs']}"]
+        for key, _, scale, bold in columns:
+            stat = r.get(key)
+            if stat is None:
+                cells.append("—")
+                continue
+            text = f"{stat[0] * scale:.1f} ± {stat[1] * scale:.1f}" if scale != 1 else f"{stat[0]:.3g} ± {stat[1]:.2g}"
+            if bold and shown(stat, scale) == best.get((key, r["batch_per_device"])):
+                text = f"**{text}**"
+            cells.append(text)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- plots
+def _figure(**kwargs):
+    # Figure without pyplot: no global figure registry, no GUI backend; savefig renders with Agg.
+    from matplotlib.figure import Figure
+
+    return Figure(layout="constrained", **kwargs)
+
+
+def plot_metric_vs_batch(table: list[dict], metric: str = "mean_R@1", losses: Optional[Sequence[str]] = None,
+                         path: Optional[Path] = None, chance: Optional[float] = None):
+    """Eval metric (percent) vs per-GPU batch on a log2 axis; one errorbar line per loss (std over seeds)."""
+    fig = _figure(figsize=(6, 4))
+    ax = fig.add_subplot()
+    losses = list(losses or dict.fromkeys(r["loss"] for r in table))
+    batches = sorted({r["batch_per_device"] for r in table})
+    for loss in losses:
+        pts = sorted((r["batch_per_device"], r[metric]) for r in table if r["loss"] == loss and r.get(metric))
+        if pts:
+            ax.errorbar([b for b, _ in pts], [100 * s[0] for _, s in pts], yerr=[100 * s[1] for _, s in pts],
+                        marker="o", capsize=3, label=loss)
+    if chance is not None:
+        ax.axhline(100 * chance, color="grey", linestyle=":", linewidth=1, label="chance")
+    ax.set_xscale("log", base=2)
+    if batches:
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.minorticks_off()
+    ax.set_xlabel("batch per GPU (log2 scale)")
+    ax.set_ylabel(f"{metric} (%)  [mean ± std over seeds]")
+    ax.set_title("held-out retrieval at an equal budget of samples seen")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+_CMAPS = {"infonce": "Blues", "flatnce": "Oranges", "siglip": "Greens"}
+
+
+def mean_curve(logs: list[list[dict]], key: str) -> tuple[list[int], list[float]]:
+    """Mean over seeds of `key` vs samples_seen, at the points every seed logged."""
+    points: dict[int, list[float]] = {}
+    for log in logs:
+        for rec in log:
+            if rec.get(key) is not None:
+                points.setdefault(rec["samples_seen"], []).append(rec[key])
+    xs = sorted(s for s, v in points.items() if len(v) == len(logs))
+    return xs, [statistics.fmean(points[s]) for s in xs]
+
+
+def plot_curves(curves: dict[tuple[str, int], list[list[dict]]], keys: Sequence[str] = CURVE_KEYS,
+                path: Optional[Path] = None):
+    """One panel per diagnostic vs samples seen; one line per (loss, batch), mean over seeds.
+
+    curves maps (loss, batch_per_device) to the per-seed lists of log.jsonl training records.
+    Colour family = loss, shade = batch size (darker = larger).
+    """
+    ncols = 3
+    nrows = math.ceil((len(keys) + 1) / ncols)
+    fig = _figure(figsize=(5 * ncols, 3.6 * nrows))
+    axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(len(keys))]
+    batches = sorted({b for _, b in curves})
+    import matplotlib
+
+    for (loss, batch), logs in curves.items():
+        shade = 0.45 + 0.5 * (batches.index(batch) / max(1, len(batches) - 1))
+        color = matplotlib.colormaps[_CMAPS.get(loss, "Purples")](shade)
+        for ax, key in zip(axes, keys):
+            xs, ys = mean_curve(logs, key)
+            ax.plot(xs, ys, color=color, linewidth=1.2, label=f"{loss} b={batch}")
+    for ax, key in zip(axes, keys):
+        ax.set_title(key)
+        ax.set_xlabel("samples seen")
+        ax.grid(alpha=0.3)
+    if curves:
+        handles, labels = axes[0].get_legend_handles_labels()
+        legend_ax = fig.add_subplot(nrows, ncols, len(keys) + 1)
+        legend_ax.axis("off")
+        legend_ax.legend(handles, labels, loc="center", title="loss, batch per GPU (mean over seeds)")
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
+# ---------------------------------------------------------------------------- report
+def write_report(out: Path, rows: list[dict], grid: GridSpec) -> None:
+    """runs.csv, results.md, metric_vs_batch.png and curves.png from the rows so far."""
+    write_csv(rows, out / "runs.csv")
+    table = aggregate(rows)
+    ok = [r for r in rows if r["status"] == "ok"]
+    chance = next((r["chance_R@1"] for r in ok if r.get("chance_R@1")), None)
+    failed = [f"{r['run']} ({r['error']})" for r in rows if r["status"] != "ok"]
+    lines = [
+        "# Loss comparison at an equal budget of samples seen", "",
+        f"Losses {', '.join(grid.losses)} × batch per GPU {grid.batch_per_device} × seeds {grid.seeds}; "
+        f"{len(ok)} of {len(expand_grid(grid))} runs done. Cells: mean ± std over seeds; eval metrics in "
+        "percent (held-out retrieval after the last step); best per batch size in **bold**; "
+        "InfoNCE and logit scale from the last training step."
+        + (f" Chance R@1 = {100 * chance:.2f} %." if chance else ""), "",
+        markdown_table(table, grid.losses), "",
+    ]
+    if failed:
+        lines += ["Failed runs: " + "; ".join(failed), ""]
+    (out / "results.md").write_text("\n".join(lines))
+    plot_metric_vs_batch(table, grid.metric, grid.losses, out / "metric_vs_batch.png", chance)
+    curves: dict[tuple[str, int], list[list[dict]]] = {}
+    for r in ok:
+        curves.setdefault((r["loss"], r["batch_per_device"]), []).append(read_log(out / r["run"] / "log.jsonl"))
+    plot_curves(curves, path=out / "curves.png")
+
+
+# ---------------------------------------------------------------------------- CLI
+def add_compare_parser(sub) -> None:
+    p = sub.add_parser("compare", help="grid of runs (loss × per-GPU batch × seed) at an equal sample "
+                       "budget → runs.csv, results.md, plots")
+    p.add_argument("--config", "-c", default=str(DEFAULT_CONFIG),
+                   help="compare YAML: a vlp config plus a 'grid:' section (default: %(default)s)")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: rebuild runs.csv, results.md and the plots from the run folders")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.samples=4096 grid.seeds=[0]")
+    p.set_defaults(func=cmd_compare)
+
+
+def cmd_compare(args) -> int:
+    base, grid = load_compare_config(args.config, args.overrides)
+    run_grid(base, grid, report_only=args.report_only)
+    return 0
