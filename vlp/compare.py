@@ -46,7 +46,9 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "compare_s
 OPENMOJI_CACHE = Path(".cache") / "shards" / "openmoji"  # same cache as `vlp demo`
 LOSS_NAMES = typing.get_args(typing.get_type_hints(LossConfig)["name"])
 DIRECTIONS = ("image_to_text", "text_to_image")
-EVAL_KEYS = tuple(f"{d}_R@{k}" for d in DIRECTIONS for k in (1, 5, 10)) + ("mean_R@1",)
+RECALL_KS = (1, 5, 10)
+# mean_R@k = mean of the two directions; R@10 is the steadier number on a small eval set
+EVAL_KEYS = tuple(f"{d}_R@{k}" for d in DIRECTIONS for k in RECALL_KS) + tuple(f"mean_R@{k}" for k in RECALL_KS)
 DIAG_KEYS = ("infonce", "log_xi", "grad_ratio", "frac_saturated", "ess_neg", "acc", "logit_scale")
 CSV_COLUMNS = ("run", "loss", "temperature", "batch_per_device", "global_batch", "seed", "steps",
                "samples_seen", "wall_time_s", "status", "error", *EVAL_KEYS, "chance_R@1", *DIAG_KEYS)
@@ -387,10 +389,10 @@ def run_row(run: RunSpec, cfg: Config, world: int = 1) -> Optional[dict]:
         "status": "ok" if result is not None else record.get("status", "failed"),
         "error": "" if result is not None else record.get("error", ""),
     }
-    for key in EVAL_KEYS[:-1]:
-        row[key] = (result or {}).get(f"eval/{key}")
-    r1 = [row[f"{d}_R@1"] for d in DIRECTIONS]
-    row["mean_R@1"] = None if None in r1 else sum(r1) / 2
+    for k in RECALL_KS:
+        both = [(result or {}).get(f"eval/{d}_R@{k}") for d in DIRECTIONS]
+        row.update({f"{d}_R@{k}": v for d, v in zip(DIRECTIONS, both)})
+        row[f"mean_R@{k}"] = None if None in both else sum(both) / 2
     row["chance_R@1"] = (result or {}).get("eval/chance_R@1")
     row.update({k: last.get(k) for k in DIAG_KEYS})
     return row
@@ -494,11 +496,12 @@ def plot_metric_vs_batch(table: list[dict], metric: str = "mean_R@1", losses: Op
     ax = fig.add_subplot()
     losses = list(losses or dict.fromkeys(r["loss"] for r in table))
     batches = sorted({r["batch_per_device"] for r in table})
-    for loss in losses:
+    for i, loss in enumerate(losses):
         pts = sorted((r["batch_per_device"], r[metric]) for r in table if r["loss"] == loss and r.get(metric))
+        dodge = 2 ** (0.04 * (i - (len(losses) - 1) / 2))  # small x shift so error bars do not overlap
         if pts:
-            ax.errorbar([b for b, _ in pts], [100 * s[0] for _, s in pts], yerr=[100 * s[1] for _, s in pts],
-                        marker="o", capsize=3, label=loss)
+            ax.errorbar([b * dodge for b, _ in pts], [100 * s[0] for _, s in pts],
+                        yerr=[100 * s[1] for _, s in pts], marker="o", capsize=3, label=loss)
     if chance is not None:
         ax.axhline(100 * chance, color="grey", linestyle=":", linewidth=1, label="chance")
     ax.set_xscale("log", base=2)
@@ -515,7 +518,7 @@ def plot_metric_vs_batch(table: list[dict], metric: str = "mean_R@1", losses: Op
     return fig
 
 
-_CMAPS = {"infonce": "Blues", "flatnce": "Oranges", "siglip": "Greens"}
+_STYLE = {"infonce": ("Blues", "-"), "flatnce": ("Oranges", "--"), "siglip": ("Greens", ":")}
 
 
 def mean_curve(logs: list[list[dict]], key: str) -> tuple[list[int], list[float]]:
@@ -534,7 +537,7 @@ def plot_curves(curves: dict[tuple[str, int], list[list[dict]]], keys: Sequence[
     """One panel per diagnostic vs samples seen; one line per (loss, batch), mean over seeds.
 
     curves maps (loss, batch_per_device) to the per-seed lists of log.jsonl training records.
-    Colour family = loss, shade = batch size (darker = larger).
+    Colour family and dash = loss, shade = batch size (darker = larger).
     """
     ncols = 3
     nrows = math.ceil((len(keys) + 1) / ncols)
@@ -545,10 +548,11 @@ def plot_curves(curves: dict[tuple[str, int], list[list[dict]]], keys: Sequence[
 
     for (loss, batch), logs in curves.items():
         shade = 0.45 + 0.5 * (batches.index(batch) / max(1, len(batches) - 1))
-        color = matplotlib.colormaps[_CMAPS.get(loss, "Purples")](shade)
+        cmap, linestyle = _STYLE.get(loss, ("Purples", "-."))
         for ax, key in zip(axes, keys):
             xs, ys = mean_curve(logs, key)
-            ax.plot(xs, ys, color=color, linewidth=1.2, label=f"{loss} b={batch}")
+            ax.plot(xs, ys, color=matplotlib.colormaps[cmap](shade), linestyle=linestyle, linewidth=1.3,
+                    label=f"{loss} b={batch}")
     for ax, key in zip(axes, keys):
         ax.set_title(key)
         ax.set_xlabel("samples seen")

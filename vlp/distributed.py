@@ -79,7 +79,7 @@ def get_world_size() -> int:
 
 
 def _check_same_shape(x: Tensor) -> None:
-    """Raise ValueError unless every rank passes a tensor of the same shape (one tiny collective)."""
+    """ValueError unless every rank passes a tensor of the same shape (one tiny collective)."""
     shape = torch.tensor(list(x.shape), dtype=torch.long, device=x.device)
     shapes = [torch.empty_like(shape) for _ in range(get_world_size())]
     dist.all_gather(shapes, shape)

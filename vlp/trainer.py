@@ -23,7 +23,7 @@ from accelerate.utils import gather_object, set_seed
 
 from vlp import checkpoint as ckpt
 from vlp.config import Config, save_config
-from vlp.distributed import gather_with_grad, get_rank
+from vlp.distributed import gather_with_grad, positive_offset
 from vlp.losses import get_loss
 from vlp.model import DualEncoder, build_model
 
@@ -136,7 +136,7 @@ class Trainer:
     def _loss(self, img_local, txt_local, scale, bias):
         img_global = gather_with_grad(img_local)
         txt_global = gather_with_grad(txt_local)
-        offset = get_rank() * img_local.shape[0]
+        offset = positive_offset(img_local.shape[0], img_global.shape[0])
         return self.loss_fn(
             img_local, txt_local, img_global, txt_global, scale, bias,
             offset=offset, scale_grad=self.scale_grad,
@@ -218,6 +218,15 @@ class Trainer:
         metrics = dict(metrics) if finite else {"nonfinite": 1.0}
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         return metrics
+
+    def global_metrics(self, metrics: dict) -> dict:
+        """Average per-rank metrics (each a mean over that rank's anchors) into global ones."""
+        if self.world == 1:
+            return metrics
+        keys = sorted(metrics)
+        values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=self.accelerator.device)
+        values = self.accelerator.reduce(values, reduction="mean")
+        return dict(zip(keys, values.tolist()))
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -348,6 +357,7 @@ class Trainer:
             bar.update(1)
             is_last = self.step == self.total_steps
             if self.step % cfg.train.log_every == 0 or is_last:
+                metrics = self.global_metrics(metrics)
                 now = time.time()
                 sps = (self.step - step_last) * self.global_batch / max(now - t_last, 1e-9)
                 t_last, step_last = now, self.step

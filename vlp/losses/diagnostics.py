@@ -96,7 +96,7 @@ def contrastive_diagnostics(
     logit_scale: Tensor,
     offset: int = 0,
 ) -> dict[str, float]:
-    """Diagnostics (see module docstring) for (b, d) local and (B, d) gathered L2-normalised features.
+    """Diagnostics (module docstring) of (b, d) local and (B, d) gathered L2-normalised features.
 
     ``logit_scale`` is t (already exponentiated); the positive of local row i is column offset + i.
     """

@@ -70,30 +70,22 @@ def flatnce_loss(
         pos_idx = positive_index(b, offset, device)
         pos_mask = positive_mask(b, big_b, offset, device)
 
+        directions = ((img_b, txt_bb), (txt_b, img_bb))  # image->text, text->image
         if scale_grad == "same":
-            logits_i2t = scaled_logits(img_b, txt_bb, t, bias)  # (b, B)
-            logits_t2i = scaled_logits(txt_b, img_bb, t, bias)  # (b, B)
-            v = torch.cat(
-                [negative_lse(logits_i2t, pos_idx, pos_mask), negative_lse(logits_t2i, pos_idx, pos_mask)]
-            )  # (2b,) both directions; mean over 2b == average of the two directions' means
+            logits = [scaled_logits(rows, cols, t, bias) for rows, cols in directions]  # (b, B)
+            # (2b,) anchors of both directions; the mean over 2b averages the two directions
+            v = torch.cat([negative_lse(lg, pos_idx, pos_mask) for lg in logits])
             flat = torch.exp(v - v.detach()).mean()
-            infonce_value = softplus_exact(v.detach()).mean()
-            loss = flat - 1.0 + infonce_value
+            loss = flat - 1.0 + softplus_exact(v.detach()).mean()
         else:  # "infonce": features <- FlatNCE gradient, logit_scale <- InfoNCE gradient
-            sim_i2t = img_b @ txt_bb.T  # (b, B) raw cosine similarities, one matmul per direction
-            sim_t2i = txt_b @ img_bb.T
-            t_const = t.detach()
-            # (t_const * s) == scaled_logits up to rounding; the bias cancels in the margins.
-            v = torch.cat(
-                [negative_lse(t_const * sim_i2t, pos_idx, pos_mask),
-                 negative_lse(t_const * sim_t2i, pos_idx, pos_mask)]
-            )
+            sims = [rows @ cols.T for rows, cols in directions]  # (b, B) cosines, one matmul each
+            t_const = t.detach()  # the bias cancels in the margins
+            v = torch.cat([negative_lse(t_const * sim, pos_idx, pos_mask) for sim in sims])
             flat = torch.exp(v - v.detach()).mean()
-            logits_i2t = t * sim_i2t.detach() if bias is None else t * sim_i2t.detach() + bias
-            logits_t2i = t * sim_t2i.detach() if bias is None else t * sim_t2i.detach() + bias
-            infonce_t = (F.cross_entropy(logits_i2t, pos_idx) + F.cross_entropy(logits_t2i, pos_idx)) / 2
+            logits = [t * sim.detach() + (0.0 if bias is None else bias) for sim in sims]
+            infonce_t = sum(F.cross_entropy(lg, pos_idx) for lg in logits) / 2
             loss = flat - 1.0 + infonce_t  # value: InfoNCE; d/dt: InfoNCE's; d/dfeatures: FlatNCE's
     metrics = diagnostics_from_logits(
-        logits_i2t, logits_t2i, offset, t, extra={"loss": loss, "flatnce": flat}
+        logits[0], logits[1], offset, t, extra={"loss": loss, "flatnce": flat}
     )
     return loss, metrics

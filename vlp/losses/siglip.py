@@ -62,12 +62,12 @@ def siglip_loss(
     offset: int = 0,
     scale_grad: str = "same",
 ) -> tuple[Tensor, dict[str, float]]:
-    """Sigmoid loss; returns (loss, metrics) with "siglip" and "logit_bias" added to the diagnostics.
+    """Sigmoid loss; returns (loss, metrics): the diagnostics plus "siglip" and "logit_bias".
 
     ``scale_grad`` must be "same" (the "infonce" split is FlatNCE-specific).
     """
     b, big_b = check_inputs(
-        img_local, txt_local, img_global, txt_global, offset, scale_grad, allowed_scale_grad=("same",)
+        img_local, txt_local, img_global, txt_global, offset, scale_grad, ("same",)
     )
     device = img_local.device
     with fp32_block(device):

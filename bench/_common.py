@@ -1,0 +1,129 @@
+"""Small helpers shared by the benchmark scripts: medians, alternating timers, env, printing.
+
+Every script prints its figures as lines starting with ``FIGURE`` so the smoke test (and a
+reader grepping a log) finds them:
+
+    FIGURE <name> = <value> <unit>  [extra]
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+def bench_env(**extra: str) -> dict:
+    """Environment for child processes: one BLAS/OpenMP thread, repo importable, no GPU."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO),
+               CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def pin_threads() -> None:
+    """The benchmarks measure one compute thread per process (OMP_NUM_THREADS=1)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def spread(xs) -> str:
+    """'median [min..max] (n=..)' for a list of numbers."""
+    xs = list(xs)
+    return f"{median(xs):.4g} [{min(xs):.4g}..{max(xs):.4g}] (n={len(xs)})"
+
+
+def alternate(fns: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+    """Call each fn once per round (A B A B ...), rotating the start so no variant always
+    runs first; returns {name: [value per round]}."""
+    names = list(fns)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            out[name].append(fns[name]())
+    return out
+
+
+def paired_ratio(num: list[float], den: list[float]) -> list[float]:
+    """Per-round ratios (measured side by side, so slow drift of machine load cancels)."""
+    return [a / b for a, b in zip(num, den)]
+
+
+def figure(name: str, value: float, unit: str = "", extra: str = "") -> None:
+    print(f"FIGURE {name} = {value:.4g} {unit}".rstrip() + (f"  {extra}" if extra else ""), flush=True)
+
+
+def header(title: str) -> None:
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"# {title}\n# {datetime.date.today()}  {platform.machine()} {os.cpu_count()} cores  "
+          f"python {platform.python_version()}  load(1min)={load:.2f}  "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", flush=True)
+
+
+def run(cmd: list[str], env: dict | None = None, cwd: str | Path | None = None,
+        timeout: float = 900) -> tuple[float, str]:
+    """Run a command; return (wall seconds, combined output); raise with the output tail on failure."""
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, env=env or bench_env(), cwd=cwd or REPO, capture_output=True, text=True,
+                       timeout=timeout)
+    wall = time.perf_counter() - t0
+    out = p.stdout + p.stderr
+    if p.returncode != 0:
+        raise RuntimeError(f"command failed ({p.returncode}): {' '.join(cmd)}\n{out[-4000:]}")
+    return wall, out
+
+
+# ----------------------------------------------------------------------------- synthetic JPEGs
+_WORDS = ("a photo of", "red", "blue", "green", "small", "large", "dog", "cat", "car", "tree",
+          "house", "on the", "beach", "in a", "field", "at night", "with", "two", "people")
+
+
+def synthetic_jpeg_pairs(count: int, size: int = 512, seed: int = 0, quality: int = 90):
+    """Pair dicts (key, image bytes, caption, meta) of smooth random colour gradients plus
+    noise, JPEG-encoded at `quality`: photo-like entropy, so decode cost is realistic."""
+    import io
+    import random
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    words = random.Random(seed)
+    for i in range(count):
+        low = rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8)
+        smooth = np.asarray(Image.fromarray(low).resize((size, size), Image.Resampling.BICUBIC),
+                            dtype=np.float32)
+        noise = rng.standard_normal(smooth.shape, dtype=np.float32) * 10
+        noisy = np.clip(smooth + noise, 0, 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(noisy).save(buf, format="JPEG", quality=quality)
+        caption = " ".join(words.choice(_WORDS) for _ in range(words.randint(4, 12)))
+        yield {"key": f"synth_{i:08d}", "image": buf.getvalue(), "caption": caption,
+               "meta": {"i": i}}
+
+
+def jpeg_shards(root: str | Path, count: int, per_shard: int, size: int = 512) -> str:
+    """Write (once, cached under root) `count` synthetic JPEG pairs; return the shard spec."""
+    from data_pipelines.write import shard_spec, write_shards
+
+    root = Path(root) / f"jpeg{size}_n{count}_s{per_shard}"
+    if not (root / "sizes.json").is_file():
+        write_shards(synthetic_jpeg_pairs(count, size), root, prefix="shard",
+                     samples_per_shard=per_shard)
+    return shard_spec(root, prefix="shard")
