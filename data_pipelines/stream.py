@@ -400,7 +400,12 @@ class _Stream:
             if j < self.start:
                 self.skipped.clear()  # counts belong to the skipped batch
                 continue
-            yield self.collate(j, self.decode_all(chunk, samples))
+            # Augmentation randomness is a pure function of (seed, epoch, rank, batch index):
+            # independent of num_workers and exact after a resume that skipped batches.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(_rng(p.seed, self.epoch, p.rank, j, "augment").getrandbits(63))
+                decoded = self.decode_all(chunk, samples)
+            yield self.collate(j, decoded)
 
     def decode_all(self, chunk: list[tuple], spare: Iterator[tuple] | None) -> list:
         out = []

@@ -1,0 +1,122 @@
+"""Images/s of ONE data-loader worker: vlp's stream vs open_clip_train's get_wds_dataset.
+
+    OMP_NUM_THREADS=1 python bench/data_loading.py           # 2000 x 512 px JPEGs, 5 rounds (~4 min)
+    OMP_NUM_THREADS=1 python bench/data_loading.py --quick   # 256 JPEGs, 2 rounds (< 40 s)
+
+Same synthetic JPEG shards (smooth random gradients + noise, 512 px, quality 90; written once
+under .cache/bench/), same transform object (open_clip.image_transform(224, is_train=True):
+RandomResizedCrop 224 + ToTensor + Normalize), same tokenizer (ViT-B-32's), batch 32, one
+DataLoader worker each, shuffled training mode with a 1000-sample shuffle buffer on both sides.
+
+Systems, alternated each round (A B C A B C ...):
+  vlp           data_pipelines.stream.make_loader(mode="split", num_workers=1)
+  vlp_draft224  the same with decode_size=224 (JPEG DCT-domain downscale to >= 224 px before
+                the transform: 512 px sources decode at 256 px)
+  open_clip     open_clip_train.data.get_wds_dataset(args, transform, is_train=True) (wds pipeline,
+                WebLoader, 1 worker)
+
+A run times batches [skip, skip + n) after the first `skip` batches (worker start and the
+shuffle-buffer fill excluded), so the figure is the worker's steady production rate (the
+main process only receives). Ratios are per round, median over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from argparse import Namespace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import (  # noqa: E402
+    REPO, alternate, figure, header, jpeg_shards, median, paired_ratio, pin_threads, spread,
+)
+
+BATCH = 32
+
+
+def time_batches(iterable, skip: int, n: int, batch: int = BATCH) -> float:
+    """Images/s over batches [skip, skip + n) of `iterable`."""
+    it = iter(iterable)
+    for _ in range(skip):
+        next(it)
+    t0 = time.perf_counter()
+    got = 0
+    for _ in range(n):
+        images = next(it)
+        images = images["image"] if isinstance(images, dict) else images[0]
+        got += images.shape[0]
+    dt = time.perf_counter() - t0
+    del it
+    gc.collect()
+    return got / dt
+
+
+def vlp_rate(spec, transform, tokenizer, skip, n, decode_size=None, buffer=1000, seed=0):
+    from data_pipelines.stream import make_loader
+
+    loader = make_loader(spec, batch_size=BATCH, transform=transform, tokenize=tokenizer, seed=seed,
+                         num_workers=1, mode="split", shuffle_buffer=buffer, decode_size=decode_size)
+    if loader.num_batches < skip + n:
+        raise ValueError(f"vlp: {loader.num_batches} batches per epoch < skip + n = {skip + n}")
+    return time_batches(loader, skip, n)
+
+
+def open_clip_rate(spec, transform, tokenizer, skip, n, num_samples, buffer=1000, seed=0):
+    import open_clip_train.data as ocd
+
+    ocd._SAMPLE_SHUFFLE_INITIAL = min(ocd._SAMPLE_SHUFFLE_INITIAL, buffer)
+    args = Namespace(train_data=spec, val_data=None, dataset_resampled=False,
+                     train_num_samples=num_samples, train_data_upsampling_factors=None,
+                     seed=seed, batch_size=BATCH, world_size=1, workers=1)
+    data = ocd.get_wds_dataset(args, transform, is_train=True, epoch=0, tokenizer=tokenizer)
+    rate = time_batches(data.dataloader, skip, n)
+    del data
+    gc.collect()
+    return rate
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--samples", type=int, default=2000, help="synthetic JPEG pairs in the shards")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--skip", type=int, default=3, help="batches before timing starts")
+    ap.add_argument("--buffer", type=int, default=1000, help="sample shuffle buffer (both)")
+    ap.add_argument("--cache", default=str(REPO / ".cache" / "bench"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.samples, args.rounds, args.skip, args.buffer = 256, 2, 1, 64
+    pin_threads()
+    import open_clip
+
+    header(f"data loading: images/s of one worker, {args.samples} x 512 px JPEG -> 224, batch {BATCH}")
+    t0 = time.time()
+    spec = jpeg_shards(args.cache, args.samples, per_shard=max(32, args.samples // 8))
+    print(f"# shards {spec} ready in {time.time() - t0:.0f} s", flush=True)
+    transform = open_clip.image_transform(224, is_train=True)
+    tokenizer = open_clip.get_tokenizer("ViT-B-32")
+    n = args.samples // BATCH - args.skip - 1  # batches timed per run (inside one epoch)
+
+    fns = {
+        "vlp": lambda: vlp_rate(spec, transform, tokenizer, args.skip, n, buffer=args.buffer),
+        "vlp_draft224": lambda: vlp_rate(spec, transform, tokenizer, args.skip, n, decode_size=224,
+                                         buffer=args.buffer),
+        "open_clip": lambda: open_clip_rate(spec, transform, tokenizer, args.skip, n, args.samples,
+                                            buffer=args.buffer),
+    }
+    rates = alternate(fns, args.rounds)
+    print(f"\n## images/s per worker, median [min..max] over {args.rounds} rounds of {n} batches")
+    for name, xs in rates.items():
+        print(f"  {name:14s} {spread(xs)}")
+        figure(f"data_images_per_s {name}", median(xs), "img/s")
+    for num in ("vlp", "vlp_draft224"):
+        r = paired_ratio(rates[num], rates["open_clip"])
+        figure(f"data_ratio {num}/open_clip", median(r), "x", f"[{min(r):.3f}..{max(r):.3f}]")
+
+
+if __name__ == "__main__":
+    main()
