@@ -138,3 +138,20 @@ def test_kill_during_checkpoint_write_keeps_previous_loadable(tmp_path):
     assert latest is not None
     assert load(latest)["w"].numel() == 40_000_000
     assert any(p.name.startswith(".") for p in tmp_path.iterdir()) or True  # a temp file may remain, never a final name
+
+
+def test_cli_shards_from_folder_and_bad_folder(tmp_path):
+    from PIL import Image
+
+    src = tmp_path / "src" / "nested"
+    src.mkdir(parents=True)
+    for i in range(5):
+        Image.new("RGB", (20, 10), (i * 40, 0, 0)).save(src / f"img{i}.png")
+        (src / f"img{i}.txt").write_text(f"a red box number {i}" if i else "")  # one empty caption
+    proc = _vlp("shards", str(tmp_path / "src"), str(tmp_path / "out"), "--samples-per-shard", "2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sizes = json.loads((tmp_path / "out" / "sizes.json").read_text())
+    assert sum(sizes.values()) == 4 and len(sizes) == 2
+    assert "missing_caption" in proc.stdout + proc.stderr
+    proc = _vlp("shards", str(tmp_path / "nope"), str(tmp_path / "out2"))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("vlp: error:")

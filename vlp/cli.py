@@ -27,7 +27,8 @@ def cmd_shards(args) -> int:
     summary = shards_from_source(
         args.source, args.out, samples_per_shard=args.samples_per_shard, image_ext=args.image_format,
         jpeg_quality=args.jpeg_quality, resize_longest=args.resize_longest, workers=args.workers,
-        split=args.split,
+        split=args.split, prefix=args.prefix, image_column=args.image_column,
+        caption_column=args.caption_column, separator=args.separator,
     )
     print(summary)
     return 0
@@ -88,11 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples-per-shard", type=int, default=1000)
     p.add_argument("--image-format", choices=["png", "jpg"], default=None,
                    help="re-encode images (default: keep source bytes where possible)")
-    p.add_argument("--jpeg-quality", type=int, default=95)
+    p.add_argument("--jpeg-quality", type=int, default=None, help="re-encode JPEGs at this quality (default: keep bytes)")
     p.add_argument("--resize-longest", type=int, default=None, help="resize so the longest side is at most N px")
-    p.add_argument("--workers", type=int, default=1, help="parallel encoding processes")
+    p.add_argument("--workers", type=int, default=0, help="parallel encoding processes (0: in-process)")
     p.add_argument("--split", choices=["train", "eval", "all"], default="all",
                    help="(openmoji) which split to write")
+    p.add_argument("--prefix", default="shard", help="shard file name prefix")
+    p.add_argument("--image-column", default=None, help="CSV/parquet/HF image column (default: filepath / image)")
+    p.add_argument("--caption-column", default=None, help="CSV/parquet/HF caption column (default: title / text)")
+    p.add_argument("--separator", default=None, help="CSV separator (default: tab, as open_clip)")
     p.set_defaults(func=cmd_shards)
 
     p = sub.add_parser("train", help="train a dual encoder from a YAML config")
