@@ -179,7 +179,7 @@ def test_loss_overrides_and_grid_validation(tmp_path):
         run_config(base, typo, expand_grid(typo)[0])
 
 
-@pytest.mark.parametrize("name,runs,model", [("compare_small_batch.yaml", 27, "vlp-compare"),
+@pytest.mark.parametrize("name,runs,model", [("compare_small_batch.yaml", 27, "vlp-micro"),
                                              ("compare_gpu_vitb32.yaml", 27, "ViT-B-32")])
 def test_shipped_configs_load(name, runs, model):
     base, grid = load_compare_config(REPO / "configs" / name)
@@ -220,7 +220,7 @@ def test_aggregate_mean_std_and_bold_best_per_batch():
     assert [line.split(" | ")[2] for line in md[2:]] == ["infonce", "flatnce", "infonce", "flatnce"]
     i8, f8_line, i32, f32 = md[2:]
     assert "| 15.0 ± 7.1 |" in i8 and "| **40.0 ± 14.1** |" in f8_line and "| 2/3 |" in f8_line
-    assert i32.count("**40.0 ± 0.0**") == 7 and f32.count("**40.0 ± 0.0**") == 7  # ties: both bold
+    assert i32.count("**40.0 ± 0.0**") == 8 and f32.count("**40.0 ± 0.0**") == 8  # ties: both bold
     assert "**2" not in f8_line  # diagnostics (InfoNCE, logit scale) are never bolded
     only_failed = aggregate([_row("siglip", 8, 0, 0.0, "failed")])
     assert only_failed[0]["mean_R@1"] is None and "| — |" in markdown_table(only_failed)

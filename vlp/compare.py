@@ -437,7 +437,7 @@ def aggregate(rows: list[dict], keys: Sequence[str] = EVAL_KEYS + DIAG_KEYS + ("
 
 
 TABLE_COLUMNS = (  # (key, header, scale, higher is better → bold the best per batch size)
-    ("mean_R@1", "mean R@1", 100, True),
+    ("mean_R@1", "mean R@1", 100, True), ("mean_R@10", "mean R@10", 100, True),
     ("image_to_text_R@1", "I→T R@1", 100, True), ("image_to_text_R@5", "I→T R@5", 100, True),
     ("image_to_text_R@10", "I→T R@10", 100, True),
     ("text_to_image_R@1", "T→I R@1", 100, True), ("text_to_image_R@5", "T→I R@5", 100, True),

@@ -30,6 +30,14 @@ class ModelConfig:
     """Local open_clip checkpoint file to initialise from (never downloaded)."""
     grad_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    lock_image: bool = False
+    """LiT: freeze the image tower."""
+    lock_image_unlocked_groups: int = 0
+    """With lock_image: leave the last n layer groups of the image tower trainable."""
+    lock_text: bool = False
+    """Freeze the text tower."""
+    lock_text_unlocked_layers: int = 0
+    """With lock_text: leave the last n text layers trainable."""
 
 
 @dataclass
@@ -106,12 +114,19 @@ class TrainConfig:
     """'latest' (newest checkpoint in output_dir) or a checkpoint path."""
     max_nonfinite: int = 5
     """Stop after this many consecutive non-finite losses (each one skips its step)."""
+    compile: bool = False
+    """torch.compile the dual encoder (the gather and the loss stay eager)."""
+    wandb_project: Optional[str] = None
+    """Also log to Weights & Biases under this project (needs `pip install wandb`)."""
 
 
 @dataclass
 class EvalConfig:
     batch_size: int = 256
     """Batch size for embedding eval data."""
+    suite: Optional[str] = None
+    """Eval suite YAML (configs/eval_*.yaml: zero-shot classification, more retrieval sets)
+    run with the held-out retrieval at every eval."""
 
 
 @dataclass
@@ -144,6 +159,8 @@ class Config:
             raise ConfigError("config: loss.temperature=infonce only applies to loss.name=flatnce")
         if self.loss.max_logit_scale < 1:
             raise ConfigError("config: loss.max_logit_scale must be >= 1")
+        if self.eval.suite and not Path(self.eval.suite).is_file():
+            raise ConfigError(f"config: eval.suite: no such file: {self.eval.suite}")
         if self.train.resume not in (None, "latest") and not Path(self.train.resume).is_file():
             raise ConfigError(f"config: train.resume: no such checkpoint file: {self.train.resume}")
         return self

@@ -95,6 +95,10 @@ def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu"):
     )
     if model_cfg.grad_checkpointing:
         clip.set_grad_checkpointing(True)
+    if model_cfg.lock_image:  # LiT (Zhai et al. 2022)
+        clip.lock_image_tower(unlocked_groups=model_cfg.lock_image_unlocked_groups)
+    if model_cfg.lock_text:
+        clip.lock_text_tower(unlocked_layers=model_cfg.lock_text_unlocked_layers)
     if loss_cfg.temperature == "fixed":
         with torch.no_grad():
             clip.logit_scale.fill_(math.log(1.0 / tau))

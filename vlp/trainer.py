@@ -22,7 +22,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 
 from vlp import checkpoint as ckpt
-from vlp.config import Config, save_config
+from vlp.config import Config, ConfigError, save_config
 from vlp.distributed import gather_with_grad, positive_offset
 from vlp.losses import get_loss
 from vlp.model import DualEncoder, build_model
@@ -61,6 +61,11 @@ class Trainer:
             mixed_precision="no" if cfg.train.precision == "fp32" else cfg.train.precision
         )
         acc = self.accelerator
+        if cfg.train.wandb_project:
+            import importlib.util
+
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError("config: train.wandb_project is set but wandb is not installed (pip install wandb)")
         set_seed(cfg.train.seed)
         self.world = acc.num_processes
         self.accum = cfg.train.accum_steps
@@ -84,6 +89,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_multiplier(s, self.total_steps, o.warmup_steps, o.schedule, o.cooldown_steps)
         )
+        if cfg.train.compile:
+            model = torch.compile(model)
         # The scheduler is not prepared: Accelerate would step it once per process.
         self.model, self.optimizer = acc.prepare(model, optimizer)
         self.out_dir = Path(cfg.train.output_dir)
@@ -96,6 +103,7 @@ class Trainer:
         self.skipped: dict[str, int] = {}
         self._log_file = None
         self._tb = None
+        self._wandb = None
 
     # ------------------------------------------------------------------ data
     @property
@@ -210,11 +218,6 @@ class Trainer:
         with torch.no_grad():  # clamp the temperature: 1 <= logit_scale <= max (open_clip rule)
             self.unwrapped.log_logit_scale.clamp_(LOG_SCALE_MIN, self.max_log_scale)
         self.step += 1
-        if self.nonfinite_in_row >= self.cfg.train.max_nonfinite:
-            raise FloatingPointError(
-                f"{self.nonfinite_in_row} non-finite losses in a row at step {self.step}; "
-                f"last valid checkpoint in {self.ckpt_dir}"
-            )
         metrics = dict(metrics) if finite else {"nonfinite": 1.0}
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         return metrics
@@ -288,27 +291,47 @@ class Trainer:
         self.print(f"[vlp] resumed from {path} at step {self.step} (epoch {self.epoch}, batch {self.batch_in_epoch})")
 
     # ------------------------------------------------------------------ eval
+    def eval_suite(self) -> dict:
+        """data.eval_shards as the 'heldout' retrieval set, plus eval.suite's tasks."""
+        suite = {"batch_size": self.cfg.eval.batch_size, "retrieval": [], "classification": []}
+        if self.cfg.eval.suite:
+            import yaml
+
+            extra = yaml.safe_load(Path(self.cfg.eval.suite).read_text()) or {}
+            suite.update({k: v for k, v in extra.items() if k not in ("retrieval", "classification")})
+            suite["retrieval"] += extra.get("retrieval") or []
+            suite["classification"] += extra.get("classification") or []
+        if self.cfg.data.eval_shards:
+            suite["retrieval"].insert(0, {"name": "heldout", "shards": self.cfg.data.eval_shards})
+        return suite
+
     def evaluate(self) -> dict:
-        """Zero-shot retrieval on data.eval_shards (main process); {} when none configured."""
-        if not self.cfg.data.eval_shards:
+        """Zero-shot retrieval / classification on the main process; a flat dict of floats.
+
+        The 'heldout' set's metrics keep their plain names (image_to_text_R@1, ...); other
+        tasks are prefixed with their name (imagenet/top1, ...).
+        """
+        suite = self.eval_suite()
+        if not suite["retrieval"] and not suite["classification"]:
             return {}
-        metrics = {}
+        flat: dict = {}
         if self.accelerator.is_main_process:
             from data_pipelines.stream import make_loader
-            from eval.retrieval import embed_retrieval, retrieval_metrics
+            from eval.suite import run_eval_suite
 
-            loader = make_loader(
-                self.cfg.data.eval_shards, batch_size=self.cfg.eval.batch_size,
-                transform=self.eval_transform, tokenize=self.tokenizer, mode="sequential", drop_last=False,
-            )
             self.model.eval()
-            img, txt, txt_to_img = embed_retrieval(self.unwrapped, loader, self.accelerator.device)
-            metrics = retrieval_metrics(img, txt, txt_to_img)
-            metrics["num_images"] = int(img.shape[0])
-            metrics["chance_R@1"] = 1.0 / img.shape[0]
+            results = run_eval_suite(self.unwrapped, self.tokenizer, self.eval_transform, suite,
+                                     self.accelerator.device, out_dir=str(self.out_dir / f"eval_step{self.step}"),
+                                     make_loader=make_loader, show_progress=False)
             self.model.train()
+            for name, res in results.items():
+                prefix = "" if name == "heldout" else f"{name}/"
+                flat.update({f"{prefix}{k}": v for k, v in res["metrics"].items()})
+                if "n_images" in res:
+                    flat[f"{prefix}num_images"] = res["n_images"]
+                    flat[f"{prefix}chance_R@1"] = 1.0 / res["n_images"]
         self.accelerator.wait_for_everyone()
-        return metrics
+        return flat
 
     # ------------------------------------------------------------------ logging
     def print(self, *args) -> None:
@@ -332,6 +355,15 @@ class Trainer:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
                     self._tb.add_scalar(key, value, record["step"])
+        if self.cfg.train.wandb_project:
+            if self._wandb is None:
+                try:
+                    import wandb
+                except ImportError:
+                    raise ImportError("train.wandb_project is set but wandb is not installed: pip install wandb") from None
+                self._wandb = wandb.init(project=self.cfg.train.wandb_project, config=self.cfg.to_dict(),
+                                         dir=str(self.out_dir))
+            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
@@ -369,6 +401,12 @@ class Trainer:
                                 infonce=f"{metrics.get('infonce', float('nan')):.3f}",
                                 scale=f"{metrics.get('logit_scale', float('nan')):.1f}",
                                 sps=f"{sps:.0f}", refresh=False)
+            if "nonfinite" in metrics and not self.step % cfg.train.log_every == 0:
+                self.log({"step": self.step, "samples_seen": self.step * self.global_batch, **metrics})
+            if self.nonfinite_in_row >= cfg.train.max_nonfinite:
+                raise FloatingPointError(
+                    f"{self.nonfinite_in_row} non-finite losses in a row at step {self.step}; "
+                    f"last valid checkpoint in {self.ckpt_dir}")
             if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0 and not is_last:
                 self.save_checkpoint()
             if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and not is_last:
@@ -391,4 +429,6 @@ class Trainer:
             self._log_file.close()
         if self._tb:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
         return result

@@ -1,0 +1,91 @@
+"""Trainer features: LiT locking, non-finite loss handling, eval suite hook, bf16 autocast."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from vlp.config import load_config
+from vlp.trainer import Trainer
+
+
+def _cfg(shards, out, *extra):
+    return load_config(REPO / "configs/demo.yaml", [
+        f"data.train_shards={shards['train']}", f"train.output_dir={out}", "model.name=vlp-micro",
+        "data.batch_per_device=16", "train.samples=64", "train.log_every=1", *extra])
+
+
+def test_lit_locks_exactly_the_image_tower(tiny_shards, tmp_path):
+    t = Trainer(_cfg(tiny_shards, tmp_path, "model.lock_image=true"))
+    named = dict(t.unwrapped.clip.named_parameters())
+    frozen = {n for n, p in named.items() if not p.requires_grad}
+    assert frozen == {n for n in named if n.startswith("visual.")}
+    before = {n: p.detach().clone() for n, p in named.items()}
+    t.train()
+    after = dict(t.unwrapped.clip.named_parameters())
+    for n in named:
+        changed = not torch.equal(before[n], after[n])
+        assert changed == (n not in frozen) or n.endswith("logit_scale"), n
+
+
+def test_lit_unlocked_groups_and_text_lock(tiny_shards, tmp_path):
+    t = Trainer(_cfg(tiny_shards, tmp_path, "model.lock_text=true", "model.lock_image=true",
+                     "model.lock_image_unlocked_groups=1"))
+    trainable = {n for n, p in t.unwrapped.clip.named_parameters() if p.requires_grad}
+    # vlp-micro has 1 vision block: the last group is its final norm + projection
+    assert trainable and all(n.startswith("visual.") or n == "logit_scale" for n in trainable)
+    assert not any(n.startswith(("transformer.", "token_embedding", "text_projection")) for n in trainable)
+
+
+def test_nonfinite_losses_skip_then_stop_with_valid_checkpoint(tiny_shards, tmp_path):
+    t = Trainer(_cfg(tiny_shards, tmp_path, "train.samples=320", "train.checkpoint_every=2", "train.max_nonfinite=3"))
+    real = t.loss_fn
+    calls = {"n": 0}
+
+    def flaky(*args, **kw):
+        calls["n"] += 1
+        loss, m = real(*args, **kw)
+        if calls["n"] == 3 or calls["n"] >= 7:  # one isolated NaN, then NaN forever
+            loss = loss * float("nan")
+        return loss, m
+
+    t.loss_fn = flaky
+    with pytest.raises(FloatingPointError, match="3 non-finite losses in a row at step 9"):
+        t.train()
+    assert t.nonfinite_total == 4
+    log = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if r.get("nonfinite")] == [3, 7, 8, 9]
+    from vlp.checkpoint import latest_checkpoint, load
+
+    state = load(latest_checkpoint(tmp_path / "checkpoints"))
+    assert state["step"] == 8 and all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_eval_suite_hook_runs_zero_shot_classification(tiny_shards, tmp_path):
+    from PIL import Image
+
+    root = tmp_path / "classes"
+    for c, color in (("red_thing", (255, 0, 0)), ("blue_thing", (0, 0, 255))):
+        (root / c).mkdir(parents=True)
+        for i in range(3):
+            Image.new("RGB", (32, 32), color).save(root / c / f"{i}.png")
+    suite = tmp_path / "suite.yaml"
+    suite.write_text(f"classification:\n  - name: colors\n    type: folder\n    root: {root}\n    templates: simple\n")
+    result = Trainer(_cfg(tiny_shards, tmp_path / "run", f"data.eval_shards={tiny_shards['eval']}",
+                          f"eval.suite={suite}")).train()
+    assert 0 <= result["eval/colors/top1"] <= 1 and result["eval/colors/top5"] == 1.0
+    assert result["eval/num_images"] == 40
+    assert (tmp_path / "run" / "eval_step4" / "metrics.json").is_file()
+
+
+def test_bf16_autocast_trains_finite(tiny_shards, tmp_path):
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)  # the process-wide state was made fp32 by earlier tests
+    result = Trainer(_cfg(tiny_shards, tmp_path, "train.precision=bf16", "loss.name=flatnce")).train()
+    log = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert result["nonfinite_steps"] == 0
+    assert all(math.isfinite(r["infonce"]) for r in log if "infonce" in r)
+    AcceleratorState._reset_state(True)
