@@ -41,22 +41,57 @@ VARIANTS = ("infonce", "flatnce", "flatnce_t_infonce", "siglip", "openclip_clip"
             "diagnostics_only", "flatnce_proposed")
 
 
+def _neg_lse_function():
+    import torch
+
+    class NegLSE(torch.autograd.Function):
+        """v_i = logsumexp_{j != p_i} L_ij - L_i,p_i for (b, B) logits L, positives p_i.
+
+        One masked_fill and one fused log_softmax forward (the same kernel cross_entropy uses),
+        saving only log-probabilities over the negatives; backward: dv_i/dL_ij = w_ij
+        (softmax over the negatives) for j != p_i and -1 at p_i.
+        """
+
+        @staticmethod
+        def forward(ctx, logits, pos_idx, pos_mask):
+            masked = logits.masked_fill(pos_mask, float("-inf"))
+            logp = torch.log_softmax(masked, dim=1)  # (b, B), -inf at the positive
+            rows = torch.arange(logits.shape[0], device=logits.device)
+            q = (pos_idx + 1) % logits.shape[1]  # any negative column: lse = L_iq - logp_iq
+            v = masked[rows, q] - logp[rows, q] - logits[rows, pos_idx]
+            ctx.save_for_backward(logp, pos_idx)
+            return v
+
+        @staticmethod
+        def backward(ctx, grad_v):
+            logp, pos_idx = ctx.saved_tensors
+            grad = torch.exp(logp).mul_(grad_v[:, None])  # (b, B) w_ij * g_i, 0 at the positive
+            rows = torch.arange(grad.shape[0], device=grad.device)
+            grad[rows, pos_idx] = -grad_v
+            return grad, None, None
+
+    return NegLSE
+
+
 def flatnce_proposed(img_local, txt_local, img_global, txt_global, logit_scale, logit_bias=None, *,
                      offset=0, scale_grad="same"):
     """The fix proposed in BENCHMARKS.md for vlp/losses/flatnce.py (scale_grad="same"), measured
-    here and checked against vlp's flatnce_loss (value and gradients) by --check.
+    here and checked against vlp's flatnce_loss (value and gradients, float64) before timing.
 
-    v_i = logsumexp_{j != p}(L_ij) - L_ip with L_ip = t * <img_i, txt_i> computed from the (b, d)
-    features (the same for both directions) instead of `L - L.gather(p)` on the (b, B) matrix:
-    saves the (b, B) subtraction in forward and, in backward, gather's zero-filled (b, B)
-    scatter, the row-sum/neg of the subtraction and the add of the two (b, B) gradients.
+    Same maths; v = NegLSE(logits) replaces negative_lse(logits) = logsumexp((L - L.gather(p))
+    .masked_fill(...)), i.e. eager logsumexp (amax, sub, exp, sum, log, add: separate (b, B)
+    passes and temporaries) plus gather/sub/masked_fill whose backward adds a zero-filled
+    (b, B) scatter, a row sum, a neg and an add of two (b, B) gradients.
     """
     import torch
 
-    from vlp.losses.common import as_fp32, as_scalar, fp32_block, positive_mask, scaled_logits, softplus_exact
+    from vlp.losses.common import (
+        as_fp32, as_scalar, fp32_block, positive_index, positive_mask, scaled_logits, softplus_exact,
+    )
     from vlp.losses.diagnostics import diagnostics_from_logits
 
     assert scale_grad == "same"
+    neg_lse = _neg_lse_function()
     b, big_b = img_local.shape[0], img_global.shape[0]
     device = img_local.device
     with fp32_block(device):
@@ -64,10 +99,10 @@ def flatnce_proposed(img_local, txt_local, img_global, txt_global, logit_scale, 
         bias = as_scalar(logit_bias, device)
         img_b, txt_b = as_fp32(img_local), as_fp32(txt_local)
         img_bb, txt_bb = as_fp32(img_global), as_fp32(txt_global)
+        pos_idx = positive_index(b, offset, device)
         mask = positive_mask(b, big_b, offset, device)
         logits = [scaled_logits(img_b, txt_bb, t, bias), scaled_logits(txt_b, img_bb, t, bias)]
-        pos = (t * img_b * txt_b).sum(1) + (0.0 if bias is None else bias)  # (b,) L_ip, both directions
-        v = torch.cat([torch.logsumexp(lg.masked_fill(mask, float("-inf")), dim=1) - pos for lg in logits])
+        v = torch.cat([neg_lse.apply(lg, pos_idx, mask) for lg in logits])  # (2b,)
         flat = torch.exp(v - v.detach()).mean()
         loss = flat - 1.0 + softplus_exact(v.detach()).mean()
     metrics = diagnostics_from_logits(logits[0], logits[1], offset, t, extra={"loss": loss, "flatnce": flat})

@@ -28,6 +28,9 @@ class ModelConfig:
     """open_clip model name (built-in or vlp/model_configs/*.json) or a path to a model JSON."""
     pretrained: Optional[str] = None
     """Local open_clip checkpoint file to initialise from (never downloaded)."""
+    hf_text_dir: Optional[str] = None
+    """Local Hugging Face model directory (config, weights, tokenizer) used as the text tower,
+    initialised from its weights; replaces the text_cfg of `name`."""
     grad_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     lock_image: bool = False
@@ -159,6 +162,8 @@ class Config:
             raise ConfigError("config: loss.temperature=infonce only applies to loss.name=flatnce")
         if self.loss.max_logit_scale < 1:
             raise ConfigError("config: loss.max_logit_scale must be >= 1")
+        if self.model.hf_text_dir and not Path(self.model.hf_text_dir, "config.json").is_file():
+            raise ConfigError(f"config: model.hf_text_dir: no Hugging Face config.json in {self.model.hf_text_dir}")
         if self.eval.suite and not Path(self.eval.suite).is_file():
             raise ConfigError(f"config: eval.suite: no such file: {self.eval.suite}")
         if self.train.resume not in (None, "latest") and not Path(self.train.resume).is_file():

@@ -74,6 +74,23 @@ def model_config_dict(name: str) -> dict:
     return open_clip.get_model_config(resolve_model_name(name))
 
 
+def with_hf_text_tower(name: str, hf_dir: str) -> str:
+    """Register `name` with its text tower replaced by the local HF model in `hf_dir`."""
+    import hashlib
+    import tempfile
+
+    cfg = json.loads(json.dumps(model_config_dict(name)))
+    context = cfg["text_cfg"].get("context_length", 77)
+    cfg["text_cfg"] = {"hf_model_name": str(Path(hf_dir).resolve()), "hf_tokenizer_name": str(Path(hf_dir).resolve()),
+                       "hf_proj_type": "linear", "hf_pooler_type": "cls_pooler", "context_length": context}
+    tag = hashlib.sha1(f"{name}|{Path(hf_dir).resolve()}".encode()).hexdigest()[:10]
+    path = Path(tempfile.gettempdir()) / "vlp_model_configs" / f"{Path(name).stem}-hf-{tag}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cfg, indent=2))
+    open_clip.add_model_config(path)
+    return path.stem
+
+
 def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu"):
     """Return (DualEncoder, tokenizer, train_transform, eval_transform).
 
@@ -81,6 +98,8 @@ def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu"):
     (SigLIP paper / open_clip) unless tau is overridden from its default.
     """
     name = resolve_model_name(model_cfg.name)
+    if model_cfg.hf_text_dir:
+        name = with_hf_text_tower(name, model_cfg.hf_text_dir)
     siglip = loss_cfg.name == "siglip"
     tau = loss_cfg.tau
     if siglip and math.isclose(tau, 0.07):
