@@ -4,7 +4,9 @@
     OMP_NUM_THREADS=1 python bench/loss_cost.py --quick    # B=256, d=128 (< 30 s)
 
 Time: every variant runs forward + backward on the same (B, d) L2-normalised features with
-requires_grad (no encoder), rounds alternate the variants (A B C A B C ...), each round times
+requires_grad (no encoder), timed by this thread's CPU clock (default; with one OpenMP thread
+the forward and the CPU autograd backward both run on it, so other processes on the machine
+only disturb it through caches and memory bandwidth; --clock wall for perf_counter), rounds alternate the variants (A B C A B C ...), each round times
 `--inner` calls and keeps the fastest (least disturbed by other processes); the figure is the
 median over rounds and the ratio is the median of the per-round ratios (measured side by side).
 `flatnce_proposed` is the fix proposed for vlp/losses/flatnce.py (see its docstring); it is
@@ -285,6 +287,9 @@ def main(argv=None) -> None:
     ap.add_argument("--world", type=int, default=8, help="simulated ranks for the local-loss rows")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--inner", type=int, default=5, help="calls per round (the min is kept)")
+    ap.add_argument("--clock", choices=("thread", "wall"), default="thread",
+                    help="thread: CPU time of this thread (all work runs on it with 1 OMP thread; "
+                         "insensitive to being descheduled by other processes); wall: perf_counter")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._child:
@@ -308,19 +313,21 @@ def main(argv=None) -> None:
         for s in steps.values():  # warm-up (allocator, first-call dispatch)
             s()
 
+        clock = time.thread_time if args.clock == "thread" else time.perf_counter
+
         def timer(s):
             def f():  # min over `inner` calls: the least disturbed by other processes
                 best = float("inf")
                 for _ in range(args.inner):
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     s()
-                    best = min(best, time.perf_counter() - t0)
+                    best = min(best, clock() - t0)
                 return best * 1e3
             return f
 
         ms = alternate({v: timer(s) for v, s in steps.items()}, args.rounds)
         results[label] = ms
-        print(f"\n## {label} (b={b} rows x B={big_b} columns), ms per forward+backward: "
+        print(f"\n## {label} (b={b} rows x B={big_b} columns), ms ({args.clock} clock) per forward+backward: "
               f"min of {args.inner} calls per round, median [min..max] over {args.rounds} rounds")
         for v in VARIANTS:
             print(f"  {v:20s} {spread(ms[v])}")

@@ -155,3 +155,17 @@ def test_cli_shards_from_folder_and_bad_folder(tmp_path):
     assert "missing_caption" in proc.stdout + proc.stderr
     proc = _vlp("shards", str(tmp_path / "nope"), str(tmp_path / "out2"))
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("vlp: error:")
+
+
+def test_vlp_eval_on_our_checkpoint_and_open_clip_export_agree(tiny_shards, tmp_path):
+    Trainer(_cfg(tiny_shards, tmp_path, "train.samples=32")).train()
+    ckpt = sorted((tmp_path / "checkpoints").glob("step_*.pt"))[-1]
+    a = _vlp("eval", "--checkpoint", str(ckpt), "--shards", tiny_shards["eval"], "--out", str(tmp_path / "a"))
+    b = _vlp("eval", "--checkpoint", str(tmp_path / "open_clip_model.pt"), "--model", "vlp-micro",
+             "--shards", tiny_shards["eval"], "--out", str(tmp_path / "b"))
+    assert a.returncode == 0 and b.returncode == 0, a.stderr[-2000:] + b.stderr[-2000:]
+    ma = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    mb = json.loads((tmp_path / "b" / "metrics.json").read_text())
+    assert ma == mb
+    assert ma["retrieval"]["n_images"] == 40 and "image_retrieval_recall@1" in ma["retrieval"]["clip_benchmark"]
+    assert "image→text R@1" in a.stdout
