@@ -94,9 +94,10 @@ _WORDS = ("a photo of", "red", "blue", "green", "small", "large", "dog", "cat", 
           "house", "on the", "beach", "in a", "field", "at night", "with", "two", "people")
 
 
-def synthetic_jpeg_pairs(count: int, size: int = 512, seed: int = 0, quality: int = 90):
+def synthetic_jpeg_pairs(count: int, size: int = 512, seed: int = 0, quality: int = 90, start: int = 0):
     """Pair dicts (key, image bytes, caption, meta) of smooth random colour gradients plus
-    noise, JPEG-encoded at `quality`: photo-like entropy, so decode cost is realistic."""
+    noise, JPEG-encoded at `quality`: photo-like entropy, so decode cost is realistic.
+    Keys are synth_{start + i}."""
     import io
     import random
 
@@ -114,16 +115,36 @@ def synthetic_jpeg_pairs(count: int, size: int = 512, seed: int = 0, quality: in
         buf = io.BytesIO()
         Image.fromarray(noisy).save(buf, format="JPEG", quality=quality)
         caption = " ".join(words.choice(_WORDS) for _ in range(words.randint(4, 12)))
-        yield {"key": f"synth_{i:08d}", "image": buf.getvalue(), "caption": caption,
-               "meta": {"i": i}}
+        yield {"key": f"synth_{start + i:08d}", "image": buf.getvalue(), "caption": caption,
+               "meta": {"i": start + i}}
 
 
-def jpeg_shards(root: str | Path, count: int, per_shard: int, size: int = 512) -> str:
-    """Write (once, cached under root) `count` synthetic JPEG pairs; return the shard spec."""
+_CHUNK = 256
+
+
+def _jpeg_chunk(args: tuple) -> list[dict]:
+    chunk, count, size = args
+    n = min(_CHUNK, count - chunk * _CHUNK)
+    return list(synthetic_jpeg_pairs(n, size, seed=chunk, start=chunk * _CHUNK))
+
+
+def _parallel_pairs(count: int, size: int, workers: int):
+    import multiprocessing as mp
+
+    jobs = [(c, count, size) for c in range((count + _CHUNK - 1) // _CHUNK)]
+    with mp.get_context("fork").Pool(workers) as pool:
+        for pairs in pool.imap(_jpeg_chunk, jobs):
+            yield from pairs
+
+
+def jpeg_shards(root: str | Path, count: int, per_shard: int, size: int = 512, workers: int = 1) -> str:
+    """Write (once, cached under root) `count` synthetic JPEG pairs; return the shard spec.
+    Chunks of 256 pairs have their own seed, so the data do not depend on `workers`."""
     from data_pipelines.write import shard_spec, write_shards
 
     root = Path(root) / f"jpeg{size}_n{count}_s{per_shard}"
     if not (root / "sizes.json").is_file():
-        write_shards(synthetic_jpeg_pairs(count, size), root, prefix="shard",
-                     samples_per_shard=per_shard)
+        pairs = _parallel_pairs(count, size, workers) if workers > 1 else \
+            (p for c in range((count + _CHUNK - 1) // _CHUNK) for p in _jpeg_chunk((c, count, size)))
+        write_shards(pairs, root, prefix="shard", samples_per_shard=per_shard)
     return shard_spec(root, prefix="shard")

@@ -285,7 +285,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=1024, help="global batch B")
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--world", type=int, default=8, help="simulated ranks for the local-loss rows")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--inner", type=int, default=5, help="calls per round (the min is kept)")
     ap.add_argument("--clock", choices=("thread", "wall"), default="thread",
                     help="thread: CPU time of this thread (all work runs on it with 1 OMP thread; "

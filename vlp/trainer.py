@@ -365,6 +365,17 @@ class Trainer:
                                          dir=str(self.out_dir))
             self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
 
+    def _log_step(self, metrics: dict, bar) -> None:
+        metrics = self.global_metrics(metrics)
+        now, (t_last, step_last) = time.time(), self._last_log
+        sps = (self.step - step_last) * self.global_batch / max(now - t_last, 1e-9)
+        self._last_log = (now, self.step)
+        self.log({"step": self.step, "samples_seen": self.step * self.global_batch, "epoch": self.epoch,
+                  "samples_per_s": sps, **metrics, **{f"skipped_{k}": v for k, v in self.skipped.items()}})
+        bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}",
+                        infonce=f"{metrics.get('infonce', float('nan')):.3f}",
+                        scale=f"{metrics.get('logit_scale', float('nan')):.1f}", sps=f"{sps:.0f}", refresh=False)
+
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
         cfg, acc = self.cfg, self.accelerator
@@ -381,26 +392,15 @@ class Trainer:
 
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not acc.is_main_process,
                    dynamic_ncols=True, mininterval=1.0)
-        t_start, t_last, step_last = time.time(), time.time(), self.step
+        t_start = time.time()
+        self._last_log = (t_start, self.step)
         data = self.batches()
-        last_eval: dict = {}
         while self.step < self.total_steps:
             metrics = self.train_step(next(data))
             bar.update(1)
             is_last = self.step == self.total_steps
             if self.step % cfg.train.log_every == 0 or is_last:
-                metrics = self.global_metrics(metrics)
-                now = time.time()
-                sps = (self.step - step_last) * self.global_batch / max(now - t_last, 1e-9)
-                t_last, step_last = now, self.step
-                record = {"step": self.step, "samples_seen": self.step * self.global_batch, "epoch": self.epoch,
-                          "samples_per_s": sps, **metrics,
-                          **{f"skipped_{k}": v for k, v in self.skipped.items()}}
-                self.log(record)
-                bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}",
-                                infonce=f"{metrics.get('infonce', float('nan')):.3f}",
-                                scale=f"{metrics.get('logit_scale', float('nan')):.1f}",
-                                sps=f"{sps:.0f}", refresh=False)
+                self._log_step(metrics, bar)
             if "nonfinite" in metrics and not self.step % cfg.train.log_every == 0:
                 self.log({"step": self.step, "samples_seen": self.step * self.global_batch, **metrics})
             if self.nonfinite_in_row >= cfg.train.max_nonfinite:

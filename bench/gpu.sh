@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One-GPU benchmark (bench/gpu_bench.py) on a box that has torch + accelerate + transformers + timm
+# but neither open_clip_torch nor webdataset, and no internet.
+#
+# Before (on a machine with PyPI access, from the repo root), fetch the wheels it installs:
+#   pip download open_clip_torch==3.3.0 webdataset==0.2.86 ftfy==6.3.1 wcwidth==0.9.4 \
+#       braceexpand==0.1.7 --no-deps -d bench/wheels
+#   for v in 3.10 3.11 3.12 3.13; do        # regex is compiled: one wheel per CPython version
+#     pip download regex==2026.11.19 --no-deps --only-binary=:all: --python-version $v \
+#         --platform manylinux2014_x86_64 -d bench/wheels; done
+# bench/wheels/ is git-ignored (bench/.gitignore): carry it to the box explicitly
+# (e.g. the device runner's carry=["bench/wheels"]); never commit it.
+#
+# On the box (repo root; results under $OUT or runs/gpu_bench):
+#   bash bench/gpu.sh                 # ~3-5 min on one H200
+#   bash bench/gpu.sh --skip-real     # synthetic tensors only
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+
+if ! $PY -c "import open_clip, open_clip_train, webdataset, ftfy, regex, braceexpand" 2>/dev/null; then
+  if ! ls bench/wheels/*.whl >/dev/null 2>&1; then
+    echo "gpu.sh: open_clip_torch/webdataset missing and no wheels in bench/wheels (see the header)" >&2
+    exit 2
+  fi
+  # --no-index + --find-links lets pip pick the regex wheel that matches this Python
+  $PY -m pip install --quiet --no-deps --no-index --find-links bench/wheels \
+      open_clip_torch webdataset ftfy wcwidth regex braceexpand
+fi
+$PY - <<'PY'
+import importlib, sys
+missing = [m for m in ("torch", "accelerate", "open_clip", "open_clip_train", "webdataset", "yaml",
+                       "tqdm", "PIL", "numpy", "braceexpand", "ftfy", "regex") if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"gpu.sh: missing modules {missing}")
+import torch
+print(f"# torch {torch.__version__}, cuda {torch.version.cuda}, "
+      f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}", flush=True)
+PY
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv 2>/dev/null || true
+exec $PY bench/gpu_bench.py "$@"
