@@ -6,8 +6,8 @@
 #   pip download open_clip_torch==3.3.0 webdataset==0.2.86 ftfy==6.3.1 wcwidth==0.9.4 \
 #       braceexpand==0.1.7 --no-deps -d bench/wheels
 #   for v in 3.10 3.11 3.12 3.13; do        # regex is compiled: one wheel per CPython version
-#     pip download regex==2026.11.19 --no-deps --only-binary=:all: --python-version $v \
-#         --platform manylinux2014_x86_64 -d bench/wheels; done
+#     pip download regex --no-deps --only-binary=:all: --python-version $v \
+#         --platform manylinux2014_x86_64 -d bench/wheels; done   # (3.10: an older regex)
 # bench/wheels/ is git-ignored (bench/.gitignore): carry it to the box explicitly
 # (e.g. the device runner's carry=["bench/wheels"]); never commit it.
 #

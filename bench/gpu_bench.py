@@ -284,8 +284,9 @@ def main(argv=None) -> None:
                   f"peak {mem[system]:.2f} GiB", flush=True)
     flops = count_flops(trainer, batch)
     results["flops_per_step"] = flops
-    print(f"# FLOPs per train step (FlopCounterMode, fwd+bwd): {flops / 1e12:.3f} TFLOP "
-          f"({flops / args.batch / 1e9:.1f} GFLOP/sample)")
+    print(f"# FLOPs per train step (FlopCounterMode, fwd+bwd): {flops / 1e9:.4g} GFLOP "
+          f"({flops / args.batch / 1e9:.4g} GFLOP/sample)")
+    figure("gpu_flops_per_step", flops / 1e9, "GFLOP")
     for system, xs in step_s.items():
         dt = median(xs)
         mfu = flops / dt / (args.peak_tflops * 1e12) if device.type == "cuda" else float("nan")

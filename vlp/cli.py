@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.set_defaults(func=cmd_eval)
 
+    from vlp.compare import add_compare_parser
+
+    add_compare_parser(sub)
+
     p = sub.add_parser("demo", help="embedded OpenMoji data: shards, train InfoNCE and FlatNCE, evaluate, print a table")
     p.add_argument("--out", default="runs/demo", help="output folder")
     _add_config_args(p)

@@ -233,10 +233,11 @@ def run_config(base: dict, grid: GridSpec, run: RunSpec, world: int = 1) -> Conf
 
 
 def _stale_key(saved: dict, current: dict) -> Optional[str]:
-    """First dotted key whose value differs between a run's saved config and the current one."""
+    """First dotted key whose value differs between a run's saved config and the current one
+    (keys only one side has are ignored: a field added to Config later keeps old runs valid)."""
     a, b = _flatten(saved), _flatten(current)
-    for key in sorted(set(a) | set(b)):
-        if key not in HARMLESS_KEYS and a.get(key) != b.get(key):
+    for key in sorted(set(a) & set(b)):
+        if key not in HARMLESS_KEYS and a[key] != b[key]:
             return f"{key}: {a.get(key)!r} then, {b.get(key)!r} now"
     return None
 
@@ -290,25 +291,25 @@ def run_one(run: RunSpec, cfg: Config, accelerator, retries: int = 1, keep_check
     return record
 
 
-def _broadcast(obj: Any, state) -> Any:
+def _broadcast(obj: Any, acc) -> Any:
     """The main process's value on every process (so every rank takes the same branch)."""
-    if state.num_processes == 1:
+    if acc.num_processes == 1:
         return obj
     from accelerate.utils import broadcast_object_list
 
     return broadcast_object_list([obj])[0]
 
 
-def resolve_data(base: dict, state) -> dict:
+def resolve_data(base: dict, acc) -> dict:
     """data.train_shards '' or 'openmoji': the embedded OpenMoji shards (train + held-out eval)."""
     data = base.setdefault("data", {})
     if data.get("train_shards") not in (None, "", "openmoji"):
         return base
     from vlp.demo import prepare_openmoji_shards
 
-    if state.is_main_process:  # renders and writes once; the others then only read the specs
+    if acc.is_main_process:  # renders and writes once; the others then only read the specs
         prepare_openmoji_shards(OPENMOJI_CACHE)
-    state.wait_for_everyone()
+    acc.wait_for_everyone()
     specs = prepare_openmoji_shards(OPENMOJI_CACHE)
     data["train_shards"] = specs["train"]
     if not data.get("eval_shards"):
@@ -318,37 +319,34 @@ def resolve_data(base: dict, state) -> dict:
 
 def run_grid(base: dict, grid: GridSpec, report_only: bool = False, accelerator=None) -> list[dict]:
     """Run every unfinished run of the grid, then write the report; returns the runs.csv rows."""
-    from accelerate import PartialState
+    if accelerator is None:  # one Accelerator for the whole grid: every run shares its precision
+        from accelerate import Accelerator
 
-    state = PartialState()
-    base = resolve_data(copy.deepcopy(base), state)
+        precision = from_dict(copy.deepcopy(base)).train.precision
+        accelerator = Accelerator(mixed_precision="no" if precision == "fp32" else precision)
+    acc = accelerator
+    base = resolve_data(copy.deepcopy(base), acc)
     runs = expand_grid(grid)
-    cfgs = {r.name: run_config(base, grid, r, state.num_processes) for r in runs}
+    cfgs = {r.name: run_config(base, grid, r, acc.num_processes) for r in runs}
     out = Path(grid.out_dir)
-    done, error = _broadcast(_plan(runs, cfgs, out) if state.is_main_process else None, state)
+    done, error = _broadcast(_plan(runs, cfgs, out) if acc.is_main_process else None, acc)
     if error:  # raised on every rank, so none waits in a collective
         raise ConfigError(error)
-    if state.is_main_process:
+    if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         (out / "compare_config.yaml").write_text(yaml.safe_dump(
             {**base, "grid": {**grid.__dict__}}, sort_keys=False))
         print(f"[compare] {len(runs)} runs ({sum(done)} already done) -> {out}", flush=True)
-    if not report_only and not all(done):
-        if accelerator is None:
-            from accelerate import Accelerator
-
-            precision = cfgs[runs[0].name].train.precision
-            accelerator = Accelerator(mixed_precision="no" if precision == "fp32" else precision)
-        for i, (run, finished) in enumerate(zip(runs, done)):
-            if finished:
-                continue
-            state.print(f"[compare] run {i + 1}/{len(runs)}: {run.name}")
-            rec = run_one(run, cfgs[run.name], accelerator, grid.retries, grid.keep_checkpoints)
-            state.print(f"[compare] {run.name}: {rec['status']} in {rec['wall_time_s']:.0f} s")
-            if state.is_main_process:  # partial results are always on disk
-                write_report(out, collect_rows(runs, cfgs, state.num_processes), grid)
-    rows = collect_rows(runs, cfgs, state.num_processes)
-    if state.is_main_process:
+    for i, (run, finished) in enumerate(zip(runs, done)):
+        if finished or report_only:
+            continue
+        acc.print(f"[compare] run {i + 1}/{len(runs)}: {run.name}")
+        rec = run_one(run, cfgs[run.name], acc, grid.retries, grid.keep_checkpoints)
+        acc.print(f"[compare] {run.name}: {rec['status']} in {rec['wall_time_s']:.0f} s")
+        if acc.is_main_process:  # partial results are always on disk
+            write_report(out, collect_rows(runs, cfgs, acc.num_processes), grid)
+    rows = collect_rows(runs, cfgs, acc.num_processes)
+    if acc.is_main_process:
         write_report(out, rows, grid)
         print(markdown_table(aggregate(rows), grid.losses), flush=True)
     return rows
@@ -473,7 +471,8 @@ def markdown_table(table: list[dict], losses: Optional[Sequence[str]] = None, co
             if stat is None:
                 cells.append("—")
                 continue
-            text = f"{stat[0] * scale:.1f} ± {stat[1] * scale:.1f}" if scale != 1 else f"{stat[0]:.3g} ± {stat[1]:.2g}"
+            mean, std = stat[0] * scale, stat[1] * scale
+            text = f"{mean:.1f} ± {std:.1f}" if scale != 1 else f"{mean:.3g} ± {std:.2g}"
             if bold and shown(stat, scale) == best.get((key, r["batch_per_device"])):
                 text = f"**{text}**"
             cells.append(text)
