@@ -1,12 +1,9 @@
 """Project-wide fixtures: tiny real shards (OpenMoji subset) shared by trainer/CLI tests."""
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
@@ -22,12 +19,3 @@ def tiny_shards(tmp_path_factory):
         "train": write_shards(train, root / "train", prefix="train", samples_per_shard=64).spec,
         "eval": write_shards(held, root / "eval", prefix="eval", samples_per_shard=64).spec,
     }
-
-
-def run_env() -> dict:
-    """Environment for subprocesses: one thread each, repo on the path, no GPU."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
-    return env
-
-
-PYTHON = sys.executable

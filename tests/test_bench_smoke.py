@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, run_env
+from vlp_testing import REPO, run_env
 
 FIGURE = re.compile(r"^FIGURE (.+?) = (\S+)", re.M)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO
+from vlp_testing import REPO
 from vlp import compare
 from vlp.compare import (
     GridSpec, aggregate, expand_grid, load_compare_config, markdown_table, mean_curve, parse_grid,

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO
+from vlp_testing import REPO
 from vlp.cli import build_parser
 
 LAUNCH = sorted((REPO / "launch").glob("*.yaml"))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, run_env
+from vlp_testing import PYTHON, REPO, run_env
 from vlp.config import load_config
 from vlp.trainer import Trainer
 

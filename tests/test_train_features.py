@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO
+from vlp_testing import REPO
 from vlp.config import load_config
 from vlp.trainer import Trainer
 
@@ -89,3 +89,23 @@ def test_bf16_autocast_trains_finite(tiny_shards, tmp_path):
     assert result["nonfinite_steps"] == 0
     assert all(math.isfinite(r["infonce"]) for r in log if "infonce" in r)
     AcceleratorState._reset_state(True)
+
+
+def test_init_from_local_open_clip_checkpoint_with_clip_and_checkpointing(tiny_shards, tmp_path):
+    first = Trainer(_cfg(tiny_shards, tmp_path / "a", "train.samples=32"))
+    first.train()
+    exported = tmp_path / "a" / "open_clip_model.pt"
+    second = Trainer(_cfg(tiny_shards, tmp_path / "b", f"model.pretrained={exported}", "optim.grad_clip=0.5",
+                          "model.grad_checkpointing=true", "train.samples=32"))
+    start = {k: v.clone() for k, v in second.unwrapped.clip.state_dict().items()}
+    for k, v in first.unwrapped.clip.state_dict().items():
+        assert torch.equal(start[k], v), k
+    assert second.unwrapped.clip.visual.transformer.grad_checkpointing
+    second.train()
+    assert any(not torch.equal(start[k], v) for k, v in second.unwrapped.clip.state_dict().items())
+
+
+def test_keep_last_k_checkpoints(tiny_shards, tmp_path):
+    Trainer(_cfg(tiny_shards, tmp_path, "train.samples=96", "train.checkpoint_every=1", "train.keep_last=2")).train()
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_00000005.pt", "step_00000006.pt"]

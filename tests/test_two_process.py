@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, run_env
+from vlp_testing import REPO, run_env
 from vlp.config import load_config
 from vlp.trainer import Trainer
 
