@@ -1,7 +1,7 @@
 """Images/s of ONE data-loader worker: vlp's stream vs open_clip_train's get_wds_dataset.
 
     OMP_NUM_THREADS=1 python bench/data_loading.py           # 2000 x 512 px JPEGs, 5 rounds (~4 min)
-    OMP_NUM_THREADS=1 python bench/data_loading.py --quick   # 256 JPEGs, 2 rounds (< 40 s)
+    OMP_NUM_THREADS=1 python bench/data_loading.py --quick   # 128 JPEGs, 1 round (< 20 s)
 
 Same synthetic JPEG shards (smooth random gradients + noise, 512 px, quality 90; written once
 under .cache/bench/), same transform object (open_clip.image_transform(224, is_train=True):
@@ -17,13 +17,17 @@ Systems, alternated each round (A B C A B C ...):
 
 A run times batches [skip, skip + n) after the first `skip` batches (worker start and the
 shuffle-buffer fill excluded), so the figure is the worker's steady production rate (the
-main process only receives). Ratios are per round, median over rounds.
+main process only receives). Also reported: images per worker-CPU-second (psutil user+system
+time of the worker process over the same window; insensitive to other processes taking the
+core, the worker prefetching 2 batches ahead blurs the window edges by < 2/n). Ratios are per
+round, median over rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 from argparse import Namespace
@@ -38,11 +42,26 @@ from bench._common import (  # noqa: E402
 BATCH = 32
 
 
-def time_batches(iterable, skip: int, n: int, batch: int = BATCH) -> float:
-    """Images/s over batches [skip, skip + n) of `iterable`."""
+def _children_cpu() -> dict[int, float]:
+    """{pid: user + system CPU seconds} of this process's children (the loader worker)."""
+    import psutil
+
+    out = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+            out[child.pid] = t.user + t.system
+        except psutil.Error:
+            pass
+    return out
+
+
+def time_batches(iterable, skip: int, n: int, batch: int = BATCH) -> tuple[float, float]:
+    """(images/s wall, images per worker-CPU-second) over batches [skip, skip + n)."""
     it = iter(iterable)
     for _ in range(skip):
         next(it)
+    cpu0 = _children_cpu()
     t0 = time.perf_counter()
     got = 0
     for _ in range(n):
@@ -50,9 +69,11 @@ def time_batches(iterable, skip: int, n: int, batch: int = BATCH) -> float:
         images = images["image"] if isinstance(images, dict) else images[0]
         got += images.shape[0]
     dt = time.perf_counter() - t0
+    cpu1 = _children_cpu()
+    cpu = sum(cpu1[p] - cpu0[p] for p in cpu1 if p in cpu0)
     del it
     gc.collect()
-    return got / dt
+    return got / dt, got / cpu if cpu > 0 else float("nan")
 
 
 def vlp_rate(spec, transform, tokenizer, skip, n, decode_size=None, buffer=1000, seed=0):
@@ -89,33 +110,46 @@ def main(argv=None) -> None:
     ap.add_argument("--cache", default=str(REPO / ".cache" / "bench"))
     args = ap.parse_args(argv)
     if args.quick:
-        args.samples, args.rounds, args.skip, args.buffer = 256, 2, 1, 64
+        args.samples, args.rounds, args.skip, args.buffer = 128, 1, 1, 32
     pin_threads()
     import open_clip
 
     header(f"data loading: images/s of one worker, {args.samples} x 512 px JPEG -> 224, batch {BATCH}")
     t0 = time.time()
-    spec = jpeg_shards(args.cache, args.samples, per_shard=max(32, args.samples // 8))
+    spec = jpeg_shards(args.cache, args.samples, per_shard=max(32, args.samples // 8), workers=os.cpu_count() or 1)
     print(f"# shards {spec} ready in {time.time() - t0:.0f} s", flush=True)
     transform = open_clip.image_transform(224, is_train=True)
     tokenizer = open_clip.get_tokenizer("ViT-B-32")
     n = args.samples // BATCH - args.skip - 1  # batches timed per run (inside one epoch)
 
+    per_cpu: dict[str, list[float]] = {"vlp": [], "vlp_draft224": [], "open_clip": []}
+
+    def keep(name, fn):
+        def f():
+            wall, cpu = fn()
+            per_cpu[name].append(cpu)
+            return wall
+        return f
+
     fns = {
-        "vlp": lambda: vlp_rate(spec, transform, tokenizer, args.skip, n, buffer=args.buffer),
-        "vlp_draft224": lambda: vlp_rate(spec, transform, tokenizer, args.skip, n, decode_size=224,
-                                         buffer=args.buffer),
-        "open_clip": lambda: open_clip_rate(spec, transform, tokenizer, args.skip, n, args.samples,
-                                            buffer=args.buffer),
+        "vlp": keep("vlp", lambda: vlp_rate(spec, transform, tokenizer, args.skip, n, buffer=args.buffer)),
+        "vlp_draft224": keep("vlp_draft224", lambda: vlp_rate(
+            spec, transform, tokenizer, args.skip, n, decode_size=224, buffer=args.buffer)),
+        "open_clip": keep("open_clip", lambda: open_clip_rate(
+            spec, transform, tokenizer, args.skip, n, args.samples, buffer=args.buffer)),
     }
     rates = alternate(fns, args.rounds)
-    print(f"\n## images/s per worker, median [min..max] over {args.rounds} rounds of {n} batches")
+    print(f"\n## images/s of one worker (wall) and images per worker-CPU-second, median [min..max] "
+          f"over {args.rounds} rounds of {n} batches")
     for name, xs in rates.items():
-        print(f"  {name:14s} {spread(xs)}")
+        print(f"  {name:14s} wall {spread(xs)}   per CPU-s {spread(per_cpu[name])}")
         figure(f"data_images_per_s {name}", median(xs), "img/s")
+        figure(f"data_images_per_cpu_s {name}", median(per_cpu[name]), "img/CPU-s")
     for num in ("vlp", "vlp_draft224"):
         r = paired_ratio(rates[num], rates["open_clip"])
-        figure(f"data_ratio {num}/open_clip", median(r), "x", f"[{min(r):.3f}..{max(r):.3f}]")
+        figure(f"data_ratio {num}/open_clip", median(r), "x", f"[{min(r):.3f}..{max(r):.3f}] wall")
+        r = paired_ratio(per_cpu[num], per_cpu["open_clip"])
+        figure(f"data_ratio_cpu {num}/open_clip", median(r), "x", f"[{min(r):.3f}..{max(r):.3f}] per worker CPU-s")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Cost of the contrastive losses alone: forward+backward time and memory, CPU, features given.
 
     OMP_NUM_THREADS=1 python bench/loss_cost.py            # B=1024, d=512 (~1-2 min)
-    OMP_NUM_THREADS=1 python bench/loss_cost.py --quick    # B=256, d=128 (< 30 s)
+    OMP_NUM_THREADS=1 python bench/loss_cost.py --quick    # B=128, d=64 (~10 s)
 
 Time: every variant runs forward + backward on the same (B, d) L2-normalised features with
 requires_grad (no encoder), timed by this thread's CPU clock (default; with one OpenMP thread
@@ -281,7 +281,7 @@ def peak_delta(variant: str, big_b: int, d: int, b: int, offset: int) -> int:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="B=256, d=128, 3 rounds, peak memory of flatnce only")
+    ap.add_argument("--quick", action="store_true", help="B=128, d=64, 2 rounds, peak memory of flatnce only")
     ap.add_argument("--batch", type=int, default=1024, help="global batch B")
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--world", type=int, default=8, help="simulated ranks for the local-loss rows")
@@ -296,7 +296,7 @@ def main(argv=None) -> None:
         child_peak(*json.loads(args._child))
         return
     if args.quick:
-        args.batch, args.dim, args.rounds, args.inner = 256, 128, 3, 2
+        args.batch, args.dim, args.rounds, args.inner = 128, 64, 2, 1
     pin_threads()
     err = check_proposed()
     print(f"# flatnce_proposed vs vlp flatnce_loss: max |diff| of value, grads, infonce = {err:.2e} (float64)")

@@ -1,7 +1,7 @@
 """Held-out retrieval quality: vlp (InfoNCE, learnable temperature) vs open_clip_train.
 
     OMP_NUM_THREADS=1 python bench/quality.py           # vlp-tiny, 12,800 samples/run, 2 seeds (~8 min)
-    OMP_NUM_THREADS=1 python bench/quality.py --quick   # vlp-micro, 640 samples, 1 seed
+    OMP_NUM_THREADS=1 python bench/quality.py --quick   # vlp-micro, 384 samples, 1 seed
 
 Same model config (vlp-tiny), same OpenMoji train shards (vlp.demo.prepare_openmoji_shards),
 same per-device batch (64), samples seen, optimiser (AdamW lr 1e-3, wd 0.1, betas 0.9/0.98,
@@ -51,7 +51,7 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=50, help="LR warmup steps")
     args = ap.parse_args(argv)
     if args.quick:
-        args.model, args.samples, args.seeds, args.warmup = "vlp-micro", 640, [0], 2
+        args.model, args.samples, args.seeds, args.warmup = "vlp-micro", 384, [0], 2
     pin_threads()
     steps = args.samples // args.batch
     header(f"quality: {args.model}, batch {args.batch}, {steps * args.batch} samples/run ({steps} steps), "

@@ -1,10 +1,11 @@
 """Data-parallel scaling on CPU: `vlp train` in 1 process vs 2 processes (gloo), global samples/s.
 
     OMP_NUM_THREADS=1 python bench/scaling.py           # vlp-tiny, 60 steps, 3 rounds (~4 min)
-    OMP_NUM_THREADS=1 python bench/scaling.py --quick   # vlp-micro, 8 steps, 1 round
+    OMP_NUM_THREADS=1 python bench/scaling.py --quick   # vlp-micro, 6 steps, 1 round
 
 1 process:   python -m vlp train ...
-2 processes: accelerate launch --config_file launch/cpu_2proc.yaml --main_process_port <free> -m vlp train ...
+2 processes: ACCELERATE_USE_CPU=1 accelerate launch --config_file launch/cpu_2proc.yaml
+             --main_process_port <free> -m vlp train ...   (the run must report "x 2 processes")
 Same config, per-process batch 32 (so the global batch is 32 vs 64), 0 loader workers (the
 2-process run already has one process per core), OMP_NUM_THREADS=1 per process, same steps.
 Global samples/s from log.jsonl (written by rank 0: global batch / wall time per step) over
@@ -38,12 +39,19 @@ def free_port() -> int:
 def run_vlp(procs: int, spec: str, args) -> float:
     with tempfile.TemporaryDirectory(prefix=f"bench_scaling{procs}_") as tmp:
         out = Path(tmp) / "run"
-        cmd = vlp_cmd(spec, out, args.model, args.batch, args.steps, workers=0)
+        # train.samples = steps x global batch, so both runs take the same number of steps
+        cmd = vlp_cmd(spec, out, args.model, args.batch * procs, args.steps, workers=0)
+        cmd = [c if not c.startswith("data.batch_per_device=") else f"data.batch_per_device={args.batch}"
+               for c in cmd]
+        env = bench_env()
         if procs == 2:
+            env["ACCELERATE_USE_CPU"] = "1"  # launch/cpu_2proc.yaml is the MULTI_GPU twin on CPU
             accelerate = [PYTHON, "-m", "accelerate.commands.launch", "--config_file",
                           str(REPO / "launch" / "cpu_2proc.yaml"), "--main_process_port", str(free_port())]
             cmd = accelerate + cmd[1:]  # drop the python executable: launch runs `-m vlp`
-        run(cmd, env=bench_env())
+        _, log = run(cmd, env=env)
+        if f"x {procs} processes" not in log:
+            raise RuntimeError(f"expected {procs} processes, the run says:\n{log[-2000:]}")
         rates = vlp_step_rates(out)
     global_batch = args.batch * procs
     rate, _ = steady(rates, global_batch, args.warmup)
@@ -61,7 +69,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     if args.quick:
-        args.model, args.steps, args.warmup, args.rounds = "vlp-micro", 8, 3, 1
+        args.model, args.steps, args.warmup, args.rounds = "vlp-micro", 6, 2, 1
     header(f"scaling: {args.model}, per-process batch {args.batch}, 1 vs 2 CPU processes, {args.steps} steps")
     spec = openmoji_train_spec()
     rates = alternate({"1proc": lambda: run_vlp(1, spec, args), "2proc": lambda: run_vlp(2, spec, args)},

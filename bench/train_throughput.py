@@ -1,7 +1,7 @@
 """Training throughput: `python -m vlp train` vs `python -m open_clip_train.main`, same tiny model.
 
     OMP_NUM_THREADS=1 python bench/train_throughput.py           # 100 steps x 3 systems x 3 rounds (~6 min)
-    OMP_NUM_THREADS=1 python bench/train_throughput.py --quick   # vlp-micro, 12 steps x 1 round
+    OMP_NUM_THREADS=1 python bench/train_throughput.py --quick   # vlp-micro, 6 steps x 1 round
 
 Both runs: model vlp-tiny (vlp/model_configs/vlp-tiny.json, registered in open_clip_train by a
 two-line wrapper: open_clip.add_model_config + runpy), the OpenMoji train shards (vlp.demo),
@@ -142,7 +142,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-proposed", action="store_true", help="skip vlp_fused_adamw (the proposed fix)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.model, args.steps, args.warmup, args.rounds, args.no_proposed = "vlp-micro", 10, 4, 1, True
+        args.model, args.steps, args.warmup, args.rounds, args.no_proposed = "vlp-micro", 6, 2, 1, True
     header(f"train throughput: {args.model}, batch {args.batch}, fp32, 1 process, {args.workers} worker, "
            f"{args.steps} steps (steady state from step {args.warmup})")
     spec = openmoji_train_spec()

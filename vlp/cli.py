@@ -36,11 +36,12 @@ def cmd_shards(args) -> int:
 
 def cmd_train(args) -> int:
     from vlp.config import load_config
-    from vlp.trainer import Trainer
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)  # config errors surface before torch is imported
     if not cfg.data.train_shards:
         raise ConfigError("config: data.train_shards is empty: give a shard spec (see `vlp shards`)")
+    from vlp.trainer import Trainer
+
     trainer = Trainer(cfg)
     try:
         result = trainer.train()
