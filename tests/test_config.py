@@ -42,3 +42,10 @@ def test_missing_and_invalid_files(tmp_path):
     notmap.write_text("loss: 3\n")
     with pytest.raises(ConfigError, match="loss must be a mapping"):
         load_config(notmap)
+
+
+def test_temperature_default_depends_on_loss():
+    assert load_config(DEMO, ["loss.name=flatnce"]).loss.temperature == "infonce"
+    assert load_config(DEMO, ["loss.name=infonce"]).loss.temperature == "learnable"
+    assert load_config(DEMO, ["loss.name=siglip"]).loss.temperature == "learnable"
+    assert load_config(DEMO, ["loss.name=flatnce", "loss.temperature=fixed"]).loss.temperature == "fixed"

@@ -65,9 +65,11 @@ class DataConfig:
 class LossConfig:
     name: Literal["infonce", "flatnce", "siglip"] = "infonce"
     """Contrastive loss over the gathered global batch."""
-    temperature: Literal["learnable", "fixed", "infonce"] = "learnable"
+    temperature: Optional[Literal["learnable", "fixed", "infonce"]] = None
     """learnable: logit_scale trained by the loss; fixed: tau below, never trained;
-    infonce: (FlatNCE only) encoders get FlatNCE's gradient, logit_scale InfoNCE's."""
+    infonce: (FlatNCE only) encoders get FlatNCE's gradient, logit_scale InfoNCE's.
+    Unset: 'infonce' for FlatNCE (best of the three on the small-batch grid, and it keeps
+    logit_scale off the clamp; see README "Losses and temperature"), 'learnable' otherwise."""
     tau: float = 0.07
     """Initial temperature (learnable/infonce) or the fixed one (fixed). SigLIP uses 0.1."""
     max_logit_scale: float = 100.0
@@ -158,6 +160,8 @@ class Config:
                     "train.checkpoint_every", "optim.cooldown_steps"):
             if _get(self, key) < 0:
                 raise ConfigError(f"config: {key} must be >= 0, got {_get(self, key)}")
+        if self.loss.temperature is None:
+            self.loss.temperature = "infonce" if self.loss.name == "flatnce" else "learnable"
         if self.loss.temperature == "infonce" and self.loss.name != "flatnce":
             raise ConfigError("config: loss.temperature=infonce only applies to loss.name=flatnce")
         if self.loss.max_logit_scale < 1:
