@@ -19,7 +19,7 @@ offset = 3 * 128) against the full matrix (b = B):
   * saved: bytes of the distinct tensors autograd saves for backward
     (torch.autograd.graph.saved_tensors_hooks; exact, excludes the input features);
   * peak: peak RSS (VmHWM, reset through /proc/self/clear_refs) minus RSS before the call, in
-    a fresh subprocess per variant, after one warm-up call (includes transient forward
+    a fresh subprocess per variant (local then full shape), after one warm-up call per shape (includes transient forward
     intermediates, the diagnostics, the backward and the input gradients); the child runs
     with MALLOC_MMAP_THRESHOLD_=65536 so every block >= 64 KiB is mmapped and returned to the
     OS on free, so RSS tracks live tensor memory (page granularity).
@@ -28,6 +28,8 @@ offset = 3 * 128) against the full matrix (b = B):
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import sys
 import time
@@ -40,7 +42,7 @@ from bench._common import (  # noqa: E402
 )
 
 VARIANTS = ("infonce", "flatnce", "flatnce_t_infonce", "siglip", "openclip_clip", "openclip_siglip",
-            "diagnostics_only", "flatnce_proposed")
+            "diagnostics_only", "flatnce_proposed", "flatnce_t_infonce_proposed")
 
 
 def _neg_lse_function():
@@ -111,6 +113,75 @@ def flatnce_proposed(img_local, txt_local, img_global, txt_global, logit_scale, 
     return loss, metrics
 
 
+def _neg_lse_two_function():
+    import torch
+
+    class NegLSETwo(torch.autograd.Function):
+        """(v, v) for L = t * sim, v_i = logsumexp_{j != p_i} L_ij - L_i,p_i, with separate
+        gradient routes: the first output's gradient reaches only `sim`, the second's only `t`
+        (dv_i/dt = sum_j w_ij s_ij - s_i,p_i, w = softmax over the negatives): the
+        "infonce" temperature mode from one log_softmax instead of two LSEs + a cross-entropy."""
+
+        @staticmethod
+        def forward(ctx, sim, t, pos_idx, pos_mask):
+            logits = t * sim
+            masked = logits.masked_fill(pos_mask, float("-inf"))
+            logp = torch.log_softmax(masked, dim=1)
+            rows = torch.arange(sim.shape[0], device=sim.device)
+            q = (pos_idx + 1) % sim.shape[1]
+            v = masked[rows, q] - logp[rows, q] - logits[rows, pos_idx]
+            ctx.save_for_backward(logp, sim, t, pos_idx)
+            return v, v.clone()
+
+        @staticmethod
+        def backward(ctx, g_feat, g_t):
+            logp, sim, t, pos_idx = ctx.saved_tensors
+            rows = torch.arange(sim.shape[0], device=sim.device)
+            w = torch.exp(logp)  # (b, B) softmax over the negatives, 0 at the positive
+            grad_sim = grad_t = None
+            if g_t is not None:
+                dv_dt = (w * sim).sum(1) - sim[rows, pos_idx]
+                grad_t = (g_t * dv_dt).sum().reshape(t.shape)
+            if g_feat is not None:
+                gs = g_feat * t
+                grad_sim = w.mul_(gs[:, None])
+                grad_sim[rows, pos_idx] = -gs
+            return grad_sim, grad_t, None, None
+
+    return NegLSETwo
+
+
+def flatnce_t_infonce_proposed(img_local, txt_local, img_global, txt_global, logit_scale, logit_bias=None,
+                               *, offset=0, scale_grad="infonce"):
+    """The same fix for scale_grad="infonce" (FlatNCE's default temperature mode): one NegLSETwo
+    per direction replaces negative_lse(t.detach() * sim) + cross_entropy(t * sim.detach())."""
+    import torch
+
+    from vlp.losses.common import as_fp32, as_scalar, fp32_block, positive_index, positive_mask, softplus_exact
+    from vlp.losses.diagnostics import diagnostics_from_logits
+
+    assert scale_grad == "infonce"
+    neg_lse = _neg_lse_two_function()
+    b, big_b = img_local.shape[0], img_global.shape[0]
+    device = img_local.device
+    with fp32_block(device):
+        t = as_scalar(logit_scale, device)
+        img_b, txt_b = as_fp32(img_local), as_fp32(txt_local)
+        img_bb, txt_bb = as_fp32(img_global), as_fp32(txt_global)
+        pos_idx = positive_index(b, offset, device)
+        mask = positive_mask(b, big_b, offset, device)
+        sims = [img_b @ txt_bb.T, txt_b @ img_bb.T]
+        outs = [neg_lse.apply(sim, t, pos_idx, mask) for sim in sims]
+        v_feat = torch.cat([o[0] for o in outs])
+        v_t = torch.cat([o[1] for o in outs])
+        flat = torch.exp(v_feat - v_feat.detach()).mean()
+        loss = flat - 1.0 + softplus_exact(v_t).mean()  # value InfoNCE; d/dt InfoNCE's; d/dfeatures FlatNCE's
+        with torch.no_grad():
+            logits = [t * sim for sim in sims]
+    metrics = diagnostics_from_logits(logits[0], logits[1], offset, t, extra={"loss": loss, "flatnce": flat})
+    return loss, metrics
+
+
 def check_proposed(big_b: int = 64, d: int = 16) -> float:
     """Max abs difference of value and gradients, proposed vs vlp flatnce (float64, b < B)."""
     import torch
@@ -118,9 +189,10 @@ def check_proposed(big_b: int = 64, d: int = 16) -> float:
     from vlp.losses import flatnce_loss
 
     errs = []
-    for b, off in ((big_b, 0), (big_b // 4, big_b // 2)):
+    for (b, off), mode in itertools.product(((big_b, 0), (big_b // 4, big_b // 2)), ("same", "infonce")):
         outs = []
-        for fn in (flatnce_loss, flatnce_proposed):
+        proposed = flatnce_proposed if mode == "same" else flatnce_t_infonce_proposed
+        for fn in (functools.partial(flatnce_loss, scale_grad=mode), functools.partial(proposed, scale_grad=mode)):
             g = torch.Generator().manual_seed(1)
             img = torch.nn.functional.normalize(torch.randn(big_b, d, generator=g, dtype=torch.float64), dim=1)
             txt = torch.nn.functional.normalize(torch.randn(big_b, d, generator=g, dtype=torch.float64), dim=1)
@@ -163,10 +235,12 @@ def make_step(variant: str, img, txt, log_scale, bias, b: int, offset: int):
     def local():
         return img[offset:offset + b], txt[offset:offset + b]
 
-    if variant in ("infonce", "flatnce", "flatnce_t_infonce", "siglip", "flatnce_proposed"):
+    if variant in ("infonce", "flatnce", "flatnce_t_infonce", "siglip", "flatnce_proposed",
+                   "flatnce_t_infonce_proposed"):
         fn = {"infonce": infonce_loss, "flatnce": flatnce_loss, "flatnce_t_infonce": flatnce_loss,
-              "siglip": siglip_loss, "flatnce_proposed": flatnce_proposed}[variant]
-        kw = {"scale_grad": "infonce" if variant == "flatnce_t_infonce" else "same", "offset": offset}
+              "siglip": siglip_loss, "flatnce_proposed": flatnce_proposed,
+              "flatnce_t_infonce_proposed": flatnce_t_infonce_proposed}[variant]
+        kw = {"scale_grad": "infonce" if "t_infonce" in variant else "same", "offset": offset}
 
         def step():
             clear()
@@ -258,25 +332,33 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def child_peak(variant: str, big_b: int, d: int, b: int, offset: int) -> None:
-    """(subprocess) print the peak-RSS delta of one forward+backward as JSON."""
+def child_peak(variant: str, big_b: int, d: int, shapes: list) -> None:
+    """(subprocess) print the peak-RSS delta of one forward+backward per (b, offset) as JSON."""
+    import gc
+
     pin_threads()
-    img, txt, log_scale, bias = make_inputs(big_b, d)
-    step = make_step(variant, img, txt, log_scale, bias, b, offset)
-    step()  # warm-up: lazy library init and first-call buffers are not the loss's memory
-    img.grad = txt.grad = log_scale.grad = bias.grad = None
-    if not _reset_peak_rss():
-        print(json.dumps({"delta": float("nan")}))
-        return
-    before = _status_kib("VmRSS")
-    step()
-    print(json.dumps({"delta": (_status_kib("VmHWM") - before) * 1024}))
+    deltas = []
+    for b, offset in shapes:
+        img, txt, log_scale, bias = make_inputs(big_b, d)
+        step = make_step(variant, img, txt, log_scale, bias, b, offset)
+        step()  # warm-up: lazy library init and first-call buffers are not the loss's memory
+        img.grad = txt.grad = log_scale.grad = bias.grad = None
+        if not _reset_peak_rss():
+            deltas.append(float("nan"))
+            continue
+        before = _status_kib("VmRSS")
+        step()
+        deltas.append((_status_kib("VmHWM") - before) * 1024)
+        del img, txt, log_scale, bias, step
+        gc.collect()
+    print(json.dumps({"deltas": deltas}))
 
 
-def peak_delta(variant: str, big_b: int, d: int, b: int, offset: int) -> int:
-    _, out = run([sys.executable, __file__, "--_child", json.dumps([variant, big_b, d, b, offset])],
+def peak_deltas(variant: str, big_b: int, d: int, shapes: list) -> list:
+    """Peak-RSS deltas for each (b, offset), measured one after the other in one fresh process."""
+    _, out = run([sys.executable, __file__, "--_child", json.dumps([variant, big_b, d, shapes])],
                  env=bench_env(MALLOC_MMAP_THRESHOLD_="65536"))
-    return json.loads(out.strip().splitlines()[-1])["delta"]
+    return json.loads(out.strip().splitlines()[-1])["deltas"]
 
 
 def main(argv=None) -> None:
@@ -299,7 +381,8 @@ def main(argv=None) -> None:
         args.batch, args.dim, args.rounds, args.inner = 128, 64, 2, 1
     pin_threads()
     err = check_proposed()
-    print(f"# flatnce_proposed vs vlp flatnce_loss: max |diff| of value, grads, infonce = {err:.2e} (float64)")
+    print(f"# flatnce_proposed / flatnce_t_infonce_proposed vs vlp flatnce_loss (scale_grad same / infonce): "
+          f"max |diff| of value, grads, infonce = {err:.2e} (float64)")
     if err > 1e-9:
         raise AssertionError(f"flatnce_proposed disagrees with vlp flatnce_loss: {err}")
     header(f"loss cost: forward+backward of the loss alone, B={args.batch}, d={args.dim}, CPU")
@@ -334,6 +417,8 @@ def main(argv=None) -> None:
         tag = "" if b == big_b else "_local"
         for num, den in (("flatnce", "infonce"), ("flatnce_t_infonce", "infonce"),
                          ("flatnce_proposed", "infonce"), ("flatnce_proposed", "flatnce"),
+                         ("flatnce_t_infonce_proposed", "infonce"),
+                         ("flatnce_t_infonce_proposed", "flatnce_t_infonce"),
                          ("siglip", "infonce"), ("infonce", "openclip_clip"),
                          ("siglip", "openclip_siglip")):
             r = paired_ratio(ms[num], ms[den])
@@ -349,8 +434,7 @@ def main(argv=None) -> None:
     for v in ("flatnce",) if args.quick else ("infonce", "flatnce", "flatnce_t_infonce", "siglip"):
         sb = saved_bytes(v, big_b, d, b_local, offset_local) / 2**20
         sB = saved_bytes(v, big_b, d, big_b, 0) / 2**20
-        pb = peak_delta(v, big_b, d, b_local, offset_local) / 2**20
-        pB = peak_delta(v, big_b, d, big_b, 0) / 2**20
+        pb, pB = (x / 2**20 for x in peak_deltas(v, big_b, d, [(b_local, offset_local), (big_b, 0)]))
         print(f"  {v:20s} {sb:9.2f} {sB:9.2f} {sb / sB:6.3f} | {pb:8.2f} {pB:8.2f} {pb / max(pB, 1e-9):6.3f}")
         figure(f"loss_mem_saved {v} local/full", sb / sB, "x", f"{sb:.2f} vs {sB:.2f} MiB")
         figure(f"loss_mem_peak {v} local/full", pb / max(pB, 1e-9), "x", f"{pb:.2f} vs {pB:.2f} MiB")

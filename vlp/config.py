@@ -59,6 +59,9 @@ class DataConfig:
     """Per-source sampling weights for '::'-joined sources in resampled mode, e.g. '1::2'."""
     shuffle_buffer: int = 1000
     """Sample shuffle buffer size."""
+    decode_size: Optional[int] = None
+    """Decode JPEGs at reduced DCT scale keeping both sides >= this (set to the model's image
+    size for large sources: 1.5x faster loading, see BENCHMARKS.md)."""
 
 
 @dataclass
