@@ -1,6 +1,6 @@
 """Training throughput: `python -m vlp train` vs `python -m open_clip_train.main`, same tiny model.
 
-    OMP_NUM_THREADS=1 python bench/train_throughput.py           # 100 steps x 3 systems x 3 rounds (~6 min)
+    OMP_NUM_THREADS=1 python bench/train_throughput.py           # 100 steps x 2 systems x 3 rounds (~4 min)
     OMP_NUM_THREADS=1 python bench/train_throughput.py --quick   # vlp-micro, 6 steps x 1 round
 
 Both runs: model vlp-tiny (vlp/model_configs/vlp-tiny.json, registered in open_clip_train by a
@@ -15,10 +15,7 @@ train.log_every=1 = batch / wall time between consecutive steps, data wait inclu
 open_clip_train: `Batch (t)` samples/s, also data wait included) for steps >= --warmup.
 Reported: samples/s = steps * batch / sum(step times) (pass boundaries, where both refill
 their shuffle buffer, included) and the median-step rate. Runs alternate (vlp, open_clip,
-vlp_fused_adamw, then rotated); the ratio is per round (side by side), median over rounds.
-
-vlp_fused_adamw is vlp unchanged except torch.optim.AdamW(..., fused=True) injected by a
-wrapper: the fix proposed in BENCHMARKS.md, measured here before anyone edits vlp/trainer.py.
+then rotated); the ratio is per round (side by side), median over rounds.
 """
 
 from __future__ import annotations
@@ -40,20 +37,6 @@ OPEN_CLIP_WRAPPER = (
     "import sys, runpy, open_clip; open_clip.add_model_config({cfg!r}); "
     "sys.argv = ['open_clip_train.main'] + sys.argv[1:]; "
     "runpy.run_module('open_clip_train.main', run_name='__main__', alter_sys=True)"
-)
-
-
-# The fix proposed in BENCHMARKS.md for vlp/trainer.py, measured side by side without editing vlp:
-# AdamW with fused=True (one vectorised kernel per step instead of ~10 tensor passes per param).
-VLP_FUSED_WRAPPER = (
-    "import sys, runpy, torch\n"
-    "class FusedAdamW(torch.optim.AdamW):\n"
-    "    def __init__(self, *a, **k):\n"
-    "        k.setdefault('fused', True)\n"
-    "        super().__init__(*a, **k)\n"
-    "torch.optim.AdamW = FusedAdamW\n"
-    "sys.argv = ['vlp'] + sys.argv[1:]\n"
-    "runpy.run_module('vlp', run_name='__main__', alter_sys=True)\n"
 )
 
 
@@ -116,8 +99,6 @@ def run_one(system: str, spec: str, args) -> tuple[float, float, int]:
         tmp = Path(tmp)
         if system.startswith("vlp"):
             cmd = vlp_cmd(spec, tmp / "run", args.model, args.batch, args.steps, args.workers)
-            if system == "vlp_fused_adamw":
-                cmd = [PYTHON, "-c", VLP_FUSED_WRAPPER] + cmd[3:]  # drop `-m vlp`
             run(cmd, env=bench_env())
             rates = vlp_step_rates(tmp / "run")
         else:
@@ -139,15 +120,14 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=10, help="steps excluded from the steady state")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--no-proposed", action="store_true", help="skip vlp_fused_adamw (the proposed fix)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.model, args.steps, args.warmup, args.rounds, args.no_proposed = "vlp-micro", 6, 2, 1, True
+        args.model, args.steps, args.warmup, args.rounds = "vlp-micro", 6, 2, 1
     header(f"train throughput: {args.model}, batch {args.batch}, fp32, 1 process, {args.workers} worker, "
            f"{args.steps} steps (steady state from step {args.warmup})")
     spec = openmoji_train_spec()
     print(f"# shards {spec}", flush=True)
-    systems = ["vlp", "open_clip_train"] + ([] if args.no_proposed else ["vlp_fused_adamw"])
+    systems = ["vlp", "open_clip_train"]
     results: dict[str, list] = {s: [] for s in systems}
 
     def measure(system):
@@ -169,12 +149,6 @@ def main(argv=None) -> None:
     figure("train_ratio vlp/open_clip_train", median(r), "x", f"[{min(r):.3f}..{max(r):.3f}]")
     r2 = paired_ratio([m for _, m in results["vlp"]], [m for _, m in results["open_clip_train"]])
     figure("train_ratio_median_step vlp/open_clip_train", median(r2), "x", f"[{min(r2):.3f}..{max(r2):.3f}]")
-    if "vlp_fused_adamw" in rates:
-        r3 = paired_ratio(rates["vlp_fused_adamw"], rates["open_clip_train"])
-        figure("train_ratio vlp_fused_adamw/open_clip_train", median(r3), "x",
-               f"[{min(r3):.3f}..{max(r3):.3f}] (proposed fix, not in vlp yet)")
-        r4 = paired_ratio(rates["vlp_fused_adamw"], rates["vlp"])
-        figure("train_ratio vlp_fused_adamw/vlp", median(r4), "x", f"[{min(r4):.3f}..{max(r4):.3f}]")
 
 
 if __name__ == "__main__":

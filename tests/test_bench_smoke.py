@@ -23,6 +23,7 @@ CASES = {  # longest first: they start first
     "loss_cost.py": ["--quick"],
     "data_loading.py": ["--quick"],
     "gpu_bench.py": ["--cpu", "--tiny"],
+    "step_cost.py": ["--quick"],
 }
 
 EXPECTED = {
@@ -35,6 +36,8 @@ EXPECTED = {
                             "train_ratio vlp/open_clip_train"],
     "quality.py": ["quality_mean_R@1 vlp", "quality_mean_R@1 open_clip_train",
                    "quality_ratio vlp/open_clip_train"],
+    "step_cost.py": ["step_time infonce", "step_time_ratio flatnce/infonce",
+                     "step_time_ratio flatnce_t_infonce/infonce", "step_time_ratio siglip/infonce"],
     "scaling.py": ["scaling_samples_per_s 1proc", "scaling_samples_per_s 2proc", "scaling_ratio 2proc/1proc"],
     "gpu_bench.py": ["gpu_synthetic_samples_per_s vlp", "gpu_synthetic_samples_per_s open_clip",
                      "gpu_synthetic_ratio vlp/open_clip", "gpu_flops_per_step", "gpu_real_ratio vlp/open_clip"],
