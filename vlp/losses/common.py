@@ -125,6 +125,42 @@ class _NegativeLSE(torch.autograd.Function):
         return grad, None, None
 
 
+class _NegativeLSESplit(torch.autograd.Function):
+    """(v, v) for L = t * sim with separate gradient routes: the first output's gradient reaches
+    only `sim`, the second's only `t` (dv_i/dt = sum_j w_ij s_ij - s_i,p_i, w = softmax over the
+    negatives). FlatNCE's `temperature: infonce` from one log_softmax per direction."""
+
+    @staticmethod
+    def forward(ctx, sim: Tensor, t: Tensor, pos_idx: Tensor, pos_mask: Tensor):
+        logits = t * sim
+        masked = logits.masked_fill(pos_mask, float("-inf"))
+        logp = torch.log_softmax(masked, dim=1)
+        rows = torch.arange(sim.shape[0], device=sim.device)
+        q = (pos_idx + 1) % sim.shape[1]
+        v = masked[rows, q] - logp[rows, q] - logits[rows, pos_idx]
+        ctx.save_for_backward(logp, sim, t, pos_idx)
+        return v, v.clone()
+
+    @staticmethod
+    def backward(ctx, g_feat: Tensor, g_t: Tensor):
+        logp, sim, t, pos_idx = ctx.saved_tensors
+        rows = torch.arange(sim.shape[0], device=sim.device)
+        w = torch.exp(logp)  # (b, B) softmax over the negatives, 0 at the positive
+        grad_sim = grad_t = None
+        if g_t is not None:
+            grad_t = (g_t * ((w * sim).sum(1) - sim[rows, pos_idx])).sum().reshape(t.shape)
+        if g_feat is not None:
+            gs = g_feat * t
+            grad_sim = w.mul_(gs[:, None])
+            grad_sim[rows, pos_idx] = -gs
+        return grad_sim, grad_t, None, None
+
+
+def negative_lse_split(sim: Tensor, t: Tensor, pos_idx: Tensor, pos_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(v for the features' gradient, v for the scale's gradient), v = negative_lse(t * sim)."""
+    return _NegativeLSESplit.apply(sim, t, pos_idx, pos_mask)
+
+
 def negative_lse(logits: Tensor, pos_idx: Tensor, pos_mask: Tensor) -> Tensor:
     """(b,) v_i = logsumexp_{j != pos} t * (s_ij - s_i,pos); InfoNCE_i = softplus(v_i). Needs B >= 2."""
     return _NegativeLSE.apply(logits, pos_idx, pos_mask)

@@ -28,7 +28,6 @@ offset=positive_offset(b), scale_grad="infonce")``
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from vlp.losses.common import (
@@ -37,6 +36,7 @@ from vlp.losses.common import (
     check_inputs,
     fp32_block,
     negative_lse,
+    negative_lse_split,
     positive_index,
     positive_mask,
     scaled_logits,
@@ -79,12 +79,15 @@ def flatnce_loss(
             loss = flat - 1.0 + softplus_exact(v.detach()).mean()
         else:  # "infonce": features <- FlatNCE gradient, logit_scale <- InfoNCE gradient
             sims = [rows @ cols.T for rows, cols in directions]  # (b, B) cosines, one matmul each
-            t_const = t.detach()  # the bias cancels in the margins
-            v = torch.cat([negative_lse(t_const * sim, pos_idx, pos_mask) for sim in sims])
+            outs = [negative_lse_split(sim, t, pos_idx, pos_mask) for sim in sims]
+            v = torch.cat([o[0] for o in outs])  # gradient to the features only
+            v_t = torch.cat([o[1] for o in outs])  # gradient to logit_scale only
             flat = torch.exp(v - v.detach()).mean()
-            logits = [t * sim.detach() + (0.0 if bias is None else bias) for sim in sims]
-            infonce_t = sum(F.cross_entropy(lg, pos_idx) for lg in logits) / 2
-            loss = flat - 1.0 + infonce_t  # value: InfoNCE; d/dt: InfoNCE's; d/dfeatures: FlatNCE's
+            loss = flat - 1.0 + softplus_exact(v_t).mean()  # value: InfoNCE; d/dt: InfoNCE's; d/dfeatures: FlatNCE's
+            if bias is not None:  # cancels in the margins; kept in the graph (zero grad) for DDP
+                loss = loss + 0.0 * bias
+            with torch.no_grad():
+                logits = [t * sim + (0.0 if bias is None else bias) for sim in sims]
     metrics = diagnostics_from_logits(
         logits[0], logits[1], offset, t, extra={"loss": loss, "flatnce": flat}
     )
