@@ -193,7 +193,7 @@ class ShardWriter:
 
     def _open_next(self) -> None:
         name = f"{self.prefix}-{len(self.sizes):06d}.tar"
-        self._tmp = self.out_dir / f".{name}.tmp"
+        self._tmp = self.out_dir / f".{name}.tmp-{os.getpid()}"  # unique: concurrent writers never collide
         self._name = name
         self._tar = tarfile.open(self._tmp, "w", format=tarfile.GNU_FORMAT)
         self._count = 0
@@ -239,7 +239,7 @@ class ShardWriter:
         sizes = json.loads(sizes_path.read_text()) if sizes_path.is_file() else {}
         sizes = {k: v for k, v in sizes.items() if not pattern.fullmatch(k)}
         sizes.update(self.sizes)
-        tmp = self.out_dir / ".sizes.json.tmp"
+        tmp = self.out_dir / f".sizes.json.tmp-{os.getpid()}"
         tmp.write_text(json.dumps(dict(sorted(sizes.items())), indent=1))
         os.replace(tmp, sizes_path)
         return ShardSummary(str(self.out_dir), dict(self.sizes), dict(self.skipped))
