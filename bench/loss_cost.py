@@ -9,8 +9,7 @@ the forward and the CPU autograd backward both run on it, so other processes on 
 only disturb it through caches and memory bandwidth; --clock wall for perf_counter), rounds alternate the variants (A B C A B C ...), each round times
 `--inner` calls and keeps the fastest (least disturbed by other processes); the figure is the
 median over rounds and the ratio is the median of the per-round ratios (measured side by side).
-`flatnce_proposed` is the fix proposed for vlp/losses/flatnce.py (see its docstring); it is
-checked against vlp's flatnce_loss (value and gradients, float64) before timing. vlp's losses also compute their diagnostics
+vlp's losses also compute their diagnostics
 (no grad, one host transfer) on every call, as the trainer does; open_clip's ClipLoss /
 SigLipLoss (no diagnostics) are timed as the reference, and the diagnostics alone too.
 
@@ -28,8 +27,6 @@ offset = 3 * 128) against the full matrix (b = B):
 from __future__ import annotations
 
 import argparse
-import functools
-import itertools
 import json
 import sys
 import time
@@ -42,168 +39,7 @@ from bench._common import (  # noqa: E402
 )
 
 VARIANTS = ("infonce", "flatnce", "flatnce_t_infonce", "siglip", "openclip_clip", "openclip_siglip",
-            "diagnostics_only", "flatnce_proposed", "flatnce_t_infonce_proposed")
-
-
-def _neg_lse_function():
-    import torch
-
-    class NegLSE(torch.autograd.Function):
-        """v_i = logsumexp_{j != p_i} L_ij - L_i,p_i for (b, B) logits L, positives p_i.
-
-        One masked_fill and one fused log_softmax forward (the same kernel cross_entropy uses),
-        saving only log-probabilities over the negatives; backward: dv_i/dL_ij = w_ij
-        (softmax over the negatives) for j != p_i and -1 at p_i.
-        """
-
-        @staticmethod
-        def forward(ctx, logits, pos_idx, pos_mask):
-            masked = logits.masked_fill(pos_mask, float("-inf"))
-            logp = torch.log_softmax(masked, dim=1)  # (b, B), -inf at the positive
-            rows = torch.arange(logits.shape[0], device=logits.device)
-            q = (pos_idx + 1) % logits.shape[1]  # any negative column: lse = L_iq - logp_iq
-            v = masked[rows, q] - logp[rows, q] - logits[rows, pos_idx]
-            ctx.save_for_backward(logp, pos_idx)
-            return v
-
-        @staticmethod
-        def backward(ctx, grad_v):
-            logp, pos_idx = ctx.saved_tensors
-            grad = torch.exp(logp).mul_(grad_v[:, None])  # (b, B) w_ij * g_i, 0 at the positive
-            rows = torch.arange(grad.shape[0], device=grad.device)
-            grad[rows, pos_idx] = -grad_v
-            return grad, None, None
-
-    return NegLSE
-
-
-def flatnce_proposed(img_local, txt_local, img_global, txt_global, logit_scale, logit_bias=None, *,
-                     offset=0, scale_grad="same"):
-    """The fix proposed in BENCHMARKS.md for vlp/losses/flatnce.py (scale_grad="same"), measured
-    here and checked against vlp's flatnce_loss (value and gradients, float64) before timing.
-
-    Same maths; v = NegLSE(logits) replaces negative_lse(logits) = logsumexp((L - L.gather(p))
-    .masked_fill(...)), i.e. eager logsumexp (amax, sub, exp, sum, log, add: separate (b, B)
-    passes and temporaries) plus gather/sub/masked_fill whose backward adds a zero-filled
-    (b, B) scatter, a row sum, a neg and an add of two (b, B) gradients.
-    """
-    import torch
-
-    from vlp.losses.common import (
-        as_fp32, as_scalar, fp32_block, positive_index, positive_mask, scaled_logits, softplus_exact,
-    )
-    from vlp.losses.diagnostics import diagnostics_from_logits
-
-    assert scale_grad == "same"
-    neg_lse = _neg_lse_function()
-    b, big_b = img_local.shape[0], img_global.shape[0]
-    device = img_local.device
-    with fp32_block(device):
-        t = as_scalar(logit_scale, device)
-        bias = as_scalar(logit_bias, device)
-        img_b, txt_b = as_fp32(img_local), as_fp32(txt_local)
-        img_bb, txt_bb = as_fp32(img_global), as_fp32(txt_global)
-        pos_idx = positive_index(b, offset, device)
-        mask = positive_mask(b, big_b, offset, device)
-        logits = [scaled_logits(img_b, txt_bb, t, bias), scaled_logits(txt_b, img_bb, t, bias)]
-        v = torch.cat([neg_lse.apply(lg, pos_idx, mask) for lg in logits])  # (2b,)
-        flat = torch.exp(v - v.detach()).mean()
-        loss = flat - 1.0 + softplus_exact(v.detach()).mean()
-    metrics = diagnostics_from_logits(logits[0], logits[1], offset, t, extra={"loss": loss, "flatnce": flat})
-    return loss, metrics
-
-
-def _neg_lse_two_function():
-    import torch
-
-    class NegLSETwo(torch.autograd.Function):
-        """(v, v) for L = t * sim, v_i = logsumexp_{j != p_i} L_ij - L_i,p_i, with separate
-        gradient routes: the first output's gradient reaches only `sim`, the second's only `t`
-        (dv_i/dt = sum_j w_ij s_ij - s_i,p_i, w = softmax over the negatives): the
-        "infonce" temperature mode from one log_softmax instead of two LSEs + a cross-entropy."""
-
-        @staticmethod
-        def forward(ctx, sim, t, pos_idx, pos_mask):
-            logits = t * sim
-            masked = logits.masked_fill(pos_mask, float("-inf"))
-            logp = torch.log_softmax(masked, dim=1)
-            rows = torch.arange(sim.shape[0], device=sim.device)
-            q = (pos_idx + 1) % sim.shape[1]
-            v = masked[rows, q] - logp[rows, q] - logits[rows, pos_idx]
-            ctx.save_for_backward(logp, sim, t, pos_idx)
-            return v, v.clone()
-
-        @staticmethod
-        def backward(ctx, g_feat, g_t):
-            logp, sim, t, pos_idx = ctx.saved_tensors
-            rows = torch.arange(sim.shape[0], device=sim.device)
-            w = torch.exp(logp)  # (b, B) softmax over the negatives, 0 at the positive
-            grad_sim = grad_t = None
-            if g_t is not None:
-                dv_dt = (w * sim).sum(1) - sim[rows, pos_idx]
-                grad_t = (g_t * dv_dt).sum().reshape(t.shape)
-            if g_feat is not None:
-                gs = g_feat * t
-                grad_sim = w.mul_(gs[:, None])
-                grad_sim[rows, pos_idx] = -gs
-            return grad_sim, grad_t, None, None
-
-    return NegLSETwo
-
-
-def flatnce_t_infonce_proposed(img_local, txt_local, img_global, txt_global, logit_scale, logit_bias=None,
-                               *, offset=0, scale_grad="infonce"):
-    """The same fix for scale_grad="infonce" (FlatNCE's default temperature mode): one NegLSETwo
-    per direction replaces negative_lse(t.detach() * sim) + cross_entropy(t * sim.detach())."""
-    import torch
-
-    from vlp.losses.common import as_fp32, as_scalar, fp32_block, positive_index, positive_mask, softplus_exact
-    from vlp.losses.diagnostics import diagnostics_from_logits
-
-    assert scale_grad == "infonce"
-    neg_lse = _neg_lse_two_function()
-    b, big_b = img_local.shape[0], img_global.shape[0]
-    device = img_local.device
-    with fp32_block(device):
-        t = as_scalar(logit_scale, device)
-        img_b, txt_b = as_fp32(img_local), as_fp32(txt_local)
-        img_bb, txt_bb = as_fp32(img_global), as_fp32(txt_global)
-        pos_idx = positive_index(b, offset, device)
-        mask = positive_mask(b, big_b, offset, device)
-        sims = [img_b @ txt_bb.T, txt_b @ img_bb.T]
-        outs = [neg_lse.apply(sim, t, pos_idx, mask) for sim in sims]
-        v_feat = torch.cat([o[0] for o in outs])
-        v_t = torch.cat([o[1] for o in outs])
-        flat = torch.exp(v_feat - v_feat.detach()).mean()
-        loss = flat - 1.0 + softplus_exact(v_t).mean()  # value InfoNCE; d/dt InfoNCE's; d/dfeatures FlatNCE's
-        with torch.no_grad():
-            logits = [t * sim for sim in sims]
-    metrics = diagnostics_from_logits(logits[0], logits[1], offset, t, extra={"loss": loss, "flatnce": flat})
-    return loss, metrics
-
-
-def check_proposed(big_b: int = 64, d: int = 16) -> float:
-    """Max abs difference of value and gradients, proposed vs vlp flatnce (float64, b < B)."""
-    import torch
-
-    from vlp.losses import flatnce_loss
-
-    errs = []
-    for (b, off), mode in itertools.product(((big_b, 0), (big_b // 4, big_b // 2)), ("same", "infonce")):
-        outs = []
-        proposed = flatnce_proposed if mode == "same" else flatnce_t_infonce_proposed
-        for fn in (functools.partial(flatnce_loss, scale_grad=mode), functools.partial(proposed, scale_grad=mode)):
-            g = torch.Generator().manual_seed(1)
-            img = torch.nn.functional.normalize(torch.randn(big_b, d, generator=g, dtype=torch.float64), dim=1)
-            txt = torch.nn.functional.normalize(torch.randn(big_b, d, generator=g, dtype=torch.float64), dim=1)
-            img.requires_grad_(True)
-            txt.requires_grad_(True)
-            ls = torch.tensor(2.5, dtype=torch.float64, requires_grad=True)
-            loss, m = fn(img[off:off + b], txt[off:off + b], img, txt, ls.exp(), offset=off)
-            loss.backward()
-            outs.append((loss.detach(), img.grad, txt.grad, ls.grad, m["infonce"]))
-        errs += [float((x - y).abs().max()) if torch.is_tensor(x) else abs(x - y) for x, y in zip(*outs)]
-    return max(errs)
+            "diagnostics_only")
 
 
 def make_inputs(big_b: int, d: int, seed: int = 0):
@@ -235,11 +71,9 @@ def make_step(variant: str, img, txt, log_scale, bias, b: int, offset: int):
     def local():
         return img[offset:offset + b], txt[offset:offset + b]
 
-    if variant in ("infonce", "flatnce", "flatnce_t_infonce", "siglip", "flatnce_proposed",
-                   "flatnce_t_infonce_proposed"):
+    if variant in ("infonce", "flatnce", "flatnce_t_infonce", "siglip"):
         fn = {"infonce": infonce_loss, "flatnce": flatnce_loss, "flatnce_t_infonce": flatnce_loss,
-              "siglip": siglip_loss, "flatnce_proposed": flatnce_proposed,
-              "flatnce_t_infonce_proposed": flatnce_t_infonce_proposed}[variant]
+              "siglip": siglip_loss}[variant]
         kw = {"scale_grad": "infonce" if "t_infonce" in variant else "same", "offset": offset}
 
         def step():
@@ -380,11 +214,6 @@ def main(argv=None) -> None:
     if args.quick:
         args.batch, args.dim, args.rounds, args.inner = 128, 64, 2, 1
     pin_threads()
-    err = check_proposed()
-    print(f"# flatnce_proposed / flatnce_t_infonce_proposed vs vlp flatnce_loss (scale_grad same / infonce): "
-          f"max |diff| of value, grads, infonce = {err:.2e} (float64)")
-    if err > 1e-9:
-        raise AssertionError(f"flatnce_proposed disagrees with vlp flatnce_loss: {err}")
     header(f"loss cost: forward+backward of the loss alone, B={args.batch}, d={args.dim}, CPU")
     big_b, d = args.batch, args.dim
     b_local, offset_local = big_b // args.world, 3 * (big_b // args.world) % big_b
@@ -416,9 +245,6 @@ def main(argv=None) -> None:
             print(f"  {v:20s} {spread(ms[v])}")
         tag = "" if b == big_b else "_local"
         for num, den in (("flatnce", "infonce"), ("flatnce_t_infonce", "infonce"),
-                         ("flatnce_proposed", "infonce"), ("flatnce_proposed", "flatnce"),
-                         ("flatnce_t_infonce_proposed", "infonce"),
-                         ("flatnce_t_infonce_proposed", "flatnce_t_infonce"),
                          ("siglip", "infonce"), ("infonce", "openclip_clip"),
                          ("siglip", "openclip_siglip")):
             r = paired_ratio(ms[num], ms[den])
