@@ -66,17 +66,6 @@ def peak_gib(device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
 
 
-def param_groups(model, weight_decay: float):
-    """open_clip_train's (and vlp's) rule: no decay on gains, biases, norms, logit_scale."""
-    decay, no_decay = [], []
-    for n, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        exclude = p.ndim < 2 or "bn" in n or "ln" in n or "bias" in n or "logit_scale" in n
-        (no_decay if exclude else decay).append(p)
-    return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
-
-
 def synthetic_batch(model_name: str, batch: int, device):
     import open_clip
     import torch
@@ -180,6 +169,8 @@ def open_clip_setup(args, device):
     precision = {"bf16": "amp_bf16", "fp32": "fp32", "fp16": "amp"}[args.precision]
     model, preprocess_train, _ = open_clip.create_model_and_transforms(
         args.model, precision=precision, device=device, output_dict=True)
+    from vlp.trainer import param_groups
+
     optimizer = torch.optim.AdamW(param_groups(model, 0.2), lr=5e-4, betas=(0.9, 0.98), eps=1e-6)
     oc_args = Namespace(
         device=str(device), precision=precision, accum_freq=1, distill=False, skip_scheduler=True,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import io
 import json
-import tarfile
 from pathlib import Path
 
 import numpy as np
 import torch
+from vlp_testing import write_tar as _write_tar
 
 
 def to_tensor(image) -> torch.Tensor:
@@ -27,13 +27,7 @@ def tokenize(captions: list[str], length: int = 8) -> torch.Tensor:
 
 def write_tar(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> Path:
     """A raw tar with the given {key: {ext: bytes}} members, in order."""
-    with tarfile.open(path, "w") as tar:
-        for key, members in samples:
-            for ext, data in members.items():
-                info = tarfile.TarInfo(f"{key}.{ext}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    return path
+    return _write_tar(path, samples)
 
 
 def write_sizes(directory: Path, sizes: dict[str, int]) -> None:

@@ -1,10 +1,10 @@
 """Helpers for eval tests (a uniquely named module: `conftest` names collide across test dirs)."""
 import io
 import os
-import tarfile
 
 import numpy as np
 from PIL import Image
+from vlp_testing import write_tar as _write_tar
 
 
 def random_png(rng: np.random.Generator, size=(40, 36)) -> bytes:
@@ -26,10 +26,4 @@ def write_class_folders(root, folders, per_class=2, seed=0):
 
 def write_tar(path, samples):
     """samples: list of (key, {ext: bytes})."""
-    with tarfile.open(path, "w") as tar:
-        for key, members in samples:
-            for ext, data in members.items():
-                info = tarfile.TarInfo(f"{key}.{ext}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-    return str(path)
+    return str(_write_tar(path, samples))
