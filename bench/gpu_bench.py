@@ -17,8 +17,7 @@ Sections (each prints FIGURE lines; everything also goes to --out/gpu_bench.json
 2. real: synthetic 512 px JPEG shards written on the box (--real-samples, parallel), decoded
    by --workers loader workers per system:
      vlp            Trainer.batches() (data_pipelines.stream, split mode) -> train_step
-     vlp_draft224   the same with the stream's decode_size=224 JPEG fast path (not reachable
-                    from `vlp train` config today; patched in here to measure the proposal)
+     vlp_draft224   the same with data.decode_size=224 (the JPEG DCT-scaling fast path)
      open_clip      open_clip_train.data.get_wds_dataset (persistent workers) -> train_one_epoch
    Timed from the start of step --warmup to the end of the last step.
 
@@ -28,7 +27,6 @@ No timing assertions. On CPU (--cpu) memory and MFU print as n/a.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -108,27 +106,21 @@ def vlp_synthetic(trainer, batch: dict, steps: int, warmup: int) -> float:
 
 
 def vlp_real(trainer, steps: int, warmup: int, decode_size=None) -> float:
-    import data_pipelines.stream as stream
-
     device = trainer.accelerator.device
-    original = stream.make_loader
-    if decode_size:
-        stream.make_loader = functools.partial(original, decode_size=decode_size)
+    trainer.cfg.data.decode_size = decode_size
+    trainer.train_loader = trainer.make_train_loader()
     trainer.epoch, trainer.batch_in_epoch = 0, 0
-    try:
-        data = trainer.batches()
-        for _ in range(warmup):
-            trainer.train_step(next(data))
-        sync(device)
-        reset_peak(device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            trainer.train_step(next(data))
-        sync(device)
-        dt = (time.perf_counter() - t0) / steps
-        data.close()  # ends the epoch's loader and its workers
-    finally:
-        stream.make_loader = original
+    data = trainer.batches()
+    for _ in range(warmup):
+        trainer.train_step(next(data))
+    sync(device)
+    reset_peak(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step(next(data))
+    sync(device)
+    dt = (time.perf_counter() - t0) / steps
+    data.close()  # ends the loader and its workers
     return dt
 
 

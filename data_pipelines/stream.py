@@ -6,6 +6,8 @@
         loader.set_epoch(epoch)
         for batch in loader:  # {"image": [b,3,H,W], "text": [b,L], "key": [..], "skipped": {..}}
             ...
+    for batch in loader.epochs(epoch, start_batch):  # training: all epochs, one set of workers
+        ...  # batch["epoch"], batch["index"] say where it is
 
 How an epoch is laid out (all of it is a pure function of seed, epoch, rank, worker):
 
@@ -124,9 +126,13 @@ class _Stream:
     """One (rank, worker)'s batches for one epoch. Collates, tokenizes, counts skips."""
 
     def __init__(self, plan: _Plan, epoch: int, worker: int, start_batch: int, transform,
-                 tokenize, decode_size):
+                 tokenize, decode_size, pad: bool = False):
         self.plan, self.epoch, self.worker, self.start = plan, epoch, worker, start_batch
         self.transform, self.tokenize, self.decode_size = transform, tokenize, decode_size
+        # pad: yield a placeholder for each skipped batch and up to ceil(num_batches / workers)
+        # items, so that every worker yields the same count per epoch and DataLoader's
+        # round-robin over workers stays in batch order across chained epochs.
+        self.pad = pad
         self.skipped: Counter[str] = Counter()
         self.seen_keys: list[str] = []
         self.seen_exts: set[str] = set()
@@ -219,6 +225,8 @@ class _Stream:
             chunk = [next(samples) for _ in range(p.sizes_per_batch[j])]
             if j < self.start:
                 self.skipped.clear()  # counts belong to the skipped batch
+                if self.pad:
+                    yield self.placeholder(j)
                 continue
             # Augmentation randomness is a pure function of (seed, epoch, rank, batch index):
             # independent of num_workers and exact after a resume that skipped batches.
@@ -226,6 +234,13 @@ class _Stream:
                 torch.manual_seed(_rng(p.seed, self.epoch, p.rank, j, "augment").getrandbits(63))
                 decoded = self.decode_all(chunk, samples)
             yield self.collate(j, decoded)
+        if self.pad:
+            for _ in range(len(p.worker_batches(0)) - len(mine)):
+                yield self.placeholder(None)
+
+    def placeholder(self, index: int | None) -> dict:
+        return {"index": index, "epoch": self.epoch, "empty": True,
+                "skipped": self._take_skipped()}
 
     def decode_all(self, chunk: list[tuple], spare: Iterator[tuple] | None) -> list:
         out = []
@@ -286,19 +301,29 @@ class _Stream:
         images = torch.stack([img for _, img, _ in decoded])
         text = self.tokenize([c for _, _, c in decoded])
         return {"image": images, "text": text, "key": keys, "skipped": self._take_skipped(),
-                "index": index}
+                "index": index, "epoch": self.epoch}
 
 
 class _EpochDataset(torch.utils.data.IterableDataset):
-    def __init__(self, plan, epoch, start_batch, transform, tokenize, decode_size):
+    """One epoch of a worker's batches, or (chain=True) every epoch from ``epoch`` on."""
+
+    def __init__(self, plan, epoch, start_batch, transform, tokenize, decode_size, chain=False):
         super().__init__()
-        self.args = (plan, epoch, start_batch, transform, tokenize, decode_size)
+        self.plan, self.epoch, self.start, self.chain = plan, epoch, start_batch, chain
+        self.args = (transform, tokenize, decode_size)
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
-        plan, epoch, start, transform, tokenize, decode_size = self.args
         worker = 0 if info is None else info.id
-        return iter(_Stream(plan, epoch, worker, start, transform, tokenize, decode_size))
+        if not self.chain:
+            return iter(_Stream(self.plan, self.epoch, worker, self.start, *self.args))
+        return self._chained(worker)
+
+    def _chained(self, worker: int) -> Iterator[dict]:
+        epoch, start = self.epoch, self.start
+        while True:
+            yield from _Stream(self.plan, epoch, worker, start, *self.args, pad=True)
+            epoch, start = epoch + 1, 0
 
 
 def _seed_worker(worker_id: int) -> None:
@@ -348,18 +373,48 @@ class Loader:
             self.start_batch = start_batch
         self.epoch = epoch
 
+    def _batches(self, epoch: int, start: int, chain: bool):
+        dataset = _EpochDataset(self.plan, epoch, start, self.transform, self.tokenize,
+                                self.decode_size, chain=chain)
+        if self.num_workers == 0:
+            return dataset
+        generator = torch.Generator()
+        generator.manual_seed(_rng(self.plan.seed, epoch, self.plan.rank).getrandbits(63))
+        return torch.utils.data.DataLoader(
+            dataset, batch_size=None, num_workers=self.num_workers, generator=generator,
+            worker_init_fn=_seed_worker)
+
+    def epochs(self, epoch: int = 0, start_batch: int = 0) -> Iterator[dict]:
+        """Every batch of every epoch from (epoch, start_batch) on, forever, through one set of
+        workers: no restart and no idle prefetch queue at epoch boundaries. Each batch carries
+        its "epoch" and "index"; the batches equal those of ``set_epoch(e); iter(loader)``.
+        ``start_batch == num_batches`` means the start of the next epoch."""
+        if self.plan.mode == "sequential":
+            raise ValueError("epochs() is for training streams (split/resampled)")
+        if not 0 <= start_batch <= self.num_batches:
+            raise ValueError(f"start_batch={start_batch} not in [0, {self.num_batches}]")
+        epoch, start_batch = epoch + start_batch // self.num_batches, start_batch % self.num_batches
+        carry: Counter[str] = Counter()
+        expected = (epoch, start_batch)
+        for item in self._batches(epoch, start_batch, chain=True):
+            if item.get("empty"):  # placeholder: keeps the workers' round-robin in order
+                carry.update(item["skipped"])
+                continue
+            where = (item["epoch"], item["index"])
+            if where != expected:  # the padding makes this impossible; never train out of order
+                raise RuntimeError(f"stream out of order: got {where}, expected {expected}")
+            index = item["index"] + 1
+            expected = (item["epoch"], index) if index < self.num_batches else (item["epoch"] + 1, 0)
+            carry.update(item["skipped"])
+            item["skipped"] = dict(carry)
+            self.stats.update(carry)
+            carry.clear()
+            self.epoch, self.position = item["epoch"], index
+            yield item
+
     def __iter__(self) -> Iterator[dict]:
         start, self.start_batch = self.start_batch, 0
-        dataset = _EpochDataset(self.plan, self.epoch, start, self.transform, self.tokenize,
-                                self.decode_size)
-        if self.num_workers > 0:
-            generator = torch.Generator()
-            generator.manual_seed(_rng(self.plan.seed, self.epoch, self.plan.rank).getrandbits(63))
-            batches = torch.utils.data.DataLoader(
-                dataset, batch_size=None, num_workers=self.num_workers, generator=generator,
-                worker_init_fn=_seed_worker, persistent_workers=False)
-        else:
-            batches = dataset
+        batches = self._batches(self.epoch, start, chain=False)
         self.position, yielded = start, 0
         for batch in self._in_order(iter(batches), start):
             yielded += 1
@@ -374,6 +429,7 @@ class Loader:
         pending: dict[int, dict] = {}
         carry: Counter[str] = Counter()
         for batch in batches:
+            batch.pop("epoch", None)
             pending[batch.pop("index")] = batch
             while expected in pending:
                 out = pending.pop(expected)

@@ -39,22 +39,22 @@ class _TwoRankStream:
     def __init__(self, loaders):
         self.loaders = loaders
 
-    def __iter__(self):
-        for parts in zip(*self.loaders):
+    def epochs(self, epoch, start_batch):
+        for parts in zip(*(loader.epochs(epoch, start_batch) for loader in self.loaders)):
             yield {"image": torch.cat([p["image"] for p in parts]), "text": torch.cat([p["text"] for p in parts]),
-                   "key": sum((p["key"] for p in parts), []), "skipped": {}}
+                   "key": sum((p["key"] for p in parts), []), "skipped": {},
+                   "epoch": parts[0]["epoch"], "index": parts[0]["index"]}
 
 
 class _OneProcessReference(Trainer):
-    def make_train_loader(self, epoch, start_batch=0):
+    def make_train_loader(self):
         from data_pipelines.stream import make_loader
 
         d = self.cfg.data
         return _TwoRankStream([
             make_loader(d.train_shards, batch_size=d.batch_per_device // 2, transform=self.train_transform,
-                        tokenize=self.tokenizer, seed=self.cfg.train.seed, epoch=epoch, rank=r, world_size=2,
-                        num_workers=d.num_workers, mode=d.mode, shuffle_buffer=d.shuffle_buffer,
-                        start_batch=start_batch)
+                        tokenize=self.tokenizer, seed=self.cfg.train.seed, rank=r, world_size=2,
+                        num_workers=d.num_workers, mode=d.mode, shuffle_buffer=d.shuffle_buffer)
             for r in range(2)])
 
 

@@ -77,7 +77,7 @@ class Trainer:
                 f"({cfg.data.batch_per_device} per device x {self.world} processes x {self.accum} accum)"
             )
         model, self.tokenizer, self.train_transform, self.eval_transform = build_model(cfg.model, cfg.loss)
-        self.make_train_loader(0)  # validates the shard spec before any work starts
+        self.train_loader = self.make_train_loader()  # validates the shard spec before any work
         self.loss_fn = get_loss(cfg.loss.name)
         self.scale_grad = "infonce" if cfg.loss.temperature == "infonce" else "same"
         self.max_log_scale = math.log(cfg.loss.max_logit_scale)
@@ -112,35 +112,30 @@ class Trainer:
     def unwrapped(self) -> DualEncoder:
         return self.accelerator.unwrap_model(self.model)
 
-    def make_train_loader(self, epoch: int, start_batch: int = 0):
+    def make_train_loader(self):
         from data_pipelines.stream import make_loader
 
         d = self.cfg.data
         return make_loader(
             d.train_shards, batch_size=d.batch_per_device, transform=self.train_transform,
-            tokenize=self.tokenizer, seed=self.cfg.train.seed, epoch=epoch,
-            rank=self.accelerator.process_index, world_size=self.world, num_workers=d.num_workers,
-            mode=d.mode, shuffle_buffer=d.shuffle_buffer, start_batch=start_batch, decode_size=d.decode_size,
-            **({"weights": d.weights} if d.weights else {}),
+            tokenize=self.tokenizer, seed=self.cfg.train.seed, rank=self.accelerator.process_index,
+            world_size=self.world, num_workers=d.num_workers, mode=d.mode, shuffle_buffer=d.shuffle_buffer,
+            decode_size=d.decode_size, **({"weights": d.weights} if d.weights else {}),
         )
 
     def batches(self):
-        """Yield lists of `accum` micro-batches forever, tracking the stream position."""
-        while True:
-            loader = self.make_train_loader(self.epoch, start_batch=self.batch_in_epoch)
-            group = []
-            for batch in loader:
-                self.batch_in_epoch += 1
-                for kind, n in batch.get("skipped", {}).items():
-                    self.skipped[kind] = self.skipped.get(kind, 0) + n
-                group.append(batch)
-                if len(group) == self.accum:
-                    yield group
-                    group = []
-            if self.batch_in_epoch == 0:
-                raise ValueError(f"data.train_shards yielded no batch of {self.cfg.data.batch_per_device}")
-            self.epoch += 1
-            self.batch_in_epoch = 0
+        """Yield lists of `accum` micro-batches forever, tracking the stream position
+        (epoch, batches of it consumed). One stream spans all epochs: the loader's workers
+        live for the whole run and prefetch across epoch boundaries (BENCHMARKS.md, fix E)."""
+        group = []
+        for batch in self.train_loader.epochs(self.epoch, self.batch_in_epoch):
+            self.epoch, self.batch_in_epoch = batch.pop("epoch"), batch.pop("index") + 1
+            for kind, n in batch.get("skipped", {}).items():
+                self.skipped[kind] = self.skipped.get(kind, 0) + n
+            group.append(batch)
+            if len(group) == self.accum:
+                yield group
+                group = []
 
     # ------------------------------------------------------------------ step
     def _loss(self, img_local, txt_local, scale, bias):

@@ -78,6 +78,33 @@ def test_start_batch_resumes_exactly(uneven, num_workers):
         assert torch.equal(a["image"], b["image"]) and torch.equal(a["text"], b["text"])
 
 
+@pytest.mark.parametrize("num_workers", [0, 2, 3])
+def test_chained_epochs_equal_one_loader_per_epoch(uneven, num_workers):
+    """Loader.epochs (one set of workers for the whole run) yields exactly the batches of
+    per-epoch iteration, in order, also when workers own unequal batch counts (7 batches
+    of 7 over 2 or 3 workers) and when it starts mid-epoch or at an epoch's end."""
+    make = lambda: loader(uneven, seed=5, batch_size=7, num_workers=num_workers)  # noqa: E731
+    reference = []
+    for epoch in range(3):
+        one = make()
+        one.set_epoch(epoch)
+        reference += [(epoch, j, b) for j, b in enumerate(one)]
+    assert len(reference) == 21
+
+    def take(epoch, start, count):
+        stream = make().epochs(epoch, start)
+        out = [next(stream) for _ in range(count)]
+        stream.close()
+        return out
+
+    for (epoch, start), offset in [((0, 0), 0), ((0, 5), 5), ((1, 2), 9), ((0, 7), 7)]:
+        got = take(epoch, start, 21 - offset)
+        for (e, j, ref), batch in zip(reference[offset:], got):
+            assert (batch["epoch"], batch["index"]) == (e, j)
+            assert batch["key"] == ref["key"] and torch.equal(batch["image"], ref["image"])
+            assert torch.equal(batch["text"], ref["text"])
+
+
 def test_workers_match_across_runs_and_cover_rank(uneven):
     a = list(loader(uneven, num_workers=2, rank=1, world_size=2))
     b = list(loader(uneven, num_workers=2, rank=1, world_size=2))
