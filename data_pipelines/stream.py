@@ -26,9 +26,11 @@ How an epoch is laid out (all of it is a pure function of seed, epoch, rank, wor
 
 Bad samples are skipped and counted by kind (``SKIP_KINDS``); each batch's ``skipped`` holds
 what its worker skipped since its previous batch, and ``Loader.stats`` sums them.
-``start_batch=n`` skips the first n batches by reading bytes only: sample validity is decided
-before shuffling by a cheap check (caption present, image header/draft decode), so a resumed
-epoch yields exactly the batches the uninterrupted one would have. A resumed run must use the
+``start_batch=n`` skips the first n batches without decoding them: samples without caption or
+image header are dropped before shuffling; an image that fails to decode after the shuffle is
+replaced by the stream's next sample, and skipped batches make the same replacements from a
+cheap check (``image_decodes``: JPEG entropy decoding at 1/8 scale), so a resumed epoch
+yields exactly the batches the uninterrupted one would have. A resumed run must use the
 same num_workers, world_size and batch_size.
 """
 
@@ -46,8 +48,8 @@ from typing import Any
 import torch
 
 from data_pipelines.tars import (  # noqa: F401  (re-exported: the public shard helpers)
-    IMAGE_EXTS, TEXT_EXTS, _check_sample, _read_shard, decode_image, expand_sources, shard_sizes,
-    sizes_from_spec,
+    IMAGE_EXTS, TEXT_EXTS, _check_sample, _read_shard, decode_image, expand_sources, image_decodes,
+    shard_sizes, sizes_from_spec,
 )
 
 SKIP_KINDS = ("corrupt_image", "missing_caption", "missing_image", "bad_member", "bad_shard")
@@ -223,7 +225,8 @@ class _Stream:
             samples = self.split(self.split_pieces(mine))
         for j in mine:
             chunk = [next(samples) for _ in range(p.sizes_per_batch[j])]
-            if j < self.start:
+            if j < self.start:  # skipped on resume: no decode, same replacements as decode_all
+                self.decode_all(chunk, samples, probe=True)
                 self.skipped.clear()  # counts belong to the skipped batch
                 if self.pad:
                     yield self.placeholder(j)
@@ -242,18 +245,33 @@ class _Stream:
         return {"index": index, "epoch": self.epoch, "empty": True,
                 "skipped": self._take_skipped()}
 
-    def decode_all(self, chunk: list[tuple], spare: Iterator[tuple] | None) -> list:
-        out = []
+    def decode_all(self, chunk: list[tuple], spare: Iterator[tuple] | None,
+                   probe: bool = False) -> list:
+        """[(key, transformed image, caption)] of the chunk. A sample whose image does not decode
+        is counted and, with ``spare``, replaced by the stream's next sample, so batches stay
+        full and the stream is the same function of the data with or without a resume
+        (``probe``: decide with ``image_decodes`` only, for skipped batches)."""
+        out, failed, size = [], 0, len(chunk)
         while chunk:
             key, data, caption = chunk.pop(0)
             try:
-                image = decode_image(data, self.decode_size)
+                if probe:
+                    if not image_decodes(data):
+                        raise ValueError("image does not decode")
+                    image = None
+                else:
+                    image = decode_image(data, self.decode_size)
             except Exception:  # PIL raises many types for bad bytes; transform errors do not
                 self.skipped["corrupt_image"] += 1  # land here
+                failed += 1
+                if failed > 4 * size + 16:
+                    raise ValueError(
+                        f"{failed} images failed to decode while filling one batch of {size} "
+                        f"from {self.plan.paths[:4]}...: keys {self.seen_keys}") from None
                 if spare is not None:  # keep batches full: take the next sample instead
                     chunk.append(next(spare))
                 continue
-            out.append((key, self.transform(image), caption))
+            out.append((key, image if probe else self.transform(image), caption))
         return out
 
     def sequential(self, mine: list[int]) -> Iterator[dict]:

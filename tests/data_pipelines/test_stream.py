@@ -130,6 +130,58 @@ def test_corrupt_image_skipped_and_counted(tmp_path):
     assert "s007" not in keys_of(got)
 
 
+def noise_jpeg(seed: int, size: int = 64) -> bytes:
+    """A JPEG whose entropy-coded data is most of the file (a cut keeps the header intact)."""
+    import io
+    import random
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    pixels = random.Random(seed).randbytes(size * size * 3)
+    Image.frombytes("RGB", (size, size), pixels).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def truncated_jpegs(tmp_path_factory):
+    """40 JPEG pairs in 4 shards, every 5th image cut in half (header intact: only decoding
+    finds it)."""
+    out = tmp_path_factory.mktemp("truncated")
+    samples = []
+    for i in range(40):
+        data = noise_jpeg(i)
+        samples.append((f"j{i:03d}", {"jpg": data[: len(data) // 2] if i % 5 == 2 else data,
+                                      "txt": f"caption {i}".encode()}))
+    for s in range(4):
+        write_tar(out / f"t-{s:06d}.tar", samples[s * 10:(s + 1) * 10])
+    write_sizes(out, {f"t-{s:06d}.tar": 10 for s in range(4)})
+    return str(out / "t-{000000..000003}.tar")
+
+
+@pytest.mark.parametrize("mode", ["split", "resampled"])
+def test_resume_is_exact_with_undecodable_images(truncated_jpegs, mode):
+    """Truncated JPEGs are replaced by the stream's next sample when decoding fails; a resume
+    that skips batches without decoding them makes the same replacements."""
+    kwargs = dict(seed=2, epoch=1, batch_size=4, mode=mode, shuffle_buffer=8)
+    full_loader = loader(truncated_jpegs, **kwargs)
+    full = list(full_loader)
+    assert len(full) == 10 and full_loader.stats["corrupt_image"] > 0
+    assert all(int(k[1:]) % 5 != 2 for k in keys_of(full))
+    for start in (1, 4, 7):
+        resumed = list(loader(truncated_jpegs, start_batch=start, **kwargs))
+        assert [b["key"] for b in resumed] == [b["key"] for b in full[start:]]
+        assert all(torch.equal(a["image"], b["image"]) for a, b in zip(full[start:], resumed))
+
+
+def test_only_undecodable_images_is_an_error_not_a_hang(tmp_path):
+    data = noise_jpeg(1)
+    cut = data[: len(data) // 2]
+    write_tar(tmp_path / "cut.tar", [(f"k{i}", {"jpg": cut, "txt": b"c"}) for i in range(6)])
+    with pytest.raises(ValueError, match="failed to decode"):
+        list(loader(str(tmp_path / "cut.tar"), batch_size=2))
+
+
 def test_zero_valid_samples_names_what_it_found(tmp_path):
     write_tar(tmp_path / "x.tar", [("k1", {"jpeg2": b"a", "label": b"b"})])
     with pytest.raises(ValueError, match=r"k1.*jpeg2|jpeg2.*k1"):
