@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -89,36 +90,44 @@ def positive_mask(b: int, big_b: int, offset: int, device: torch.device) -> Tens
     return mask.scatter_(1, positive_index(b, offset, device)[:, None], True)
 
 
-def negative_margins(logits: Tensor, pos_idx: Tensor, pos_mask: Tensor) -> Tensor:
-    """(b, B) d_ij = logits_ij - logits_i,pos with the positive column set to -inf (masked out).
+class NegativeSoftmax(NamedTuple):
+    """One direction's softmax over the negatives of each local row (positive excluded)."""
 
-    A logit bias cancels here, so every softmax-family statistic ignores it.
-    """
-    pos = logits.gather(1, pos_idx[:, None])  # (b, 1)
-    return (logits - pos).masked_fill(pos_mask, float("-inf"))
+    v: Tensor  # (b,) logsumexp_{j != p} L_ij - L_ip: the FlatNCE/InfoNCE statistic
+    logp: Tensor  # (b, B) log-softmax over the negatives, -inf at the positive
+    hit: Tensor  # (b,) bool: the positive beats every negative (ties are misses)
+
+
+def negative_softmax(logits: Tensor, pos_idx: Tensor, pos_mask: Tensor) -> NegativeSoftmax:
+    """The forward math of every softmax-family loss and of the diagnostics: one masked_fill,
+    one fused log_softmax and one row max over (b, B); no autograd (see negative_lse)."""
+    masked = logits.masked_fill(pos_mask, float("-inf"))
+    logp = torch.log_softmax(masked, dim=1)  # (b, B), -inf at the positive
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    top, q = masked.max(dim=1)  # the hardest negative q: lse_i = L_iq - logp_iq for any q, and
+    pos = logits[rows, pos_idx]  # this q keeps |logp_iq| <= log(B - 1): no cancellation
+    v = (top - pos) - logp[rows, q]
+    return NegativeSoftmax(v, logp, top < pos)
 
 
 class _NegativeLSE(torch.autograd.Function):
-    """v_i = logsumexp_{j != p_i} L_ij - L_i,p_i with one fused log_softmax.
+    """v = negative_softmax(logits).v with a hand-written backward; logp and hit ride along
+    without gradient, so the diagnostics reuse them instead of recomputing the softmax.
 
-    Forward saves only the log-probabilities over the negatives; backward is
-    dv_i/dL_ij = w_ij (softmax over the negatives) for j != p_i and -1 at p_i. Same values and
-    gradients as logsumexp(negative_margins(...)) (tests/losses), ~2x fewer (b, B) passes
-    (bench/loss_cost.py).
+    Backward: dv_i/dL_ij = w_ij (softmax over the negatives) for j != p_i and -1 at p_i. Same
+    values and gradients as logsumexp over j != p of (L_ij - L_ip) (tests/losses), ~2x fewer (b, B)
+    passes (bench/loss_cost.py).
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, pos_idx: Tensor, pos_mask: Tensor) -> Tensor:
-        masked = logits.masked_fill(pos_mask, float("-inf"))
-        logp = torch.log_softmax(masked, dim=1)  # (b, B), -inf at the positive
-        rows = torch.arange(logits.shape[0], device=logits.device)
-        q = (pos_idx + 1) % logits.shape[1]  # any negative column: lse_i = L_iq - logp_iq
-        v = masked[rows, q] - logp[rows, q] - logits[rows, pos_idx]
-        ctx.save_for_backward(logp, pos_idx)
-        return v
+    def forward(ctx, logits: Tensor, pos_idx: Tensor, pos_mask: Tensor):
+        out = negative_softmax(logits, pos_idx, pos_mask)
+        ctx.save_for_backward(out.logp, pos_idx)
+        ctx.mark_non_differentiable(out.logp, out.hit)
+        return tuple(out)
 
     @staticmethod
-    def backward(ctx, grad_v: Tensor):
+    def backward(ctx, grad_v: Tensor, _logp, _hit):
         logp, pos_idx = ctx.saved_tensors
         grad = torch.exp(logp).mul_(grad_v[:, None])  # (b, B): w_ij g_i, 0 at the positive
         grad[torch.arange(grad.shape[0], device=grad.device), pos_idx] = -grad_v
@@ -126,23 +135,20 @@ class _NegativeLSE(torch.autograd.Function):
 
 
 class _NegativeLSESplit(torch.autograd.Function):
-    """(v, v) for L = t * sim with separate gradient routes: the first output's gradient reaches
-    only `sim`, the second's only `t` (dv_i/dt = sum_j w_ij s_ij - s_i,p_i, w = softmax over the
-    negatives). FlatNCE's `temperature: infonce` from one log_softmax per direction."""
+    """(v, v, logp, hit) for L = t * sim with separate gradient routes: the first output's
+    gradient reaches only `sim`, the second's only `t` (dv_i/dt = sum_j w_ij s_ij - s_i,p_i,
+    w = softmax over the negatives). FlatNCE's `temperature: infonce` from one log_softmax per
+    direction."""
 
     @staticmethod
     def forward(ctx, sim: Tensor, t: Tensor, pos_idx: Tensor, pos_mask: Tensor):
-        logits = t * sim
-        masked = logits.masked_fill(pos_mask, float("-inf"))
-        logp = torch.log_softmax(masked, dim=1)
-        rows = torch.arange(sim.shape[0], device=sim.device)
-        q = (pos_idx + 1) % sim.shape[1]
-        v = masked[rows, q] - logp[rows, q] - logits[rows, pos_idx]
-        ctx.save_for_backward(logp, sim, t, pos_idx)
-        return v, v.clone()
+        out = negative_softmax(t * sim, pos_idx, pos_mask)
+        ctx.save_for_backward(out.logp, sim, t, pos_idx)
+        ctx.mark_non_differentiable(out.logp, out.hit)
+        return out.v, out.v.clone(), out.logp, out.hit
 
     @staticmethod
-    def backward(ctx, g_feat: Tensor, g_t: Tensor):
+    def backward(ctx, g_feat: Tensor, g_t: Tensor, _logp, _hit):
         logp, sim, t, pos_idx = ctx.saved_tensors
         rows = torch.arange(sim.shape[0], device=sim.device)
         w = torch.exp(logp)  # (b, B) softmax over the negatives, 0 at the positive
@@ -156,14 +162,22 @@ class _NegativeLSESplit(torch.autograd.Function):
         return grad_sim, grad_t, None, None
 
 
-def negative_lse_split(sim: Tensor, t: Tensor, pos_idx: Tensor, pos_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """(v for the features' gradient, v for the scale's gradient), v = negative_lse(t * sim)."""
-    return _NegativeLSESplit.apply(sim, t, pos_idx, pos_mask)
+def negative_lse_split(sim: Tensor, t: Tensor, pos_idx: Tensor,
+                       pos_mask: Tensor) -> tuple[Tensor, Tensor, NegativeSoftmax]:
+    """(v for the features' gradient, v for the scale's gradient, the direction's
+    NegativeSoftmax for the diagnostics), v = negative_lse(t * sim)."""
+    v, v_t, logp, hit = _NegativeLSESplit.apply(sim, t, pos_idx, pos_mask)
+    return v, v_t, NegativeSoftmax(v.detach(), logp, hit)
+
+
+def negative_lse_full(logits: Tensor, pos_idx: Tensor, pos_mask: Tensor) -> NegativeSoftmax:
+    """negative_softmax with v differentiable (logp and hit are not)."""
+    return NegativeSoftmax(*_NegativeLSE.apply(logits, pos_idx, pos_mask))
 
 
 def negative_lse(logits: Tensor, pos_idx: Tensor, pos_mask: Tensor) -> Tensor:
     """(b,) v_i = logsumexp_{j != pos} t * (s_ij - s_i,pos); InfoNCE_i = softplus(v_i). Needs B >= 2."""
-    return _NegativeLSE.apply(logits, pos_idx, pos_mask)
+    return _NegativeLSE.apply(logits, pos_idx, pos_mask)[0]
 
 
 def softplus_exact(v: Tensor) -> Tensor:

@@ -13,8 +13,9 @@ with margins d_ij = t * (s_ij - s_i,pos) over the B - 1 negatives j and v_i = lo
     mi_loo          log(B - 1) - log_xi                    (leave-one-out bound)
     logit_scale     t
 
-Usage: ``contrastive_diagnostics(img_b, txt_b, img_B, txt_B, logit_scale, offset=o)``. Losses call
-``diagnostics_from_logits`` on the logits they already computed, so no matmul is repeated, and all
+Usage: ``contrastive_diagnostics(img_b, txt_b, img_B, txt_B, logit_scale, offset=o)``. The softmax
+losses pass the softmax over the negatives they already computed (``diagnostics_from_softmax``),
+SigLIP its logits (``diagnostics_from_logits``), so no matmul or softmax is repeated, and all
 values reach the host in one transfer (one device sync per step).
 """
 
@@ -26,11 +27,12 @@ import torch
 from torch import Tensor
 
 from vlp.losses.common import (
+    NegativeSoftmax,
     as_fp32,
     as_scalar,
     check_inputs,
     fp32_block,
-    negative_margins,
+    negative_softmax,
     positive_index,
     positive_mask,
     scaled_logits,
@@ -38,6 +40,39 @@ from vlp.losses.common import (
 )
 
 SATURATION_THRESHOLD = 1e-3  # sigma(v) below this: the InfoNCE gradient is effectively gone
+
+
+@torch.no_grad()
+def diagnostics_from_softmax(
+    directions: list[NegativeSoftmax],
+    logit_scale: Tensor,
+    extra: dict[str, Tensor | float] | None = None,
+) -> dict[str, float]:
+    """Diagnostics from each direction's softmax over the negatives (what the softmax losses
+    computed anyway: nothing (b, B)-sized is recomputed but exp(logp) for ess_neg)."""
+    v = torch.cat([d.v for d in directions]).detach()  # (2b,)
+    big_b = directions[0].logp.shape[1]
+    device = v.device
+    w_norm = [torch.linalg.vector_norm(torch.exp(d.logp), dim=1) for d in directions]
+    sig = torch.sigmoid(v)
+    infonce = softplus_exact(v).mean()  # log(1 + e^v) == cross-entropy
+    log_xi = v.mean()
+    t = as_scalar(logit_scale, device).detach().to(v.dtype)
+    values = {
+        "infonce": infonce,
+        "log_xi": log_xi,
+        "grad_ratio": sig.mean(),
+        "frac_saturated": (sig < SATURATION_THRESHOLD).to(v.dtype).mean(),
+        "ess_neg": torch.cat(w_norm).square().reciprocal().mean(),  # 1 / sum_j w_ij^2
+        "acc": torch.cat([d.hit for d in directions]).to(v.dtype).mean(),
+        "mi_nce": math.log(big_b) - infonce,
+        "mi_loo": math.log(big_b - 1) - log_xi,
+        "logit_scale": t,
+    }
+    for key, val in (extra or {}).items():
+        values[key] = torch.as_tensor(val, device=device).detach().to(v.dtype).reshape(())
+    flat = torch.stack(list(values.values())).tolist()  # one host transfer
+    return dict(zip(values.keys(), flat))
 
 
 @torch.no_grad()
@@ -57,34 +92,9 @@ def diagnostics_from_logits(
     pos_idx = positive_index(b, offset, device)
     pos_mask = positive_mask(b, big_b, offset, device)
     with fp32_block(device):
-        vs, ess, acc = [], [], []
-        for logits in (logits_i2t, logits_t2i):
-            d = negative_margins(as_fp32(logits.detach()), pos_idx, pos_mask)  # (b, B)
-            v = torch.logsumexp(d, dim=1)  # (b,)
-            w = torch.exp(d - v[:, None])  # softmax over negatives; 0 at the positive
-            vs.append(v)
-            ess.append(1.0 / (w * w).sum(dim=1))
-            acc.append(d.amax(dim=1) < 0)
-        v = torch.cat(vs)  # (2b,)
-        sig = torch.sigmoid(v)
-        infonce = softplus_exact(v).mean()  # log(1 + e^v) == cross-entropy
-        log_xi = v.mean()
-        t = as_scalar(logit_scale, device).detach().to(v.dtype)
-        values = {
-            "infonce": infonce,
-            "log_xi": log_xi,
-            "grad_ratio": sig.mean(),
-            "frac_saturated": (sig < SATURATION_THRESHOLD).to(v.dtype).mean(),
-            "ess_neg": torch.cat(ess).mean(),
-            "acc": torch.cat(acc).to(v.dtype).mean(),
-            "mi_nce": math.log(big_b) - infonce,
-            "mi_loo": math.log(big_b - 1) - log_xi,
-            "logit_scale": t,
-        }
-        for key, val in (extra or {}).items():
-            values[key] = torch.as_tensor(val, device=device).detach().to(v.dtype).reshape(())
-        flat = torch.stack(list(values.values())).tolist()  # one host transfer
-    return dict(zip(values.keys(), flat))
+        directions = [negative_softmax(as_fp32(logits.detach()), pos_idx, pos_mask)
+                      for logits in (logits_i2t, logits_t2i)]
+        return diagnostics_from_softmax(directions, logit_scale, extra)
 
 
 @torch.no_grad()

@@ -35,14 +35,14 @@ from vlp.losses.common import (
     as_scalar,
     check_inputs,
     fp32_block,
-    negative_lse,
+    negative_lse_full,
     negative_lse_split,
     positive_index,
     positive_mask,
     scaled_logits,
     softplus_exact,
 )
-from vlp.losses.diagnostics import diagnostics_from_logits
+from vlp.losses.diagnostics import diagnostics_from_softmax
 
 
 def flatnce_loss(
@@ -72,9 +72,10 @@ def flatnce_loss(
 
         directions = ((img_b, txt_bb), (txt_b, img_bb))  # image->text, text->image
         if scale_grad == "same":
-            logits = [scaled_logits(rows, cols, t, bias) for rows, cols in directions]  # (b, B)
+            parts = [negative_lse_full(scaled_logits(rows, cols, t, bias), pos_idx, pos_mask)
+                     for rows, cols in directions]  # softmax over the negatives of (b, B) logits
             # (2b,) anchors of both directions; the mean over 2b averages the two directions
-            v = torch.cat([negative_lse(lg, pos_idx, pos_mask) for lg in logits])
+            v = torch.cat([p.v for p in parts])
             flat = torch.exp(v - v.detach()).mean()
             loss = flat - 1.0 + softplus_exact(v.detach()).mean()
         else:  # "infonce": features <- FlatNCE gradient, logit_scale <- InfoNCE gradient
@@ -82,13 +83,10 @@ def flatnce_loss(
             outs = [negative_lse_split(sim, t, pos_idx, pos_mask) for sim in sims]
             v = torch.cat([o[0] for o in outs])  # gradient to the features only
             v_t = torch.cat([o[1] for o in outs])  # gradient to logit_scale only
+            parts = [o[2] for o in outs]
             flat = torch.exp(v - v.detach()).mean()
             loss = flat - 1.0 + softplus_exact(v_t).mean()  # value: InfoNCE; d/dt: InfoNCE's; d/dfeatures: FlatNCE's
             if bias is not None:  # cancels in the margins; kept in the graph (zero grad) for DDP
                 loss = loss + 0.0 * bias
-            with torch.no_grad():
-                logits = [t * sim + (0.0 if bias is None else bias) for sim in sims]
-    metrics = diagnostics_from_logits(
-        logits[0], logits[1], offset, t, extra={"loss": loss, "flatnce": flat}
-    )
+    metrics = diagnostics_from_softmax(parts, t, extra={"loss": loss, "flatnce": flat})
     return loss, metrics
