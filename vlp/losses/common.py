@@ -154,7 +154,7 @@ class _NegativeLSESplit(torch.autograd.Function):
         w = torch.exp(logp)  # (b, B) softmax over the negatives, 0 at the positive
         grad_sim = grad_t = None
         if g_t is not None:
-            grad_t = (g_t * ((w * sim).sum(1) - sim[rows, pos_idx])).sum().reshape(t.shape)
+            grad_t = (g_t * (torch.linalg.vecdot(w, sim) - sim[rows, pos_idx])).sum().reshape(t.shape)
         if g_feat is not None:
             gs = g_feat * t
             grad_sim = w.mul_(gs[:, None])
