@@ -135,38 +135,38 @@ class _NegativeLSE(torch.autograd.Function):
 
 
 class _NegativeLSESplit(torch.autograd.Function):
-    """(v, v, logp, hit) for L = t * sim with separate gradient routes: the first output's
-    gradient reaches only `sim`, the second's only `t` (dv_i/dt = sum_j w_ij s_ij - s_i,p_i,
-    w = softmax over the negatives). FlatNCE's `temperature: infonce` from one log_softmax per
-    direction."""
+    """(v, v, logp, hit) of logits L = t * sim with separate gradient routes: the first output's
+    gradient reaches only L (so the features, through a t that the caller detached), the
+    second's only t: dv_i/dt = (sum_j w_ij L_ij - L_i,p_i) / t, w = softmax over the
+    negatives. FlatNCE's `temperature: infonce` from one log_softmax per direction."""
 
     @staticmethod
-    def forward(ctx, sim: Tensor, t: Tensor, pos_idx: Tensor, pos_mask: Tensor):
-        out = negative_softmax(t * sim, pos_idx, pos_mask)
-        ctx.save_for_backward(out.logp, sim, t, pos_idx)
+    def forward(ctx, logits: Tensor, t: Tensor, pos_idx: Tensor, pos_mask: Tensor):
+        out = negative_softmax(logits, pos_idx, pos_mask)
+        ctx.save_for_backward(out.logp, logits, t, pos_idx)
         ctx.mark_non_differentiable(out.logp, out.hit)
         return out.v, out.v.clone(), out.logp, out.hit
 
     @staticmethod
     def backward(ctx, g_feat: Tensor, g_t: Tensor, _logp, _hit):
-        logp, sim, t, pos_idx = ctx.saved_tensors
-        rows = torch.arange(sim.shape[0], device=sim.device)
+        logp, logits, t, pos_idx = ctx.saved_tensors
+        rows = torch.arange(logits.shape[0], device=logits.device)
         w = torch.exp(logp)  # (b, B) softmax over the negatives, 0 at the positive
-        grad_sim = grad_t = None
+        grad_logits = grad_t = None
         if g_t is not None:
-            grad_t = (g_t * (torch.linalg.vecdot(w, sim) - sim[rows, pos_idx])).sum().reshape(t.shape)
+            dv_dt = (torch.linalg.vecdot(w, logits) - logits[rows, pos_idx]) / t
+            grad_t = (g_t * dv_dt).sum().reshape(t.shape)
         if g_feat is not None:
-            gs = g_feat * t
-            grad_sim = w.mul_(gs[:, None])
-            grad_sim[rows, pos_idx] = -gs
-        return grad_sim, grad_t, None, None
+            grad_logits = w.mul_(g_feat[:, None])
+            grad_logits[rows, pos_idx] = -g_feat
+        return grad_logits, grad_t, None, None
 
 
-def negative_lse_split(sim: Tensor, t: Tensor, pos_idx: Tensor,
+def negative_lse_split(logits: Tensor, t: Tensor, pos_idx: Tensor,
                        pos_mask: Tensor) -> tuple[Tensor, Tensor, NegativeSoftmax]:
-    """(v for the features' gradient, v for the scale's gradient, the direction's
-    NegativeSoftmax for the diagnostics), v = negative_lse(t * sim)."""
-    v, v_t, logp, hit = _NegativeLSESplit.apply(sim, t, pos_idx, pos_mask)
+    """(v for the gradient of ``logits``, v for the gradient of ``t``, the direction's
+    NegativeSoftmax for the diagnostics) of logits = t * sim computed with t detached."""
+    v, v_t, logp, hit = _NegativeLSESplit.apply(logits, t, pos_idx, pos_mask)
     return v, v_t, NegativeSoftmax(v.detach(), logp, hit)
 
 

@@ -15,8 +15,9 @@ FlatNCE's. Both directions averaged, as in InfoNCE.
 
 ``scale_grad``: "same" -- every input (features, logit_scale) gets FlatNCE's gradient;
 "infonce" -- features get FlatNCE's gradient, logit_scale gets InfoNCE's (FlatNCE's gradient
-w.r.t. t, mean_i E_w[s_ij - s_ip], does not calibrate a temperature). Implemented with one matmul:
-raw similarities s, flat part on t.detach() * s, InfoNCE part on t * s.detach().
+w.r.t. t, mean_i E_w[s_ij - s_ip], does not calibrate a temperature). Implemented with one matmul
+and one log_softmax per direction: logits on t.detach(), the scale's gradient routed by
+``negative_lse_split``.
 
 Shapes: img_local, txt_local (b, d); img_global, txt_global (B, d), L2-normalised, B >= 2;
 logit_scale t (0-d). Memory O(b * B); math in fp32 under autocast.
@@ -79,8 +80,9 @@ def flatnce_loss(
             flat = torch.exp(v - v.detach()).mean()
             loss = flat - 1.0 + softplus_exact(v.detach()).mean()
         else:  # "infonce": features <- FlatNCE gradient, logit_scale <- InfoNCE gradient
-            sims = [rows @ cols.T for rows, cols in directions]  # (b, B) cosines, one matmul each
-            outs = [negative_lse_split(sim, t, pos_idx, pos_mask) for sim in sims]
+            t_fixed = t.detach()  # the logits' gradient reaches the features only
+            outs = [negative_lse_split(scaled_logits(rows, cols, t_fixed), t, pos_idx, pos_mask)
+                    for rows, cols in directions]
             v = torch.cat([o[0] for o in outs])  # gradient to the features only
             v_t = torch.cat([o[1] for o in outs])  # gradient to logit_scale only
             parts = [o[2] for o in outs]
