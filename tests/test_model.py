@@ -35,9 +35,52 @@ def test_hf_text_tower_from_local_directory(tmp_path):
                                 intermediate_size=64, max_position_embeddings=64))
     bert.save_pretrained(tmp_path)
     model, tok, _, _ = build_model(ModelConfig(name="vlp-micro", hf_text_dir=str(tmp_path)), LossConfig())
+    assert model.text_pad_id is None  # HF tower: no padding trim
     loaded = model.clip.text.transformer.embeddings.word_embeddings.weight
     assert torch.equal(loaded, bert.embeddings.word_embeddings.weight)
     tokens = tok(["a red heart emoji", "a cat"])
     assert tokens.shape == (2, 16)
     out = model(torch.randn(2, 3, 32, 32), tokens)
     assert out.text_emb.shape == out.image_emb.shape
+
+
+def test_text_padding_trim_is_exact():
+    """encode_text drops all-padding columns: same features and parameter gradients as open_clip's
+    full-context encode_text, and the tower sees the shorter sequence."""
+    torch.manual_seed(0)
+    model, tok, _, _ = build_model(ModelConfig(name="vlp-tiny"), LossConfig())  # context 32
+    text = tok(["a red heart", "grinning face with big eyes and a very long caption here", "cat"])
+    trimmed = model.trim_text(text)
+    longest = int((text != 0).sum(1).max())
+    assert trimmed.shape[1] % 8 == 0 and longest <= trimmed.shape[1] < longest + 8 < text.shape[1]
+    assert torch.equal(trimmed, text[:, :trimmed.shape[1]])
+    probe = torch.randn(3, 128)
+
+    def features_and_grads(encode):
+        model.zero_grad(set_to_none=True)
+        feats = encode(text)
+        (feats * probe).sum().backward()
+        return feats.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    seen = []
+    hook = model.clip.transformer.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
+    ours, ours_grads = features_and_grads(lambda t: model.encode_text(t))
+    hook.remove()
+    ref, ref_grads = features_and_grads(lambda t: model.clip.encode_text(t, normalize=True))
+    assert seen == [trimmed.shape[1]]
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-6)
+    assert ours_grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        torch.testing.assert_close(ours_grads[name], ref_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+    # already-trimmed input (what the trainer passes) gives the same features
+    torch.testing.assert_close(model.encode_text(trimmed), ref, atol=1e-6, rtol=1e-6)
+
+
+def test_text_trim_only_where_exact():
+    model, tok, _, _ = build_model(ModelConfig(name="vlp-tiny"), LossConfig())
+    model.clip.text_pool_type = "last"  # pooling at the last position: padding matters
+    from vlp.model import DualEncoder
+
+    rebuilt = DualEncoder(model.clip, text_pad_id=0)
+    text = tok(["a cat"])
+    assert rebuilt.text_pad_id is None and rebuilt.trim_text(text) is text

@@ -16,6 +16,8 @@ from typing import Optional
 
 import open_clip
 import torch
+import torch.nn.functional as F
+from open_clip.transformer import text_global_pool
 from torch import nn
 
 MODEL_CONFIG_DIR = Path(__file__).parent / "model_configs"
@@ -31,17 +33,52 @@ class DualEncoderOutput:
 
 
 class DualEncoder(nn.Module):
-    """Thin wrapper over an open_clip CLIP: typed output, open_clip state dict inside `.clip`."""
+    """Thin wrapper over an open_clip CLIP: typed output, open_clip state dict inside `.clip`.
 
-    def __init__(self, clip: nn.Module):
+    Text padding is trimmed: for a causal text tower that pools at the EOT token (open_clip's
+    built-in towers with its tokenizer), columns that are padding in every row cannot change any
+    output or gradient, so `encode_text` drops them (keeping a multiple of 8 columns) and runs
+    the tower on the shorter sequence. Same features and gradients as open_clip's
+    `encode_text` (tests/test_model.py); the text tower's cost follows the longest caption of
+    the batch instead of the context length.
+    """
+
+    TRIM_MULTIPLE = 8  # keep lengths on a few shapes (compile, tensor cores)
+
+    def __init__(self, clip: nn.Module, text_pad_id: Optional[int] = None):
         super().__init__()
         self.clip = clip
+        self.text_pad_id = text_pad_id if _trimmable_text_tower(clip) else None
 
     def encode_image(self, image: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         return self.clip.encode_image(image, normalize=normalize)
 
+    def trim_text(self, text: torch.Tensor) -> torch.Tensor:
+        """``text`` without the trailing all-padding columns (a multiple of 8 kept), or as it is
+        when the tower cannot take it. Costs a host sync on an accelerator: trim on the CPU."""
+        if self.text_pad_id is None or text.dim() != 2 or text.shape[1] <= self.TRIM_MULTIPLE:
+            return text
+        used = (text != self.text_pad_id).any(dim=0).nonzero()
+        length = int(used[-1]) + 1 if len(used) else 1
+        length = -(-length // self.TRIM_MULTIPLE) * self.TRIM_MULTIPLE
+        return text[:, :length] if length < text.shape[1] else text
+
     def encode_text(self, text: torch.Tensor, normalize: bool = True) -> torch.Tensor:
-        return self.clip.encode_text(text, normalize=normalize)
+        clip = self.clip
+        if self.text_pad_id is not None and text.shape[1] == clip.context_length:
+            text = self.trim_text(text)
+        length = text.shape[1]
+        if length == clip.context_length or self.text_pad_id is None:
+            return clip.encode_text(text, normalize=normalize)
+        # open_clip CLIP.encode_text on the first `length` positions
+        cast_dtype = clip.transformer.get_cast_dtype()
+        x = clip.token_embedding(text).to(cast_dtype) + clip.positional_embedding[:length].to(cast_dtype)
+        x = clip.transformer(x, attn_mask=clip.attn_mask[:length, :length])
+        x = clip.ln_final(x)
+        x = text_global_pool(x, text, clip.text_pool_type, eos_token_id=getattr(clip, "text_eos_id", None))
+        if clip.text_projection is not None:
+            x = clip.text_projection(x) if isinstance(clip.text_projection, nn.Linear) else x @ clip.text_projection
+        return F.normalize(x, dim=-1) if normalize else x
 
     @property
     def log_logit_scale(self) -> nn.Parameter:
@@ -55,6 +92,12 @@ class DualEncoder(nn.Module):
             logit_scale=self.clip.logit_scale.exp().reshape(()),
             logit_bias=None if bias is None else bias.reshape(()),
         )
+
+
+def _trimmable_text_tower(clip: nn.Module) -> bool:
+    """open_clip's built-in causal text tower pooling at the EOT / EOS token or the first one."""
+    return (isinstance(clip, open_clip.CLIP) and getattr(clip, "attn_mask", None) is not None
+            and getattr(clip, "text_pool_type", None) in ("argmax", "eos", "first"))
 
 
 def resolve_model_name(name: str) -> str:
@@ -123,7 +166,8 @@ def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu"):
             clip.logit_scale.fill_(math.log(1.0 / tau))
         clip.logit_scale.requires_grad_(False)
     tokenizer = open_clip.get_tokenizer(name)
-    return DualEncoder(clip), tokenizer, train_tf, eval_tf
+    pad_id = 0 if isinstance(tokenizer, open_clip.tokenizer.SimpleTokenizer) else None  # pads with 0
+    return DualEncoder(clip, text_pad_id=pad_id), tokenizer, train_tf, eval_tf
 
 
 def export_open_clip(model: DualEncoder, path: str | Path) -> None:
