@@ -143,6 +143,13 @@ def clip_benchmark_names(metrics: dict[str, float]) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------- embedding
 
+def trim_padding(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Drop all-padding token columns on the host where the model says it is exact (vlp's
+    DualEncoder.trim_text); tokens of any other model pass unchanged."""
+    trim = getattr(model, "trim_text", None)
+    return trim(tokens) if trim is not None else tokens
+
+
 def autocast_for(precision: str, device: torch.device | str):
     """Context manager for eval forward passes. precision: "fp32" (no autocast), "amp"
     (fp16 on CUDA, bf16 elsewhere), "amp_bf16", "amp_fp16"."""
@@ -211,7 +218,7 @@ def embed_retrieval(
                 if new_rows:
                     x = images[new_rows].to(device, non_blocking=True)
                     img_chunks.append(model.encode_image(x, normalize=True).float().cpu())
-                tokens = torch.cat(captions).to(device, non_blocking=True)
+                tokens = trim_padding(model, torch.cat(captions)).to(device, non_blocking=True)
                 txt_chunks.append(model.encode_text(tokens, normalize=True).float().cpu())
             for img_idx, caps in zip(owner, captions):
                 txt_to_img.extend([img_idx] * caps.shape[0])

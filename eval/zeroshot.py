@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Sequence, Union
 import torch
 from tqdm import tqdm
 
-from eval.retrieval import autocast_for
+from eval.retrieval import autocast_for, trim_padding
 
 Template = Union[str, Callable[[str], str]]
 
@@ -88,7 +88,7 @@ def build_classifier(
     for start in tqdm(starts, desc="zero-shot classifier", disable=not show_progress):
         names = classnames[start:start + batch_size]
         prompts = [fill_template(t, c) for c in names for t in templates]
-        tokens = tokenizer(prompts).to(device)
+        tokens = trim_padding(model, tokenizer(prompts)).to(device)
         with autocast_for(precision, device):
             emb_pd = model.encode_text(tokens, normalize=True).float()        # [c·T, d]
         emb_cd = emb_pd.reshape(len(names), n_tpl, -1).mean(dim=1)             # [c, d]

@@ -35,12 +35,12 @@ class DualEncoderOutput:
 class DualEncoder(nn.Module):
     """Thin wrapper over an open_clip CLIP: typed output, open_clip state dict inside `.clip`.
 
-    Text padding is trimmed: for a causal text tower that pools at the EOT token (open_clip's
+    Text padding can be trimmed: for a causal text tower that pools at the EOT token (open_clip's
     built-in towers with its tokenizer), columns that are padding in every row cannot change any
-    output or gradient, so `encode_text` drops them (keeping a multiple of 8 columns) and runs
-    the tower on the shorter sequence. Same features and gradients as open_clip's
-    `encode_text` (tests/test_model.py); the text tower's cost follows the longest caption of
-    the batch instead of the context length.
+    output or gradient. `trim_text` drops them (keeping a multiple of 8 columns; call it on the
+    host, before the batch moves to the device) and `encode_text` runs the tower on the shorter
+    sequence: same features and gradients as open_clip's `encode_text` (tests/test_model.py),
+    at the cost of the batch's longest caption instead of the context length.
     """
 
     TRIM_MULTIPLE = 8  # keep lengths on a few shapes (compile, tensor cores)
@@ -65,8 +65,6 @@ class DualEncoder(nn.Module):
 
     def encode_text(self, text: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         clip = self.clip
-        if self.text_pad_id is not None and text.shape[1] == clip.context_length:
-            text = self.trim_text(text)
         length = text.shape[1]
         if length == clip.context_length or self.text_pad_id is None:
             return clip.encode_text(text, normalize=normalize)
