@@ -109,3 +109,26 @@ def test_keep_last_k_checkpoints(tiny_shards, tmp_path):
     Trainer(_cfg(tiny_shards, tmp_path, "train.samples=96", "train.checkpoint_every=1", "train.keep_last=2")).train()
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["step_00000005.pt", "step_00000006.pt"]
+
+
+def test_compile_trains_like_eager_and_exports_clean_keys(tiny_shards, tmp_path):
+    """train.compile=true (inductor on CPU): the compiled step follows the eager one (text
+    trimmed to a batch-dependent length, so the graph sees more than one shape), and the
+    checkpoint and open_clip export carry the eager parameter names."""
+    runs, lengths = {}, set()
+    for name, extra in (("eager", ()), ("compiled", ("train.compile=true",))):
+        trainer = Trainer(_cfg(tiny_shards, tmp_path / name, "data.batch_per_device=4", "train.samples=48",
+                               *extra))
+        trim = trainer.unwrapped.trim_text
+        trainer.unwrapped.trim_text = lambda t, trim=trim: lengths.add(trim(t).shape[1]) or trim(t)
+        trainer.train()
+        log = [json.loads(x) for x in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+        runs[name] = [r["loss"] for r in log if "loss" in r]
+    assert len(runs["compiled"]) == len(runs["eager"]) == 12 and lengths == {8, 16}
+    assert runs["compiled"][0] == pytest.approx(runs["eager"][0], rel=1e-5)
+    assert runs["compiled"] == pytest.approx(runs["eager"], rel=1e-3)
+    import open_clip
+
+    state = torch.load(tmp_path / "compiled" / "open_clip_model.pt", weights_only=True)["state_dict"]
+    reference = open_clip.create_model("vlp-micro").state_dict()
+    assert state.keys() == reference.keys()
