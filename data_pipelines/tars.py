@@ -6,6 +6,7 @@ convention); an image member (IMAGE_EXTS) and a caption member (TEXT_EXTS) make 
 
 from __future__ import annotations
 
+import glob
 import io
 import json
 import os
@@ -20,7 +21,8 @@ TEXT_EXTS = ("txt", "text", "caption")
 # ----------------------------------------------------------------------------- shard lists
 def expand_sources(urls: str) -> list[list[str]]:
     """'a-{0..3}.tar::b.tar' -> [[a-0.tar, .., a-3.tar], [b.tar]]; raises FileNotFoundError
-    for a missing path. A directory stands for the shards listed in its sizes.json."""
+    for a missing path. A directory stands for the shards listed in its sizes.json (else its
+    *.tar, sorted); a glob ('d/*.tar') for its sorted matches."""
     import braceexpand
 
     sources, missing = [], []
@@ -31,13 +33,18 @@ def expand_sources(urls: str) -> list[list[str]]:
         paths = []
         for path in braceexpand.braceexpand(part):
             if os.path.isdir(path):
-                paths += [os.path.join(path, n) for n in _read_sizes(path)]
+                names = list(_read_sizes(path)) or sorted(glob.glob("*.tar", root_dir=path))
+                paths += [os.path.join(path, n) for n in names]
+            elif any(ch in path for ch in "*?["):
+                matches = sorted(glob.glob(path))
+                paths += matches
+                missing += [] if matches else [path]
             elif not os.path.isfile(path):
                 missing.append(path)
             else:
                 paths.append(path)
         if not paths and not missing:
-            raise FileNotFoundError(f"no shards in {part!r} (directory without sizes.json?)")
+            raise FileNotFoundError(f"no shards in {part!r} (a directory without sizes.json or .tar files)")
         sources.append(paths)
     if missing:
         raise FileNotFoundError(f"{len(missing)} shard(s) not found: {', '.join(missing[:5])}"
@@ -94,9 +101,11 @@ def _split_name(name: str) -> tuple[str, str]:
 
 
 def _read_shard(path: str, start: int, stop: int | None, skipped: Counter,
-                want: Callable[[int], bool] | None = None,
-                seen_exts: set | None = None) -> Iterator[tuple[int, str, dict]]:
-    """Yield (index in shard, key, {ext: bytes}) for samples start <= index < stop.
+                want: Callable[[int], bool] | None = None, seen_exts: set | None = None,
+                exts: tuple[str, ...] | None = IMAGE_EXTS + TEXT_EXTS,
+                ) -> Iterator[tuple[int, str, dict]]:
+    """Yield (index in shard, key, {ext: bytes}) for samples start <= index < stop, with the
+    members whose extension is in ``exts`` (None: every member).
 
     Streams member by member (random access to skip, so skipped samples cost headers only).
     A sample is yielded once the next sample's header is read or the archive's end marker is
@@ -138,7 +147,7 @@ def _read_shard(path: str, start: int, stop: int | None, skipped: Counter,
                     if stop is not None and index >= stop:
                         return
                     keep = index >= start and (want is None or want(index))
-                if keep and (ext in IMAGE_EXTS or ext in TEXT_EXTS):
+                if keep and (exts is None or ext in exts):
                     try:
                         members[ext] = tar.extractfile(info).read()
                     except (OSError, tarfile.TarError, EOFError):

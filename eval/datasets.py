@@ -9,21 +9,22 @@ n15075141 = toilet paper). Taken from public LOC_synset_mapping.txt / imagenet_c
 copies (three independent repositories agree on all 1000 wnids, in order).
 
 Shards: plain tar files in webdataset layout (members "<key>.<ext>", a sample's members
-adjacent). Image ext: jpg, jpeg, png, webp, bmp. Classification label: "cls" (an integer as
-text, CLIP_benchmark's layout). Retrieval captions: "txt", one caption per non-empty line.
+adjacent), read with the training stream's reader (data_pipelines.tars). Image ext: any of
+IMAGE_EXTS. Classification label: "cls" (an integer as text, CLIP_benchmark's layout).
+Retrieval captions: "txt", one caption per non-empty line.
 """
 from __future__ import annotations
 
-import glob
-import io
 import os
-import tarfile
+from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+from data_pipelines.tars import IMAGE_EXTS, _read_shard, decode_image, expand_sources
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 SYNSETS_PATH = Path(__file__).with_name("imagenet_synsets.txt")
@@ -116,56 +117,27 @@ def class_folder(root, transform: Optional[Callable] = None,
 # ----------------------------------------------------------------------------- shards
 
 def expand_shards(spec: Union[str, Sequence[str]]) -> list[str]:
-    """A brace pattern ("eval/{000..009}.tar"), a glob, a directory (its *.tar, sorted), a
-    "::"-joined string of those, or a list of those → list of tar paths (order kept)."""
-    import braceexpand
-
+    """A brace pattern ("eval/{000..009}.tar"), a glob, a directory (its sizes.json shards, else
+    its *.tar, sorted), a "::"-joined string of those, or a list of those → list of tar paths
+    (order kept). The training stream's rules (data_pipelines.tars.expand_sources)."""
     parts = [spec] if isinstance(spec, str) else list(spec)
-    urls: list[str] = []
-    for part in parts:
-        for piece in str(part).split("::"):
-            if os.path.isdir(piece):
-                urls += sorted(glob.glob(os.path.join(piece, "*.tar")))
-            elif any(ch in piece for ch in "*?["):
-                urls += sorted(glob.glob(piece))
-            else:
-                urls += list(braceexpand.braceexpand(piece))
-    if not urls:
-        raise ValueError(f"no shards match {spec!r}")
-    missing = [u for u in urls if not os.path.exists(u)]
-    if missing:
-        raise FileNotFoundError(f"shards not found: {missing[:3]}")
-    return urls
+    return [p for source in expand_sources("::".join(str(p) for p in parts)) for p in source]
 
 
 def iter_tar_samples(path: str) -> Iterator[dict[str, bytes]]:
-    """Group adjacent members "<key>.<ext>" of a tar into {"__key__": key, ext: bytes}.
-    The key is the member path up to the first dot of its file name (webdataset's rule)."""
-    current: Optional[dict] = None
-    with tarfile.open(path) as tar:
-        for member in tar:
-            if not member.isfile():
-                continue
-            dirname, base = os.path.split(member.name)
-            if "." not in base:
-                continue
-            stem, ext = base.split(".", 1)
-            key = os.path.join(dirname, stem)
-            if current is None or current["__key__"] != key:
-                if current is not None:
-                    yield current
-                current = {"__key__": key}
-            current[ext.lower()] = tar.extractfile(member).read()
-    if current is not None:
-        yield current
+    """Samples of a tar as {"__key__": key, ext: bytes}, every member kept (webdataset's grouping
+    rule, data_pipelines.tars). Eval sets are read whole: an unreadable shard or member is an
+    error, not a skip."""
+    skipped: Counter[str] = Counter()
+    for _, key, members in _read_shard(path, 0, None, skipped, exts=None):
+        yield {"__key__": key, **members}
+    if skipped:
+        raise ValueError(f"{path}: unreadable tar ({dict(skipped)}); eval shards must be complete")
 
 
 def _decode_image(sample: dict) -> Optional[Image.Image]:
-    for ext in ("jpg", "jpeg", "png", "webp", "bmp"):
-        if ext in sample:
-            with Image.open(io.BytesIO(sample[ext])) as im:
-                return im.convert("RGB")
-    return None
+    ext = next((e for e in IMAGE_EXTS if e in sample), None)
+    return None if ext is None else decode_image(sample[ext])
 
 
 class _ShardIterable(IterableDataset):
