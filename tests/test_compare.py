@@ -8,11 +8,9 @@ import pytest
 import yaml
 
 from vlp_testing import REPO
-from vlp import compare
-from vlp.compare import (
-    GridSpec, aggregate, expand_grid, load_compare_config, markdown_table, mean_curve, parse_grid,
-    plot_curves, plot_metric_vs_batch, read_log, run_config, run_grid, steps_for,
-)
+from vlp import compare, compare_report
+from vlp.compare import GridSpec, expand_grid, load_compare_config, parse_grid, run_config, run_grid, steps_for
+from vlp.compare_report import aggregate, markdown_table, mean_curve, plot_curves, plot_metric_vs_batch, read_log
 from vlp.config import ConfigError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -237,13 +235,13 @@ def test_plots_have_one_series_per_loss_and_per_loss_batch(tmp_path):
     _check_png(tmp_path / "m.png")
 
     def log(seed, gb):
-        return [{"step": k, "samples_seen": k * gb, **{key: seed + k for key in compare.CURVE_KEYS}}
+        return [{"step": k, "samples_seen": k * gb, **{key: seed + k for key in compare_report.CURVE_KEYS}}
                 for k in range(1, 5)]
 
     curves = {(loss, b): [log(s, b) for s in (0, 1, 2)] for loss in ("infonce", "flatnce") for b in (8, 32)}
     fig = plot_curves(curves, path=tmp_path / "c.png")
-    panels = [ax for ax in fig.axes if ax.get_title() in compare.CURVE_KEYS]
-    assert len(panels) == len(compare.CURVE_KEYS)
+    panels = [ax for ax in fig.axes if ax.get_title() in compare_report.CURVE_KEYS]
+    assert len(panels) == len(compare_report.CURVE_KEYS)
     assert all(len(ax.get_lines()) == 4 for ax in panels)  # loss x batch
     _check_png(tmp_path / "c.png")
     xs, ys = mean_curve(curves[("infonce", 8)], "infonce")

@@ -1,5 +1,4 @@
 """The launch kit parses as accelerate configs, and the CLI surface stays what the README says."""
-from pathlib import Path
 
 import pytest
 import yaml

@@ -1,7 +1,6 @@
 """Trainer features: LiT locking, non-finite loss handling, eval suite hook, bf16 autocast."""
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch

@@ -1,6 +1,5 @@
 """Retrieval metrics: hand-computed cases, chunked == full stable argsort (ties included),
 and embed_retrieval's caption/key bookkeeping."""
-import math
 
 import pytest
 import torch
