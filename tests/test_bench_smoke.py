@@ -24,6 +24,7 @@ CASES = {  # longest first: they start first
     "data_loading.py": ["--quick"],
     "gpu_bench.py": ["--cpu", "--tiny"],
     "step_cost.py": ["--quick"],
+    "eval_cost.py": ["--quick"],
 }
 
 EXPECTED = {
@@ -38,6 +39,8 @@ EXPECTED = {
                    "quality_ratio vlp/open_clip_train"],
     "step_cost.py": ["step_time infonce", "step_time_ratio flatnce/infonce",
                      "step_time_ratio flatnce_t_infonce/infonce", "step_time_ratio siglip/infonce"],
+    "eval_cost.py": ["eval_classifier_s trim", "eval_classifier_s no_trim", "eval_classifier_speedup trim",
+                     "eval_retrieval_speedup trim", "eval_trim_max_abs_diff"],
     "scaling.py": ["scaling_samples_per_s 1proc", "scaling_samples_per_s 2proc", "scaling_ratio 2proc/1proc"],
     "gpu_bench.py": ["gpu_synthetic_samples_per_s vlp", "gpu_synthetic_samples_per_s open_clip",
                      "gpu_synthetic_ratio vlp/open_clip", "gpu_flops_per_step", "gpu_real_ratio vlp/open_clip"],
