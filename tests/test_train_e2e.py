@@ -79,6 +79,23 @@ def test_cli_bad_input_is_one_line_and_exit_2(args, needle, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_undecodable_images_in_a_loader_worker_are_one_line(tmp_path):
+    """An error raised inside a DataLoader worker reaches the user as its own message, not as
+    torch's 'Caught ValueError in DataLoader worker process 0.' first line."""
+    from vlp_testing import noise_jpeg, write_tar
+
+    cut = [noise_jpeg(i)[:1200] for i in range(24)]  # header intact, pixel data cut
+    write_tar(tmp_path / "cut.tar", [(f"k{i:03d}", {"jpg": data, "txt": f"caption {i}".encode()})
+                                     for i, data in enumerate(cut)])
+    proc = _vlp("train", "-c", "configs/demo.yaml", "model.name=vlp-micro", f"data.train_shards={tmp_path / 'cut.tar'}",
+                "data.eval_shards=null", "data.batch_per_device=4", "data.num_workers=1", "train.samples=16",
+                f"train.output_dir={tmp_path / 'run'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = [line for line in proc.stderr.splitlines() if line.startswith("vlp: error:")]
+    assert len(err) == 1 and "failed to decode" in err[0] and "cut.tar" in err[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
 def _train_args(shards, out, *extra):
     return ["train", "-c", "configs/demo.yaml", f"data.train_shards={shards['train']}", f"train.output_dir={out}",
             *TINY, "train.samples=448", "train.checkpoint_every=1", "train.keep_last=2", *extra]

@@ -23,3 +23,15 @@ def write_tar(path, samples: list[tuple[str, dict[str, bytes]]]) -> Path:
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
     return Path(path)
+
+
+def noise_jpeg(seed: int, size: int = 64) -> bytes:
+    """A JPEG whose entropy-coded data is most of the file (a cut keeps the header intact)."""
+    import random
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    pixels = random.Random(seed).randbytes(size * size * 3)
+    Image.frombytes("RGB", (size, size), pixels).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()

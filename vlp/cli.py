@@ -128,6 +128,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def user_message(error: BaseException) -> str:
+    """One line for the user. An exception from a DataLoader worker arrives re-raised by torch as
+    'Caught ValueError in DataLoader worker process 0.' + the worker's traceback, whose last line
+    is 'ValueError: <the message>': report that message."""
+    text = str(error).strip()
+    if not text:
+        return type(error).__name__
+    lines = text.splitlines()
+    if lines[0].startswith("Caught ") and "Original Traceback" in text:
+        last = lines[-1]
+        return last.split(": ", 1)[1] if ": " in last else last
+    return lines[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -135,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         if os.environ.get("VLP_DEBUG"):
             raise
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"vlp: error: {msg}", file=sys.stderr)
+        print(f"vlp: error: {user_message(e)}", file=sys.stderr)
         return 2
 
 

@@ -393,23 +393,26 @@ class Trainer:
         t_start = time.time()
         self._last_log = (t_start, self.step)
         data = self.batches()
-        while self.step < self.total_steps:
-            metrics = self.train_step(next(data))
-            bar.update(1)
-            is_last = self.step == self.total_steps
-            if self.step % cfg.train.log_every == 0 or is_last:
-                self._log_step(metrics, bar)
-            if "nonfinite" in metrics and not self.step % cfg.train.log_every == 0:
-                self.log({"step": self.step, "samples_seen": self.step * self.global_batch, **metrics})
-            if self.nonfinite_in_row >= cfg.train.max_nonfinite:
-                raise FloatingPointError(
-                    f"{self.nonfinite_in_row} non-finite losses in a row at step {self.step}; "
-                    f"last valid checkpoint in {self.ckpt_dir}")
-            if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0 and not is_last:
-                self.save_checkpoint()
-            if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and not is_last:
-                self.log({"step": self.step, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
-        bar.close()
+        try:  # the bar ends its line and the loader workers stop, also on an error
+            while self.step < self.total_steps:
+                metrics = self.train_step(next(data))
+                bar.update(1)
+                is_last = self.step == self.total_steps
+                if self.step % cfg.train.log_every == 0 or is_last:
+                    self._log_step(metrics, bar)
+                if "nonfinite" in metrics and not self.step % cfg.train.log_every == 0:
+                    self.log({"step": self.step, "samples_seen": self.step * self.global_batch, **metrics})
+                if self.nonfinite_in_row >= cfg.train.max_nonfinite:
+                    raise FloatingPointError(
+                        f"{self.nonfinite_in_row} non-finite losses in a row at step {self.step}; "
+                        f"last valid checkpoint in {self.ckpt_dir}")
+                if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0 and not is_last:
+                    self.save_checkpoint()
+                if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and not is_last:
+                    self.log({"step": self.step, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
+        finally:
+            bar.close()
+            data.close()
         train_time = time.time() - t_start
         self.save_checkpoint()
         if acc.is_main_process:

@@ -9,6 +9,7 @@ import torch
 
 from data_pipelines.stream import make_loader
 from data_pipelines.write import write_shards
+from vlp_testing import noise_jpeg
 from dp_helpers import png_bytes, to_tensor, tokenize, write_sizes, write_tar
 
 
@@ -128,19 +129,6 @@ def test_corrupt_image_skipped_and_counted(tmp_path):
     got = list(split)
     assert len(got) == 5 and split.stats["corrupt_image"] >= 1
     assert "s007" not in keys_of(got)
-
-
-def noise_jpeg(seed: int, size: int = 64) -> bytes:
-    """A JPEG whose entropy-coded data is most of the file (a cut keeps the header intact)."""
-    import io
-    import random
-
-    from PIL import Image
-
-    buf = io.BytesIO()
-    pixels = random.Random(seed).randbytes(size * size * 3)
-    Image.frombytes("RGB", (size, size), pixels).save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
