@@ -214,7 +214,9 @@ class _Stream:
     def __iter__(self) -> Iterator[dict]:
         p = self.plan
         mine = p.worker_batches(self.worker)
-        if not mine:
+        if not mine:  # more workers than batches
+            for _ in range(len(p.worker_batches(0)) if self.pad else 0):
+                yield self.placeholder(None)
             return
         if p.mode == "sequential":
             yield from self.sequential(mine)

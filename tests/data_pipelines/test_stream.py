@@ -106,6 +106,19 @@ def test_chained_epochs_equal_one_loader_per_epoch(uneven, num_workers):
             assert torch.equal(batch["text"], ref["text"])
 
 
+def test_chained_epochs_with_more_workers_than_batches(uneven):
+    make = lambda: loader(uneven, seed=5, batch_size=20, num_workers=3)  # noqa: E731  (2 batches)
+    stream = make().epochs()
+    got = [(b["epoch"], b["index"], b["key"]) for b in (next(stream) for _ in range(6))]
+    stream.close()
+    expected = []
+    for epoch in range(3):
+        one = make()
+        one.set_epoch(epoch)
+        expected += [(epoch, j, b["key"]) for j, b in enumerate(one)]
+    assert got == expected
+
+
 def test_workers_match_across_runs_and_cover_rank(uneven):
     a = list(loader(uneven, num_workers=2, rank=1, world_size=2))
     b = list(loader(uneven, num_workers=2, rank=1, world_size=2))
