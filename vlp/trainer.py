@@ -148,7 +148,8 @@ class Trainer:
         )
 
     def compute_gradients(self, micro_batches: list[dict]) -> tuple[torch.Tensor, dict]:
-        """Backward of the global loss over all micro-batches; returns (loss, metrics).
+        """Backward of the global loss over all micro-batches; returns (loss, metrics), metrics
+        empty when the loss is not finite on some rank (then nothing was backpropagated).
 
         k = 1: one forward/backward. k > 1 (GradCache / open_clip accum_freq): embed every
         micro-batch without grad, then re-embed each with grad against the cached features of
@@ -164,8 +165,9 @@ class Trainer:
         if k == 1:
             out = self.model(images[0], texts[0])
             loss, metrics = self._loss(out.image_emb, out.text_emb, out.logit_scale, out.logit_bias)
-            if self._finite(loss):
-                self.accelerator.backward(loss)
+            if not self._finite(loss):
+                return loss, {}
+            self.accelerator.backward(loss)
             return loss, metrics
         with torch.no_grad():
             cached = [self.model(x, t) for x, t in zip(images, texts)]
@@ -202,7 +204,7 @@ class Trainer:
     def train_step(self, micro_batches: list[dict]) -> dict:
         self.model.train()
         loss, metrics = self.compute_gradients(micro_batches)
-        finite = bool(metrics) and torch.isfinite(loss.detach()).item()
+        finite = bool(metrics)  # decided once, on all ranks, by compute_gradients
         if finite:
             if self.cfg.optim.grad_clip:
                 self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
