@@ -79,12 +79,12 @@ def test_start_batch_resumes_exactly(uneven, num_workers):
         assert torch.equal(a["image"], b["image"]) and torch.equal(a["text"], b["text"])
 
 
-@pytest.mark.parametrize("num_workers", [0, 2, 3])
-def test_chained_epochs_equal_one_loader_per_epoch(uneven, num_workers):
+@pytest.mark.parametrize("num_workers,mode", [(0, "split"), (2, "split"), (3, "split"), (2, "resampled")])
+def test_chained_epochs_equal_one_loader_per_epoch(uneven, num_workers, mode):
     """Loader.epochs (one set of workers for the whole run) yields exactly the batches of
     per-epoch iteration, in order, also when workers own unequal batch counts (7 batches
     of 7 over 2 or 3 workers) and when it starts mid-epoch or at an epoch's end."""
-    make = lambda: loader(uneven, seed=5, batch_size=7, num_workers=num_workers)  # noqa: E731
+    make = lambda: loader(uneven, seed=5, batch_size=7, num_workers=num_workers, mode=mode)  # noqa: E731
     reference = []
     for epoch in range(3):
         one = make()
