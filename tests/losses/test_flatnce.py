@@ -104,6 +104,17 @@ def test_scale_grad_infonce_splits_gradients(b, big_b, offset):
     assert (g_same[4] - g_info[4]).abs() > 1e-6  # the two choices really differ here
 
 
+def test_scale_grad_infonce_with_frozen_features():
+    """Only the temperature trains (both towers locked): d/dt is still InfoNCE's."""
+    leaves = make_case(3, 9, 6, 12.0, seed=5)
+    frozen = [x.detach() for x in leaves[:4]] + [leaves[4]]
+    split, _ = flatnce_loss(*frozen, offset=6, scale_grad="infonce")
+    info, _ = infonce_loss(*frozen, offset=6)
+    (g_split,) = torch.autograd.grad(split, [leaves[4]])
+    (g_info,) = torch.autograd.grad(info, [leaves[4]])
+    torch.testing.assert_close(g_split, g_info, atol=1e-12, rtol=0)
+
+
 def _assert_finite(loss, leaves):
     assert torch.isfinite(loss)
     for g in torch.autograd.grad(loss, leaves):

@@ -135,38 +135,46 @@ class _NegativeLSE(torch.autograd.Function):
 
 
 class _NegativeLSESplit(torch.autograd.Function):
-    """(v, v, logp, hit) of logits L = t * sim with separate gradient routes: the first output's
-    gradient reaches only L (so the features, through a t that the caller detached), the
-    second's only t: dv_i/dt = (sum_j w_ij L_ij - L_i,p_i) / t, w = softmax over the
-    negatives. FlatNCE's `temperature: infonce` from one log_softmax per direction."""
+    """(v, v, logp, hit) of logits L = R @ C.T, R = t * rows with t detached by the caller, with
+    separate gradient routes: the first output's gradient reaches R and C (the features), the
+    second's only t. The matmul is done here so that t's gradient comes from the (b, d) side,
+    as a plain matmul's would: with G_i = g_i (w_i - e_p) (w = softmax over the negatives),
+    R_i . (G @ C)_i = g_i (sum_j w_ij L_ij - L_ip) = g_i t dv_i/dt. FlatNCE's
+    `temperature: infonce` at the cost of InfoNCE: one matmul and one log_softmax forward, two
+    matmuls backward per direction."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, t: Tensor, pos_idx: Tensor, pos_mask: Tensor):
-        out = negative_softmax(logits, pos_idx, pos_mask)
-        ctx.save_for_backward(out.logp, logits, t, pos_idx)
+    def forward(ctx, rows: Tensor, cols: Tensor, t: Tensor, pos_idx: Tensor, pos_mask: Tensor):
+        out = negative_softmax(rows @ cols.T, pos_idx, pos_mask)
+        ctx.save_for_backward(out.logp, rows, cols, t, pos_idx)
         ctx.mark_non_differentiable(out.logp, out.hit)
         return out.v, out.v.clone(), out.logp, out.hit
 
     @staticmethod
     def backward(ctx, g_feat: Tensor, g_t: Tensor, _logp, _hit):
-        logp, logits, t, pos_idx = ctx.saved_tensors
-        rows = torch.arange(logits.shape[0], device=logits.device)
-        w = torch.exp(logp)  # (b, B) softmax over the negatives, 0 at the positive
-        grad_logits = grad_t = None
-        if g_t is not None:
-            dv_dt = (torch.linalg.vecdot(w, logits) - logits[rows, pos_idx]) / t
+        logp, rows, cols, t, pos_idx = ctx.saved_tensors
+        idx = torch.arange(rows.shape[0], device=rows.device)
+        g = torch.zeros_like(logp[:, 0]) if g_feat is None else g_feat
+        g_safe = torch.where(g != 0, g, torch.ones_like(g))  # unit weight where g is 0 (for t)
+        keep = (g / g_safe)[:, None]  # 1, or 0 where the features get no gradient
+        grad = torch.exp(logp).mul_(g_safe[:, None])  # G with weights g_safe
+        grad[idx, pos_idx] = -g_safe
+        g_rows = grad @ cols  # (b, d)
+        grad_rows = g_rows * keep if ctx.needs_input_grad[0] else None
+        grad_cols = grad.T @ (rows * keep) if ctx.needs_input_grad[1] else None
+        grad_t = None
+        if g_t is not None and ctx.needs_input_grad[2]:
+            dv_dt = torch.linalg.vecdot(rows, g_rows) / (g_safe * t)
             grad_t = (g_t * dv_dt).sum().reshape(t.shape)
-        if g_feat is not None:
-            grad_logits = w.mul_(g_feat[:, None])
-            grad_logits[rows, pos_idx] = -g_feat
-        return grad_logits, grad_t, None, None
+        return grad_rows, grad_cols, grad_t, None, None
 
 
-def negative_lse_split(logits: Tensor, t: Tensor, pos_idx: Tensor,
+def negative_lse_split(rows: Tensor, cols: Tensor, t: Tensor, pos_idx: Tensor,
                        pos_mask: Tensor) -> tuple[Tensor, Tensor, NegativeSoftmax]:
-    """(v for the gradient of ``logits``, v for the gradient of ``t``, the direction's
-    NegativeSoftmax for the diagnostics) of logits = t * sim computed with t detached."""
-    v, v_t, logp, hit = _NegativeLSESplit.apply(logits, t, pos_idx, pos_mask)
+    """(v for the features' gradient, v for the gradient of t, the direction's NegativeSoftmax
+    for the diagnostics) of logits (t * rows) @ cols.T; ``rows`` come already scaled by a
+    detached t."""
+    v, v_t, logp, hit = _NegativeLSESplit.apply(rows, cols, t, pos_idx, pos_mask)
     return v, v_t, NegativeSoftmax(v.detach(), logp, hit)
 
 

@@ -17,7 +17,7 @@ FlatNCE's. Both directions averaged, as in InfoNCE.
 "infonce" -- features get FlatNCE's gradient, logit_scale gets InfoNCE's (FlatNCE's gradient
 w.r.t. t, mean_i E_w[s_ij - s_ip], does not calibrate a temperature). Implemented with one matmul
 and one log_softmax per direction: logits on t.detach(), the scale's gradient routed by
-``negative_lse_split``.
+``negative_lse_split`` from the (b, d) side of the matmul's backward.
 
 Shapes: img_local, txt_local (b, d); img_global, txt_global (B, d), L2-normalised, B >= 2;
 logit_scale t (0-d). Memory O(b * B); math in fp32 under autocast.
@@ -81,7 +81,7 @@ def flatnce_loss(
             loss = flat - 1.0 + softplus_exact(v.detach()).mean()
         else:  # "infonce": features <- FlatNCE gradient, logit_scale <- InfoNCE gradient
             t_fixed = t.detach()  # the logits' gradient reaches the features only
-            outs = [negative_lse_split(scaled_logits(rows, cols, t_fixed), t, pos_idx, pos_mask)
+            outs = [negative_lse_split(t_fixed * rows, cols, t, pos_idx, pos_mask)
                     for rows, cols in directions]
             v = torch.cat([o[0] for o in outs])  # gradient to the features only
             v_t = torch.cat([o[1] for o in outs])  # gradient to logit_scale only
