@@ -11,7 +11,8 @@ the negatives j != p of the gathered batch (positive masked with -inf, not an ad
 grad InfoNCE_i = sigma(v_i) * grad FlatNCE_i: FlatNCE removes the factor sigma(v_i), which vanishes
 when the positive already dominates (small batches, large t). The backpropagated loss is
 ``flat - 1 + InfoNCE.detach()``, so the reported value is the InfoNCE value and the gradient is
-FlatNCE's. Both directions averaged, as in InfoNCE.
+FlatNCE's; it is computed by one small autograd Function (``_FlatObjective``: value
+mean_i log(1 + e^{v_i}), gradient 1/n per anchor on v). Both directions averaged, as in InfoNCE.
 
 ``scale_grad``: "same" -- every input (features, logit_scale) gets FlatNCE's gradient;
 "infonce" -- features get FlatNCE's gradient, logit_scale gets InfoNCE's (FlatNCE's gradient
@@ -46,6 +47,25 @@ from vlp.losses.common import (
 from vlp.losses.diagnostics import diagnostics_from_softmax
 
 
+class _FlatObjective(torch.autograd.Function):
+    """Value mean_i log(1 + e^{v_t,i}) (InfoNCE; v_t equals v in value). Gradient: 1/n on every
+    v_i (FlatNCE's: d/dv exp(v - v.detach()) = 1) and, when v_t needs it, InfoNCE's
+    sigma(v_t,i)/n on v_t. One autograd node instead of six small ones."""
+
+    @staticmethod
+    def forward(ctx, v: Tensor, v_t: Tensor) -> Tensor:
+        ctx.save_for_backward(v_t)
+        return softplus_exact(v_t).mean()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (v_t,) = ctx.saved_tensors
+        n = v_t.numel()
+        grad_v = (grad / n).expand(n) if ctx.needs_input_grad[0] else None
+        grad_v_t = torch.sigmoid(v_t) * (grad / n) if ctx.needs_input_grad[1] else None
+        return grad_v, grad_v_t
+
+
 def flatnce_loss(
     img_local: Tensor,
     txt_local: Tensor,
@@ -77,8 +97,7 @@ def flatnce_loss(
                      for rows, cols in directions]  # softmax over the negatives of (b, B) logits
             # (2b,) anchors of both directions; the mean over 2b averages the two directions
             v = torch.cat([p.v for p in parts])
-            flat = torch.exp(v - v.detach()).mean()
-            loss = flat - 1.0 + softplus_exact(v.detach()).mean()
+            loss = _FlatObjective.apply(v, v.detach())
         else:  # "infonce": features <- FlatNCE gradient, logit_scale <- InfoNCE gradient
             t_fixed = t.detach()  # the logits' gradient reaches the features only
             outs = [negative_lse_split(t_fixed * rows, cols, t, pos_idx, pos_mask)
@@ -86,9 +105,9 @@ def flatnce_loss(
             v = torch.cat([o[0] for o in outs])  # gradient to the features only
             v_t = torch.cat([o[1] for o in outs])  # gradient to logit_scale only
             parts = [o[2] for o in outs]
-            flat = torch.exp(v - v.detach()).mean()
-            loss = flat - 1.0 + softplus_exact(v_t).mean()  # value: InfoNCE; d/dt: InfoNCE's; d/dfeatures: FlatNCE's
+            loss = _FlatObjective.apply(v, v_t)  # value: InfoNCE; d/dt: InfoNCE's; d/dfeatures: FlatNCE's
             if bias is not None:  # cancels in the margins; kept in the graph (zero grad) for DDP
                 loss = loss + 0.0 * bias
-    metrics = diagnostics_from_softmax(parts, t, extra={"loss": loss, "flatnce": flat})
+    # FlatNCE's own value, mean_i exp(v_i - v_i.detach()), is 1 by construction
+    metrics = diagnostics_from_softmax(parts, t, extra={"loss": loss, "flatnce": 1.0})
     return loss, metrics
