@@ -307,9 +307,7 @@ class _Stream:
 
     def collate_or_empty(self, index: int, chunk: list) -> dict:
         decoded = self.decode_all(chunk, None)
-        if not decoded:
-            return {"index": index, "empty": True, "skipped": self._take_skipped()}
-        return self.collate(index, decoded)
+        return self.collate(index, decoded) if decoded else self.placeholder(index)
 
     def _take_skipped(self) -> dict[str, int]:
         out = dict(self.skipped)

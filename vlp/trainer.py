@@ -160,7 +160,8 @@ class Trainer:
         dev = self.accelerator.device
         images = [b["image"].to(dev, non_blocking=True) for b in micro_batches]
         # drop all-padding text columns on the host (no device sync; exact, see DualEncoder)
-        texts = [self.unwrapped.trim_text(b["text"]).to(dev, non_blocking=True) for b in micro_batches]
+        trim = self.unwrapped.trim_text
+        texts = [trim(b["text"]).to(dev, non_blocking=True) for b in micro_batches]
         k = len(micro_batches)
         if k == 1:
             out = self.model(images[0], texts[0])

@@ -110,6 +110,14 @@ def negative_softmax(logits: Tensor, pos_idx: Tensor, pos_mask: Tensor) -> Negat
     return NegativeSoftmax(v, logp, top < pos)
 
 
+def _dv_dlogits(logp: Tensor, pos_idx: Tensor, g: Tensor) -> Tensor:
+    """(b, B) gradient of sum_i g_i v_i w.r.t. the logits: g_i w_ij (softmax over the negatives),
+    -g_i at the positive."""
+    grad = torch.exp(logp).mul_(g[:, None])  # 0 at the positive (logp = -inf there)
+    grad[torch.arange(grad.shape[0], device=grad.device), pos_idx] = -g
+    return grad
+
+
 class _NegativeLSE(torch.autograd.Function):
     """v = negative_softmax(logits).v with a hand-written backward; logp and hit ride along
     without gradient, so the diagnostics reuse them instead of recomputing the softmax.
@@ -129,9 +137,7 @@ class _NegativeLSE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_v: Tensor, _logp, _hit):
         logp, pos_idx = ctx.saved_tensors
-        grad = torch.exp(logp).mul_(grad_v[:, None])  # (b, B): w_ij g_i, 0 at the positive
-        grad[torch.arange(grad.shape[0], device=grad.device), pos_idx] = -grad_v
-        return grad, None, None
+        return _dv_dlogits(logp, pos_idx, grad_v), None, None
 
 
 class _NegativeLSESplit(torch.autograd.Function):
@@ -153,12 +159,10 @@ class _NegativeLSESplit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_feat: Tensor, g_t: Tensor, _logp, _hit):
         logp, rows, cols, t, pos_idx = ctx.saved_tensors
-        idx = torch.arange(rows.shape[0], device=rows.device)
         g = torch.zeros_like(logp[:, 0]) if g_feat is None else g_feat
         g_safe = torch.where(g != 0, g, torch.ones_like(g))  # unit weight where g is 0 (for t)
         keep = (g / g_safe)[:, None]  # 1, or 0 where the features get no gradient
-        grad = torch.exp(logp).mul_(g_safe[:, None])  # G with weights g_safe
-        grad[idx, pos_idx] = -g_safe
+        grad = _dv_dlogits(logp, pos_idx, g_safe)  # G with weights g_safe
         g_rows = grad @ cols  # (b, d)
         grad_rows = g_rows * keep if ctx.needs_input_grad[0] else None
         grad_cols = grad.T @ (rows * keep) if ctx.needs_input_grad[1] else None
