@@ -9,11 +9,12 @@ values raise `ConfigError` with one line that names the offending key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import yaml
 
@@ -74,7 +75,8 @@ class LossConfig:
     Unset: 'infonce' for FlatNCE (best of the three on the small-batch grid, and it keeps
     logit_scale off the clamp; see README "Losses and temperature"), 'learnable' otherwise."""
     tau: float = 0.07
-    """Initial temperature (learnable/infonce) or the fixed one (fixed). SigLIP uses 0.1."""
+    """Initial temperature (learnable/infonce) or the fixed one (fixed), in (0, 1] with
+    1/tau <= max_logit_scale. SigLIP uses 0.1."""
     max_logit_scale: float = 100.0
     """logit_scale = 1/tau is clamped to [1, max_logit_scale] after each optimizer step."""
 
@@ -115,13 +117,14 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Steps between checkpoints (0: only at the end)."""
     keep_last: int = 2
-    """Number of step checkpoints to keep."""
+    """Number of step checkpoints to keep (0: keep all)."""
     output_dir: str = "runs/default"
     """Where logs, checkpoints and eval results go."""
     resume: Optional[str] = None
     """'latest' (newest checkpoint in output_dir) or a checkpoint path."""
     max_nonfinite: int = 5
-    """Stop after this many consecutive non-finite losses (each one skips its step)."""
+    """Stop after this many consecutive non-finite losses (each one skips its step), saving
+    the last good state; >= 1."""
     compile: bool = False
     """torch.compile the dual encoder (the gather and the loss stay eager)."""
     wandb_project: Optional[str] = None
@@ -147,38 +150,139 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> "Config":
-        positive = {
-            "data.batch_per_device": self.data.batch_per_device,
-            "train.samples": self.train.samples,
-            "optim.lr": self.optim.lr,
-            "loss.tau": self.loss.tau,
-            "eval.batch_size": self.eval.batch_size,
-            "train.accum_steps": self.train.accum_steps,
-            "train.log_every": self.train.log_every,
-        }
-        for key, value in positive.items():
-            if not value > 0:
-                raise ConfigError(f"config: {key} must be > 0, got {value}")
-        for key in ("data.num_workers", "optim.warmup_steps", "train.eval_every",
-                    "train.checkpoint_every", "optim.cooldown_steps"):
-            if _get(self, key) < 0:
-                raise ConfigError(f"config: {key} must be >= 0, got {_get(self, key)}")
+        """Check every field against its rule in RULES, then the rules that join fields.
+        Runs before any work (load_config), so a bad value never reaches the trainer."""
+        for key, rule in RULES.items():
+            rule.check(key, _get(self, key))
         if self.loss.temperature is None:
             self.loss.temperature = "infonce" if self.loss.name == "flatnce" else "learnable"
         if self.loss.temperature == "infonce" and self.loss.name != "flatnce":
             raise ConfigError("config: loss.temperature=infonce only applies to loss.name=flatnce")
-        if self.loss.max_logit_scale < 1:
-            raise ConfigError("config: loss.max_logit_scale must be >= 1")
-        if self.model.hf_text_dir and not Path(self.model.hf_text_dir, "config.json").is_file():
-            raise ConfigError(f"config: model.hf_text_dir: no Hugging Face config.json in {self.model.hf_text_dir}")
-        if self.eval.suite and not Path(self.eval.suite).is_file():
-            raise ConfigError(f"config: eval.suite: no such file: {self.eval.suite}")
-        if self.train.resume not in (None, "latest") and not Path(self.train.resume).is_file():
-            raise ConfigError(f"config: train.resume: no such checkpoint file: {self.train.resume}")
+        if 1.0 / self.loss.tau > self.loss.max_logit_scale * (1 + 1e-9):
+            raise ConfigError(
+                f"config: loss.tau={self.loss.tau!r} gives logit_scale 1/tau={1 / self.loss.tau:.4g} above "
+                f"loss.max_logit_scale={self.loss.max_logit_scale!r}: the clamp would change it silently; "
+                f"raise loss.max_logit_scale or tau")
         return self
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- field rules
+@dataclass(frozen=True)
+class Rule:
+    """What one field accepts beyond its type: `ok(value)` for any non-None value, `allowed` in
+    words for the error, and `bad`: values that must be refused (fed by the table-driven test,
+    tests/test_config_rules.py). None passes when the field's type allows it (Optional)."""
+
+    allowed: str
+    ok: Callable[[Any], bool]
+    bad: tuple = ()
+
+    def check(self, key: str, value: Any) -> None:
+        if value is not None and not self.ok(value):
+            raise ConfigError(f"config: {key} must be {self.allowed}, got {_short(value)}")
+
+
+def number(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
+           hi_open: bool = False, integer: bool = False) -> Rule:
+    """A finite number in [lo, hi] (either end open or absent). Floats also refuse nan and
+    ±inf, the values that pass a plain `x > 0` check and ruin a run."""
+    parts = []
+    if lo is not None:
+        parts.append(f"{'>' if lo_open else '>='} {lo:g}")
+    if hi is not None:
+        parts.append(f"{'<' if hi_open else '<='} {hi:g}")
+    allowed = " and ".join(parts) or "any value"
+    if not integer:
+        allowed = "finite" + (f" and {allowed}" if parts else "")
+
+    def ok(x) -> bool:
+        if not math.isfinite(x):
+            return False
+        if lo is not None and (x <= lo if lo_open else x < lo):
+            return False
+        return hi is None or (x < hi if hi_open else x <= hi)
+
+    step = 1 if integer else 0.5
+    bad = [] if integer else [math.nan, math.inf, -math.inf]
+    if lo is not None:
+        bad.append(lo if lo_open else lo - step)
+    if hi is not None:
+        bad.append(hi if hi_open else hi + step)
+    return Rule(allowed, ok, tuple(int(b) if integer else b for b in bad))
+
+
+def _weights_ok(text: str) -> bool:
+    try:
+        values = [float(w) for w in text.split("::")]
+    except ValueError:
+        return False
+    return all(math.isfinite(w) and w >= 0 for w in values) and any(values)
+
+
+ANY = Rule("a value of its type", lambda v: True)  # bools and choices: the type check says it all
+TEXT = Rule("a non-empty string", lambda v: bool(v.strip()), ("", "  "))
+FILE = Rule("an existing file", lambda v: Path(v).is_file(), ("/nonexistent/vlp-file",))
+POSITIVE_INT = number(0, lo_open=True, integer=True)
+COUNT = number(0, integer=True)
+
+RULES: dict[str, Rule] = {
+    # one line per field of every config dataclass (tests/test_config_rules.py checks coverage)
+    "model.name": TEXT,
+    "model.pretrained": FILE,
+    "model.hf_text_dir": Rule("a Hugging Face model folder (with config.json)",
+                              lambda v: Path(v, "config.json").is_file(), ("/nonexistent/hf",)),
+    "model.grad_checkpointing": ANY,
+    "model.lock_image": ANY,
+    "model.lock_image_unlocked_groups": COUNT,
+    "model.lock_text": ANY,
+    "model.lock_text_unlocked_layers": COUNT,
+    "data.train_shards": ANY,  # empty = not given; `vlp train` asks for it
+    "data.eval_shards": TEXT,
+    "data.batch_per_device": POSITIVE_INT,
+    "data.num_workers": COUNT,
+    "data.mode": ANY,
+    "data.weights": Rule("'::'-joined finite numbers >= 0, not all 0 (e.g. '1::2')", _weights_ok,
+                         ("1::nan", "-1::2", "0::0", "a::b")),
+    "data.shuffle_buffer": POSITIVE_INT,
+    "data.decode_size": POSITIVE_INT,
+    "loss.name": ANY,
+    "loss.temperature": ANY,
+    "loss.tau": number(0, 1, lo_open=True),
+    "loss.max_logit_scale": number(1),
+    "optim.lr": number(0, lo_open=True),
+    "optim.weight_decay": number(0),
+    "optim.beta1": number(0, 1, hi_open=True),
+    "optim.beta2": number(0, 1, hi_open=True),
+    "optim.eps": number(0, lo_open=True),
+    "optim.warmup_steps": COUNT,
+    "optim.schedule": ANY,
+    "optim.cooldown_steps": COUNT,
+    "optim.grad_clip": number(0, lo_open=True),
+    "train.seed": number(0, 2**32 - 1, integer=True),  # numpy's seed range (accelerate.set_seed)
+    "train.samples": POSITIVE_INT,
+    "train.accum_steps": POSITIVE_INT,
+    "train.precision": ANY,
+    "train.log_every": POSITIVE_INT,
+    "train.eval_every": COUNT,
+    "train.checkpoint_every": COUNT,
+    "train.keep_last": COUNT,
+    "train.output_dir": TEXT,
+    "train.resume": Rule("'latest' or an existing checkpoint file",
+                         lambda v: v == "latest" or Path(v).is_file(), ("/nonexistent/ckpt.pt",)),
+    "train.max_nonfinite": POSITIVE_INT,
+    "train.compile": ANY,
+    "train.wandb_project": TEXT,
+    "eval.batch_size": POSITIVE_INT,
+    "eval.suite": FILE,
+}
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _get(obj: Any, dotted: str) -> Any:
@@ -218,7 +322,7 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
 def from_dict(data: dict, cls: type = Config, prefix: str = "") -> Any:
     """Build a dataclass tree from nested dicts, rejecting unknown keys and bad types."""
     if not isinstance(data, dict):
-        raise ConfigError(f"config: {prefix.rstrip('.') or 'top level'} must be a mapping, got {data!r}")
+        raise ConfigError(f"config: {prefix.rstrip('.') or 'top level'} must be a mapping, got {_short(data)}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -264,6 +368,11 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config: {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config: {path} is not UTF-8 text") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config: top level of {path} must be a mapping of sections, "
+                              f"got {type(data).__name__} {_short(data)}")
     data = apply_overrides(data, list(overrides or []))
     return from_dict(data).validate()
 
