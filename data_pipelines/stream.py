@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from data_pipelines.decode import image_decoder
 from data_pipelines.tars import (  # noqa: F401  (re-exported: the public shard helpers)
     IMAGE_EXTS, TEXT_EXTS, _check_sample, _read_shard, decode_image, expand_sources, image_decodes,
     shard_sizes, sizes_from_spec,
@@ -72,35 +73,59 @@ def _batch_sizes(mode: str, n: int, batch: int, world: int, drop_last: bool) -> 
     return [batch] * (count - 1) + [per_rank - (count - 1) * batch] if count else []
 
 
-def _segments(order: list[int], sizes: list[int], n: int, start: int, stop: int):
-    """Shard pieces (shard, begin, end) of virtual positions [start, stop), wrapping at n."""
+def _segments(pieces: list[tuple[int, int, int]], n: int, start: int, stop: int):
+    """Shard pieces (shard, begin, end) of virtual positions [start, stop), wrapping at n.
+
+    ``pieces`` lays out the epoch's virtual sequence: ``[(shard, 0, size), ...]`` in shard order
+    for a normal epoch, or the samples left of an epoch begun under another layout."""
     bounds = [0]
-    for shard in order:
-        bounds.append(bounds[-1] + sizes[shard])
-    pieces = []
+    for _, begin, end in pieces:
+        bounds.append(bounds[-1] + end - begin)
+    out = []
     pos = start
     while pos < stop:
         p = pos % n
         k = bisect.bisect_right(bounds, p) - 1
         take = min(bounds[k + 1] - p, n - p, stop - pos)
-        pieces.append((order[k], p - bounds[k], p - bounds[k] + take))
+        shard, begin, _ = pieces[k]
+        out.append((shard, begin + p - bounds[k], begin + p - bounds[k] + take))
         pos += take
-    return pieces
+    return out
+
+
+def merge_pieces(pieces) -> list[tuple[int, int, int]]:
+    """Join adjacent pieces of the same shard: [(s, 0, 5), (s, 5, 9)] -> [(s, 0, 9)]."""
+    out: list[tuple[int, int, int]] = []
+    for shard, begin, end in pieces:
+        if end <= begin:
+            continue
+        if out and out[-1][0] == shard and out[-1][2] == begin:
+            out[-1] = (shard, out[-1][1], end)
+        else:
+            out.append((shard, begin, end))
+    return out
 
 
 class _Plan:
     """Everything a worker needs; picklable; no I/O in __init__ besides sizes.json."""
 
     def __init__(self, sources, weights, mode, batch_size, world_size, rank, seed,
-                 num_samples, drop_last, shuffle_buffer, num_workers):
+                 num_samples, drop_last, shuffle_buffer, num_workers, pieces=None):
         self.paths = [p for src in sources for p in src]
         self.sizes = shard_sizes(self.paths)
         self.weights = [w for src, w in zip(sources, weights) for _ in src]
         self.mode, self.batch, self.world, self.rank = mode, batch_size, world_size, rank
         self.seed, self.drop_last, self.buffer = seed, drop_last, shuffle_buffer
         self.workers = max(1, num_workers)
+        # pieces: this epoch's virtual sequence is given (the samples left of an epoch begun
+        # under another layout, see Loader.resume_state) instead of the shuffled shard order
+        self.pieces = None if pieces is None else merge_pieces(pieces)
         total = sum(self.sizes)
         self.n = total if num_samples is None else int(num_samples)
+        if self.pieces is not None:
+            if mode != "split":
+                raise ValueError("pieces (the rest of an epoch) need mode='split'")
+            self.n = sum(end - begin for _, begin, end in self.pieces)
         if mode == "split" and self.n > total:
             raise ValueError(f"num_samples={self.n} > {total} samples in the shards; "
                              "use mode='resampled' to draw more than one pass")
@@ -122,6 +147,24 @@ class _Plan:
     def worker_batches(self, worker: int) -> list[int]:
         return list(range(worker, len(self.sizes_per_batch), self.workers))
 
+    def epoch_pieces(self, epoch: int) -> list[tuple[int, int, int]]:
+        """The epoch's virtual sequence as shard pieces: every shard, in an order shuffled with
+        (seed, epoch) identically on every rank (or the given rest of an epoch)."""
+        if self.pieces is not None:
+            return self.pieces
+        order = list(range(len(self.paths)))
+        _rng(self.seed, epoch, "shard-order").shuffle(order)
+        return [(shard, 0, self.sizes[shard]) for shard in order]
+
+    def worker_range(self, epoch: int, worker: int) -> list[tuple[int, int, int]]:
+        """Split mode: the shard pieces worker ``worker`` of this rank reads in ``epoch``."""
+        per_rank = sum(self.sizes_per_batch)
+        mine = self.worker_batches(worker)
+        before = sum(size for j, size in enumerate(self.sizes_per_batch) if j % self.workers < worker)
+        lo = self.rank * per_rank + before
+        return _segments(self.epoch_pieces(epoch), self.n, lo,
+                         lo + sum(self.sizes_per_batch[j] for j in mine))
+
 
 # ----------------------------------------------------------------------------- worker side
 class _Stream:
@@ -131,6 +174,7 @@ class _Stream:
                  tokenize, decode_size, pad: bool = False):
         self.plan, self.epoch, self.worker, self.start = plan, epoch, worker, start_batch
         self.transform, self.tokenize, self.decode_size = transform, tokenize, decode_size
+        self.decoder = image_decoder(transform, decode_size)  # crop-first JPEG fast path
         # pad: yield a placeholder for each skipped batch and up to ceil(num_batches / workers)
         # items, so that every worker yields the same count per epoch and DataLoader's
         # round-robin over workers stays in batch order across chained epochs.
@@ -138,34 +182,62 @@ class _Stream:
         self.skipped: Counter[str] = Counter()
         self.seen_keys: list[str] = []
         self.seen_exts: set[str] = set()
+        # what is read and what waits in the shuffle buffer: see ``remaining``
+        self.range: list[tuple[int, int, int]] = []
+        self.read_to: tuple[int, int | None] = (0, None)
+        self.pending: list[tuple] = []
+        self.passes = 0
 
     def rng(self, tag: str) -> random.Random:
         p = self.plan
         return _rng(p.seed, self.epoch, p.rank, self.worker, tag)
 
     def valid(self, pieces) -> Iterator[tuple]:
-        """Usable samples of the shard pieces (one pass), skips counted."""
-        for shard, begin, end in pieces:
+        """Usable samples ``(key, image bytes, caption, (shard, index))`` of the shard pieces
+        (one pass), skips counted; ``read_to`` = (piece, index in shard) read so far."""
+        for k, (shard, begin, end) in enumerate(pieces):
             url = self.plan.paths[shard]
-            for _, key, members in _read_shard(url, begin, end, self.skipped,
-                                               seen_exts=self.seen_exts):
+            self.read_to = (k, begin)
+            for index, key, members in _read_shard(url, begin, end, self.skipped,
+                                                   seen_exts=self.seen_exts):
+                self.read_to = (k, index + 1)
                 if len(self.seen_keys) < 8:
                     self.seen_keys.append(os.path.basename(key))
                 sample = _check_sample(key, members, url)
                 if isinstance(sample, str):
                     self.skipped[sample] += 1
                 else:
-                    yield sample
+                    yield sample + ((shard, index),)
+            self.read_to = (k + 1, None)
+
+    def remaining(self) -> list[tuple[int, int, int]] | None:
+        """Split mode: the pieces of this worker's range not consumed yet (samples waiting in
+        the shuffle buffer, then the unread rest), so that a run resumed under another layout
+        can finish the epoch without repeating or skipping a sample. [] after a second pass
+        (which only re-reads to make up for skipped samples)."""
+        if self.plan.mode != "split":
+            return None
+        if self.passes:
+            return []
+        k, index = self.read_to
+        tail = []
+        if k < len(self.range):
+            shard, begin, end = self.range[k]
+            tail = [(shard, begin if index is None else index, end)] + self.range[k + 1:]
+        waiting = sorted((s, i, i + 1) for *_, (s, i) in self.pending)
+        return merge_pieces(waiting + tail)
 
     def split(self, pieces) -> Iterator[tuple]:
         """Shuffled passes over this worker's range; a pass after the first only happens
         when skipped samples left the worker short of its quota."""
         rng = self.rng("buffer")
+        self.range = pieces
         while True:
             found = 0
             for sample in self.shuffled(self.valid(pieces), rng):
                 found += 1
                 yield sample
+            self.passes += 1
             if not found:
                 self.no_valid_samples([self.plan.paths[s] for s, _, _ in pieces])
 
@@ -190,7 +262,7 @@ class _Stream:
                 self.no_valid_samples(p.paths)
 
     def shuffled(self, samples: Iterator[tuple], rng: random.Random) -> Iterator[tuple]:
-        buffer = []
+        buffer = self.pending = []  # the samples read and not yet yielded
         for sample in samples:
             if len(buffer) < self.plan.buffer:
                 buffer.append(sample)
@@ -199,17 +271,9 @@ class _Stream:
             buffer[i], sample = sample, buffer[i]
             yield sample
         rng.shuffle(buffer)
-        yield from buffer
-
-    def split_pieces(self, mine: list[int]):
-        p = self.plan
-        order = list(range(len(p.paths)))
-        _rng(p.seed, self.epoch, "shard-order").shuffle(order)
-        per_rank = sum(p.sizes_per_batch)
-        before = sum(p.sizes_per_batch[j] for j in range(len(p.sizes_per_batch))
-                     if j % p.workers < self.worker)
-        lo = p.rank * per_rank + before
-        return _segments(order, p.sizes, p.n, lo, lo + sum(p.sizes_per_batch[j] for j in mine))
+        buffer.reverse()
+        while buffer:
+            yield buffer.pop()
 
     def __iter__(self) -> Iterator[dict]:
         p = self.plan
@@ -224,7 +288,7 @@ class _Stream:
         if p.mode == "resampled":
             samples = self.shuffled(self.resampled(), self.rng("buffer"))
         else:
-            samples = self.split(self.split_pieces(mine))
+            samples = self.split(p.worker_range(self.epoch, self.worker))
         for j in mine:
             chunk = [next(samples) for _ in range(p.sizes_per_batch[j])]
             if j < self.start:  # skipped on resume: no decode, same replacements as decode_all
@@ -245,7 +309,11 @@ class _Stream:
 
     def placeholder(self, index: int | None) -> dict:
         return {"index": index, "epoch": self.epoch, "empty": True,
-                "skipped": self._take_skipped()}
+                "skipped": self._take_skipped(), **self.position()}
+
+    def position(self) -> dict:
+        """Where this worker stands, sent with each of its batches (Loader.rest_of_epoch)."""
+        return {"worker": self.worker, "remaining": self.remaining()}
 
     def decode_all(self, chunk: list[tuple], spare: Iterator[tuple] | None,
                    probe: bool = False) -> list:
@@ -255,14 +323,14 @@ class _Stream:
         (``probe``: decide with ``image_decodes`` only, for skipped batches)."""
         out, failed, size = [], 0, len(chunk)
         while chunk:
-            key, data, caption = chunk.pop(0)
+            key, data, caption, *_ = chunk.pop(0)
             try:
                 if probe:
                     if not image_decodes(data):
                         raise ValueError("image does not decode")
                     image = None
                 else:
-                    image = decode_image(data, self.decode_size)
+                    image = self.decoder.decode(data)
             except Exception:  # PIL raises many types for bad bytes; transform errors do not
                 self.skipped["corrupt_image"] += 1  # land here
                 failed += 1
@@ -273,7 +341,7 @@ class _Stream:
                 if spare is not None:  # keep batches full: take the next sample instead
                     chunk.append(next(spare))
                 continue
-            out.append((key, image if probe else self.transform(image), caption))
+            out.append((key, image if probe else self.decoder.finish(image), caption))
         return out
 
     def sequential(self, mine: list[int]) -> Iterator[dict]:
@@ -284,7 +352,7 @@ class _Stream:
             return
         wanted = set(todo)
         first = todo[0] * p.batch + lo
-        pieces = _segments(list(range(len(p.paths))), p.sizes, p.n, first, hi)
+        pieces = _segments([(s, 0, size) for s, size in enumerate(p.sizes)], p.n, first, hi)
         by_batch: dict[int, list] = {}
         position = first
         for shard, begin, end in pieces:
@@ -319,7 +387,7 @@ class _Stream:
         images = torch.stack([img for _, img, _ in decoded])
         text = self.tokenize([c for _, _, c in decoded])
         return {"image": images, "text": text, "key": keys, "skipped": self._take_skipped(),
-                "index": index, "epoch": self.epoch}
+                "index": index, "epoch": self.epoch, **self.position()}
 
 
 class _EpochDataset(torch.utils.data.IterableDataset):
@@ -368,6 +436,8 @@ class Loader:
         self.set_epoch(epoch, start_batch)
         self.stats: Counter[str] = Counter()
         self.position = start_batch
+        self._rest: dict[int, list] = {}  # worker -> pieces not consumed (rest_of_epoch)
+        self._rest_epoch: int | None = None
 
     @property
     def num_batches(self) -> int:
@@ -415,6 +485,7 @@ class Loader:
         carry: Counter[str] = Counter()
         expected = (epoch, start_batch)
         for item in self._batches(epoch, start_batch, chain=True):
+            self._note_position(item)
             if item.get("empty"):  # placeholder: keeps the workers' round-robin in order
                 carry.update(item["skipped"])
                 continue
@@ -429,6 +500,27 @@ class Loader:
             carry.clear()
             self.epoch, self.position = item["epoch"], index
             yield item
+
+    def _note_position(self, item: dict) -> None:
+        worker, rest = item.pop("worker", None), item.pop("remaining", None)
+        if worker is None:
+            return
+        if item["epoch"] != self._rest_epoch:
+            self._rest, self._rest_epoch = {}, item["epoch"]
+        self._rest[worker] = rest
+
+    def rest_of_epoch(self, epoch: int) -> list[tuple[int, int, int]] | None:
+        """Split mode: the shard pieces of ``epoch`` this rank has not consumed, as of the last
+        batch ``epochs()`` yielded (None in resampled mode). The ranks' lists, concatenated in
+        rank order, are the ``pieces`` with which another layout finishes the epoch without
+        repeating or skipping a sample (vlp.resume)."""
+        if self.plan.mode != "split":
+            return None
+        known = self._rest if self._rest_epoch == epoch else {}
+        out: list[tuple[int, int, int]] = []
+        for worker in range(self.plan.workers):
+            out += known[worker] if worker in known else self.plan.worker_range(epoch, worker)
+        return merge_pieces(out)
 
     def __iter__(self) -> Iterator[dict]:
         start, self.start_batch = self.start_batch, 0
@@ -447,6 +539,7 @@ class Loader:
         pending: dict[int, dict] = {}
         carry: Counter[str] = Counter()
         for batch in batches:
+            batch.pop("worker", None), batch.pop("remaining", None)
             batch.pop("epoch", None)
             pending[batch.pop("index")] = batch
             while expected in pending:
@@ -487,6 +580,7 @@ def make_loader(
     start_batch: int = 0,
     weights: str | list[float] | None = None,
     decode_size: int | None = None,
+    pieces: list[tuple[int, int, int]] | None = None,
 ) -> Loader:
     """Build the batch stream of one rank over ``urls`` (brace spec, '::' joins sources).
 
@@ -498,6 +592,9 @@ def make_loader(
     weights:     resampled mode: per-source weights, e.g. '1::2' (each shard of a source is
                  drawn with its source's weight, like open_clip's upsampling factors).
     decode_size: decode JPEGs at reduced DCT scale keeping both sides >= this (fast path).
+    pieces:      split mode: read these (shard index, begin, end) pieces as the epoch instead
+                 of all shards (the rest of an epoch begun under another layout; see
+                 ``Loader.rest_of_epoch``).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -509,7 +606,7 @@ def make_loader(
     if weights is not None and mode != "resampled" and len(set(source_weights)) > 1:
         raise ValueError("per-source weights need mode='resampled'")
     plan = _Plan(sources, source_weights, mode, batch_size, world_size, rank, seed,
-                 num_samples, drop_last, shuffle_buffer, num_workers)
+                 num_samples, drop_last, shuffle_buffer, num_workers, pieces=pieces)
     _probe(plan.paths)
     return Loader(plan, transform, tokenize, epoch, start_batch, num_workers, decode_size)
 

@@ -205,3 +205,27 @@ def test_all_corrupt_is_an_error_not_a_hang(tmp_path, mode):
                                      for i in range(3)])
     with pytest.raises(ValueError, match="no valid samples"):
         list(loader(str(tmp_path / "bad.tar"), batch_size=1, mode=mode))
+
+
+@pytest.mark.parametrize("stop_after", [0, 3, 5])
+def test_rest_of_epoch_continues_under_another_layout(uneven, stop_after):
+    """2 ranks x 2 workers x batch 4 consume `stop_after` batches each; the rest of the epoch,
+    read by 1 rank x 3 workers x batch 5, repeats no sample and leaves out fewer than one
+    batch of what was left."""
+    old = [loader(uneven, rank=r, world_size=2, num_workers=2, shuffle_buffer=6, seed=3)
+           for r in range(2)]
+    everything = {k for r in range(2) for k in keys_of(
+        [b for b in loader(uneven, rank=r, world_size=2, shuffle_buffer=6, seed=3)])}
+    consumed, rest = [], []
+    for run in old:
+        stream = run.epochs(0, 0)
+        consumed += keys_of([next(stream) for _ in range(stop_after)])
+        rest += run.rest_of_epoch(0)
+        stream.close()
+    new = loader(uneven, batch_size=5, num_workers=3, seed=7, pieces=rest)
+    continued = keys_of(list(new))
+    left = sum(end - begin for _, begin, end in rest)
+    assert len(consumed) == 8 * stop_after and left == len(everything) - len(consumed)
+    assert not set(consumed) & set(continued) and len(set(continued)) == len(continued)
+    assert set(consumed) | set(continued) <= everything
+    assert len(continued) == left // 5 * 5
