@@ -1,0 +1,131 @@
+"""Image bytes -> transformed tensor, with a train-time JPEG fast path that keeps the augmentation.
+
+The default train transform (open_clip's ``image_transform(is_train=True)``) starts with a
+``RandomResizedCrop``: a random box of the full image, resized to the output size. Decoding
+the whole JPEG at full resolution to keep ~1/5 of its pixels after the resize is most of a
+loader worker's time. ``CropFirst`` reverses the order: it reads the image size from the
+JPEG header (PIL opens lazily), draws the crop box with the transform's own
+``RandomResizedCrop.get_params`` on that (W, H) (the same torch RNG draws as the plain
+transform: the boxes are identical for the same RNG state), then decodes at the smallest
+libjpeg DCT scale 1/s (s in 1, 2, 4, 8) at which the box still covers at least the output
+size on both sides, and resamples the box (mapped to fractional coordinates of the reduced
+image) to the output size with the same PIL filter. So only the pixels inside the box are
+resampled differently (DCT-domain downscale + a smaller filter instead of one large filter);
+s = 1 is bit-identical to the plain transform. The transforms after the crop run unchanged.
+``bench/augment_equivalence.py`` measures how close the outputs are.
+
+Everything else (non-JPEG images, transforms that do not start with a RandomResizedCrop,
+such as eval's Resize + CenterCrop, or an explicit ``decode_size``) takes the plain path:
+``decode_image`` then the transform.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable
+
+import torch
+
+from data_pipelines.tars import decode_image
+
+DCT_SCALES = (8, 4, 2, 1)  # the reductions libjpeg's DCT scaling offers through PIL's draft()
+
+
+def dct_scale(box_w: int, box_h: int, out_w: int, out_h: int) -> int:
+    """Largest s in DCT_SCALES with box_w / s >= out_w and box_h / s >= out_h (1 if none)."""
+    return next(s for s in DCT_SCALES if box_w >= s * out_w and box_h >= s * out_h or s == 1)
+
+
+class PlainDecoder:
+    """Today's path: decode the whole image (optionally DCT-downscaled to >= decode_size on
+    both sides, which changes the augmentation), then apply the transform."""
+
+    def __init__(self, transform: Callable, decode_size: int | None = None):
+        self.transform, self.decode_size = transform, decode_size
+
+    def decode(self, data: bytes):
+        """Everything that can fail on bad bytes (the caller replaces such samples)."""
+        return decode_image(data, self.decode_size)
+
+    def finish(self, decoded):
+        return self.transform(decoded)
+
+
+class CropFirst:
+    """RandomResizedCrop + the rest of a Compose, with the crop box drawn before decoding."""
+
+    def __init__(self, crop, rest: list[Callable]):
+        from torchvision.transforms.functional import pil_modes_mapping
+
+        self.crop, self.rest = crop, rest
+        self.out_h, self.out_w = crop.size
+        self.resample = pil_modes_mapping[crop.interpolation]
+
+    def decode(self, data: bytes):
+        """(reduced RGB image, scale s, crop box (i, j, h, w) in full-size pixels), or a plain
+        decoded image for non-JPEG bytes. Raises on bad bytes like ``decode_image``; the
+        box's RNG draws are then undone, so a failed image consumes no randomness (as on
+        the plain path, where the transform never runs for it)."""
+        from PIL import Image
+
+        image = Image.open(io.BytesIO(data))
+        if image.format != "JPEG":
+            return image.convert("RGB")
+        state = torch.random.get_rng_state()
+        try:
+            # get_params reads only .size (the header's), so the box equals the plain path's
+            i, j, h, w = self.crop.get_params(image, self.crop.scale, self.crop.ratio)
+            s = dct_scale(w, h, self.out_w, self.out_h)
+            if s > 1:
+                width, height = image.size
+                drafted = image.draft("RGB", (width // s, height // s))  # PIL then picks s exactly
+                s = 1 if drafted is None else round(width / drafted[1][2])
+            return image.convert("RGB"), s, (i, j, h, w)
+        except Exception:
+            torch.random.set_rng_state(state)
+            raise
+
+    def finish(self, decoded):
+        """The transform's output for what ``decode`` returned."""
+        if not isinstance(decoded, tuple):  # non-JPEG: the whole transform, as on the plain path
+            image = self.crop(decoded)
+        else:
+            image, s, (i, j, h, w) = decoded
+            image = self._resized_crop(image, s, i, j, h, w)
+        for t in self.rest:
+            image = t(image)
+        return image
+
+    def _resized_crop(self, image, s: int, i: int, j: int, h: int, w: int):
+        from torchvision.transforms import functional as F
+
+        if s == 1:  # the plain transform's own call
+            return F.resized_crop(image, i, j, h, w, [self.out_h, self.out_w],
+                                  self.crop.interpolation, antialias=self.crop.antialias)
+        # Reduced pixel k holds the original pixels [k*s, (k+1)*s): the box's edges map to
+        # x / s. Crop the covering integer region first (so the filter clamps at the box's
+        # edge as the plain crop-then-resize does), then resample the fractional box.
+        x0, y0, x1, y1 = j / s, i / s, (j + w) / s, (i + h) / s
+        left, top = math.floor(x0), math.floor(y0)
+        right, bottom = min(math.ceil(x1), image.width), min(math.ceil(y1), image.height)
+        region = image.crop((left, top, right, bottom))
+        return region.resize((self.out_w, self.out_h), self.resample,
+                             box=(x0 - left, y0 - top, x1 - left, y1 - top))
+
+    @classmethod
+    def of(cls, transform: Callable) -> CropFirst | None:
+        """A CropFirst for a (Compose starting with a) torchvision RandomResizedCrop, else None."""
+        from torchvision.transforms import Compose, RandomResizedCrop
+
+        steps = transform.transforms if isinstance(transform, Compose) else [transform]
+        if not steps or type(steps[0]) is not RandomResizedCrop:  # subclasses may change forward()
+            return None
+        return cls(steps[0], list(steps[1:]))
+
+
+def image_decoder(transform: Callable, decode_size: int | None = None) -> CropFirst | PlainDecoder:
+    """The decoder for a stream: the crop-first fast path when the transform allows it and no
+    ``decode_size`` asks for the old whole-image downscale, else the plain path."""
+    fast = None if decode_size else CropFirst.of(transform)
+    return fast or PlainDecoder(transform, decode_size)
