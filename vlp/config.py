@@ -63,6 +63,15 @@ class DataConfig:
     decode_size: Optional[int] = None
     """Decode JPEGs at reduced DCT scale keeping both sides >= this (set to the model's image
     size for large sources: 1.5x faster loading, see BENCHMARKS.md)."""
+    num_samples: Optional[int] = None
+    """Samples per epoch (all ranks). Needed for remote shards (URL or pipe:) that have no
+    sizes.json or img2dataset *_stats.json beside them: their sizes are then assumed equal
+    (data_pipelines.tars.shard_sizes). Unset: the total of the shards' sizes."""
+    io_retries: int = 3
+    """Retries of a failed shard open or read (remote shards); a retry continues at the same
+    byte, so batches do not change. A shard still failing counts as 'bad_shard'."""
+    io_backoff_s: float = 1.0
+    """Wait before the first retry; doubles for each further one."""
 
 
 @dataclass
@@ -122,6 +131,15 @@ class TrainConfig:
     """Where logs, checkpoints and eval results go."""
     resume: Optional[str] = None
     """'latest' (newest checkpoint in output_dir) or a checkpoint path."""
+    resume_mode: Literal["exact", "continue"] = "exact"
+    """exact: the data layout (world size, batch_per_device, accum_steps, num_workers, seed,
+    shuffle_buffer, mode, loss) must equal the checkpoint's, and the run continues bit-identically;
+    a change is refused by name. continue: it may change (e.g. after losing a node); the run goes on
+    from the same global sample, finishing the epoch under the new layout (vlp/resume.py)."""
+    dist_timeout_s: float = 900.0
+    """Seconds a collective may wait for another rank before this rank fails with an error
+    (a dead rank or node never leaves the others waiting forever). Rank 0's eval and checkpoint
+    writes happen while the others wait, so keep it above their duration."""
     max_nonfinite: int = 5
     """Stop after this many consecutive non-finite losses (each one skips its step), saving
     the last good state; >= 1."""
@@ -248,6 +266,9 @@ RULES: dict[str, Rule] = {
                          ("1::nan", "-1::2", "0::0", "a::b")),
     "data.shuffle_buffer": POSITIVE_INT,
     "data.decode_size": POSITIVE_INT,
+    "data.num_samples": POSITIVE_INT,
+    "data.io_retries": COUNT,
+    "data.io_backoff_s": number(0),
     "loss.name": ANY,
     "loss.temperature": ANY,
     "loss.tau": number(0, 1, lo_open=True),
@@ -264,6 +285,8 @@ RULES: dict[str, Rule] = {
     "train.seed": number(0, 2**32 - 1, integer=True),  # numpy's seed range (accelerate.set_seed)
     "train.samples": POSITIVE_INT,
     "train.accum_steps": POSITIVE_INT,
+    "train.resume_mode": ANY,
+    "train.dist_timeout_s": number(1),
     "train.precision": ANY,
     "train.log_every": POSITIVE_INT,
     "train.eval_every": COUNT,

@@ -48,6 +48,10 @@ the same way (same losses, same order); ``all_gather`` is not supported under ``
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
 import warnings
 
 import torch
@@ -60,6 +64,7 @@ __all__ = [
     "get_world_size",
     "gather_with_grad",
     "positive_offset",
+    "exit_with_launcher",
 ]
 
 
@@ -125,3 +130,23 @@ def positive_offset(local_batch: int, global_batch: int | None = None) -> int:
             f"world size {world} x local batch {local_batch}"
         )
     return get_rank() * local_batch
+
+
+def exit_with_launcher(poll_s: float = 1.0) -> None:
+    """Under a launcher (torchrun / ``accelerate launch`` with several processes), end this rank
+    within ``poll_s`` seconds when its launcher dies, e.g. on SIGKILL, instead of training on as
+    an orphan that keeps writing checkpoints. A daemon thread watches the parent pid (portable,
+    and unlike PR_SET_PDEATHSIG not tied to the parent *thread*). No-op without a launcher, so a
+    plain ``python -m vlp train`` survives its shell."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while parent != 1 and os.getppid() == parent:  # pid 1: the launcher died before we started
+            time.sleep(poll_s)
+        print(f"vlp: error: launcher (pid {parent}) is gone; rank {os.environ.get('RANK', '?')} stops",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="vlp-launcher-watch", daemon=True).start()

@@ -14,16 +14,18 @@ import contextlib
 import json
 import math
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import InitProcessGroupKwargs, gather_object, set_seed
 
 from vlp import checkpoint as ckpt
+from vlp import resume
 from vlp.config import Config, ConfigError, save_config
-from vlp.distributed import gather_with_grad, positive_offset
+from vlp.distributed import exit_with_launcher, gather_with_grad, positive_offset
 from vlp.losses import get_loss
 from vlp.model import DualEncoder, build_model
 
@@ -58,9 +60,12 @@ class Trainer:
     def __init__(self, cfg: Config, accelerator: Optional[Accelerator] = None):
         self.cfg = cfg
         self.accelerator = accelerator or Accelerator(
-            mixed_precision="no" if cfg.train.precision == "fp32" else cfg.train.precision
+            mixed_precision="no" if cfg.train.precision == "fp32" else cfg.train.precision,
+            # a collective waits at most this long for a dead rank, then fails with an error
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.train.dist_timeout_s))],
         )
         acc = self.accelerator
+        exit_with_launcher()
         if cfg.train.wandb_project:
             import importlib.util
 
@@ -71,6 +76,7 @@ class Trainer:
         self.accum = cfg.train.accum_steps
         self.global_batch = cfg.data.batch_per_device * self.world * self.accum
         self.total_steps = cfg.train.samples // self.global_batch
+        self.samples_seen = 0  # global samples in the steps taken (true across layout changes)
         if self.total_steps < 1:
             raise ValueError(
                 f"train.samples={cfg.train.samples} is smaller than one global batch "
@@ -88,8 +94,12 @@ class Trainer:
             fused=acc.device.type in ("cpu", "cuda"),
         )
         o = cfg.optim
+        # the schedule follows samples seen (in steps of the current global batch), so a resume
+        # with another global batch (train.resume_mode=continue) keeps it continuous
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: lr_multiplier(s, self.total_steps, o.warmup_steps, o.schedule, o.cooldown_steps)
+            optimizer, lambda _: lr_multiplier(self.samples_seen // self.global_batch,
+                                               cfg.train.samples // self.global_batch,
+                                               o.warmup_steps, o.schedule, o.cooldown_steps)
         )
         if cfg.train.compile:
             model = torch.compile(model)
@@ -100,6 +110,8 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self.batch_in_epoch = 0
+        self.epoch_pieces = None  # the rest of an epoch begun under another layout (vlp.resume)
+        self.data_loader = self.train_loader  # the loader the current epoch comes from
         self.nonfinite_in_row = 0
         self.nonfinite_total = 0
         self.skipped: dict[str, int] = {}
@@ -112,7 +124,8 @@ class Trainer:
     def unwrapped(self) -> DualEncoder:
         return self.accelerator.unwrap_model(self.model)
 
-    def make_train_loader(self):
+    def make_train_loader(self, **extra):
+        """This rank's training stream (``extra``: e.g. ``pieces``, the rest of an epoch)."""
         from data_pipelines.stream import make_loader
 
         d = self.cfg.data
@@ -120,15 +133,34 @@ class Trainer:
             d.train_shards, batch_size=d.batch_per_device, transform=self.train_transform,
             tokenize=self.tokenizer, seed=self.cfg.train.seed, rank=self.accelerator.process_index,
             world_size=self.world, num_workers=d.num_workers, mode=d.mode, shuffle_buffer=d.shuffle_buffer,
-            decode_size=d.decode_size, **({"weights": d.weights} if d.weights else {}),
+            decode_size=d.decode_size, **({"weights": d.weights} if d.weights else {}), **extra,
+            num_samples=d.num_samples, io_retries=d.io_retries, io_backoff_s=d.io_backoff_s,
         )
+
+    def stream(self):
+        """Every batch from the current position on. An epoch begun under another layout
+        (``epoch_pieces``, vlp.resume) is finished first by a loader over its remaining pieces."""
+        if self.epoch_pieces is not None:
+            loader = self.data_loader = self.make_train_loader(pieces=self.epoch_pieces)
+            if self.batch_in_epoch < loader.num_batches:
+                batches = loader.epochs(self.epoch, self.batch_in_epoch)
+                try:
+                    for batch in batches:
+                        yield batch
+                        if loader.position == loader.num_batches:
+                            break
+                finally:
+                    batches.close()
+            self.epoch, self.batch_in_epoch, self.epoch_pieces = self.epoch + 1, 0, None
+        self.data_loader = self.train_loader
+        yield from self.train_loader.epochs(self.epoch, self.batch_in_epoch)
 
     def batches(self):
         """Yield lists of `accum` micro-batches forever, tracking the stream position
         (epoch, batches of it consumed). One stream spans all epochs: the loader's workers
-        live for the whole run and prefetch across epoch boundaries (BENCHMARKS.md, fix E)."""
+        live for the whole run and prefetch across epoch boundaries."""
         group = []
-        for batch in self.train_loader.epochs(self.epoch, self.batch_in_epoch):
+        for batch in self.stream():
             self.epoch, self.batch_in_epoch = batch.pop("epoch"), batch.pop("index") + 1
             for kind, n in batch.get("skipped", {}).items():
                 self.skipped[kind] = self.skipped.get(kind, 0) + n
@@ -215,6 +247,7 @@ class Trainer:
             self.nonfinite_in_row += 1
             self.nonfinite_total += 1
         self.optimizer.zero_grad(set_to_none=True)
+        self.samples_seen += self.global_batch
         self.scheduler.step()
         with torch.no_grad():  # clamp the temperature: 1 <= logit_scale <= max (open_clip rule)
             self.unwrapped.log_logit_scale.clamp_(LOG_SCALE_MIN, self.max_log_scale)
@@ -222,6 +255,17 @@ class Trainer:
         metrics = dict(metrics) if finite else {"nonfinite": 1.0}
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         return metrics
+
+    def global_skipped(self) -> dict[str, int]:
+        """Skipped samples by kind, summed over ranks (each rank's already sums its workers).
+        A collective: every rank calls it."""
+        if self.world == 1:
+            return dict(self.skipped)
+        total: dict[str, int] = {}
+        for counts in gather_object([dict(self.skipped)]):
+            for kind, n in counts.items():
+                total[kind] = total.get(kind, 0) + n
+        return dict(sorted(total.items()))
 
     def global_metrics(self, metrics: dict) -> dict:
         """Average per-rank metrics (each a mean over that rank's anchors) into global ones."""
@@ -235,6 +279,7 @@ class Trainer:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         rng = gather_object([ckpt.rng_state()]) if self.world > 1 else [ckpt.rng_state()]
+        rest = self.data_loader.rest_of_epoch(self.epoch)  # vlp.resume: finish it on another layout
         state = {
             "model": self.unwrapped.clip.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -242,35 +287,65 @@ class Trainer:
             "step": self.step,
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
-            "samples_seen": self.step * self.global_batch,
+            "samples_seen": self.samples_seen,
             "world_size": self.world,
             "nonfinite_total": self.nonfinite_total,
-            "skipped": dict(self.skipped),
+            "skipped": dict(self.skipped),  # this rank's; every rank's below
+            "skipped_per_rank": gather_object([dict(self.skipped)]) if self.world > 1 else [dict(self.skipped)],
             "rng": rng,
             "config": self.cfg.to_dict(),
+            "epoch_pieces": self.epoch_pieces,
+            "epoch_batches": self.data_loader.num_batches,
+            "data_rest": gather_object([rest]) if self.world > 1 else [rest],
         }
         if self.accelerator.scaler is not None:
             state["scaler"] = self.accelerator.scaler.state_dict()
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        if state["world_size"] != self.world:
-            raise ValueError(
-                f"checkpoint was written by {state['world_size']} processes, this run has {self.world}: "
-                "exact resume needs the same world size"
-            )
+    def load_state_dict(self, state: dict, path: str = "the checkpoint") -> None:
+        changed = resume.check_resume(state, self.cfg, self.world, str(path))  # refuses by name
         self.unwrapped.clip.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if "scaler" in state and self.accelerator.scaler is not None:
             self.accelerator.scaler.load_state_dict(state["scaler"])
-        self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+        self.step = state["step"]
+        self.samples_seen = state.get("samples_seen", self.step * self.global_batch)
         self.nonfinite_total = state.get("nonfinite_total", 0)
-        self.skipped = dict(state.get("skipped", {}))
-        rngs = state["rng"]
-        ckpt.set_rng_state(rngs[self.accelerator.process_index])
+        self.skipped = ckpt.rank_skipped(state, self.accelerator.process_index, self.world)
+        rank = self.accelerator.process_index
+        if not changed:
+            self.epoch, self.batch_in_epoch = state["epoch"], state["batch_in_epoch"]
+            self.epoch_pieces = state.get("epoch_pieces")
+            ckpt.set_rng_state(state["rng"][rank])
+        else:  # train.resume_mode=continue: the same global sample position, new layout
+            where = resume.position_after_change(state, self.cfg, self.world)
+            self.epoch, self.batch_in_epoch, self.epoch_pieces = where.epoch, where.batch, where.pieces
+            set_seed(self.cfg.train.seed + rank)  # fresh per-rank RNG (dropout etc.)
+        self.total_steps = self.step + (self.cfg.train.samples - self.samples_seen) // self.global_batch
+
+    def weights_finite(self) -> bool:
+        """Whether every parameter is finite, agreed by all ranks (a collective)."""
+        bad = torch.stack([(~torch.isfinite(p.detach())).any() for p in self.model.parameters()]).any()
+        bad = bad.float().reshape(1).to(self.accelerator.device)
+        if self.world > 1:
+            bad = self.accelerator.reduce(bad, reduction="sum")
+        return bool(bad.item() == 0)
+
+    def newest_valid_checkpoint(self) -> str:
+        """For messages: the checkpoint a user should resume from, in words."""
+        try:
+            found = ckpt.latest_valid(self.ckpt_dir)
+        except ckpt.CheckpointError:
+            found = None
+        return f"the last valid checkpoint is {found[0]}" if found else f"no valid checkpoint exists in {self.ckpt_dir}"
 
     def save_checkpoint(self) -> Optional[Path]:
+        """Write step_N.pt (main process) and prune old ones. Weights with nan/inf are never
+        written: FloatingPointError names the checkpoint to use instead."""
+        if not self.weights_finite():
+            raise FloatingPointError(f"model weights are not finite at step {self.step}: no checkpoint written; "
+                                     f"{self.newest_valid_checkpoint()}")
         state = self.state_dict()  # collective: every rank takes part
         path = None
         if self.accelerator.is_main_process:
@@ -280,16 +355,61 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         return path
 
-    def maybe_resume(self) -> None:
+    def stop_nonfinite(self) -> str:
+        """The message for a run stopped by non-finite losses, after saving the last good state:
+        skipped steps leave the weights as they were, so they are saved when finite."""
+        head = f"{self.nonfinite_in_row} non-finite losses in a row at step {self.step}"
+        if self.weights_finite():
+            path = self.save_checkpoint() or self.ckpt_dir / f"step_{self.step:08d}.pt"
+            return (f"{head}; saved the last good weights to {path} (lower optim.lr or set optim.grad_clip, "
+                    "then resume with train.resume=latest)")
+        return f"{head}; the weights are not finite, nothing saved; {self.newest_valid_checkpoint()}"
+
+    def clean_checkpoint_dir(self) -> None:
+        """Remove temp files of killed saves (main process), saying so."""
+        if self.accelerator.is_main_process:
+            for tmp in ckpt.remove_stale_temps(self.ckpt_dir):
+                self.print(f"[vlp] removed {tmp.name}: temp file of a checkpoint save that was killed")
+
+    def find_resume_checkpoint(self) -> Optional[tuple[Path, dict]]:
+        """(path, state) to resume from. resume=latest falls back past checkpoints that do not
+        load or check (ckpt.check_state): each is renamed to *.corrupt (kept, never resumed from
+        again nor overwritten) and named in the log."""
         resume = self.cfg.train.resume
-        if not resume:
+        if resume != "latest":
+            return Path(resume), ckpt.load_valid(resume)
+        found = ckpt.latest_valid(self.ckpt_dir)
+        self.accelerator.wait_for_everyone()  # every rank has read its file before one is renamed
+        if found is None:
+            return None
+        path, state, rejected = found
+        for bad, reason in rejected:
+            if self.accelerator.is_main_process:
+                kept = ckpt.set_aside(bad)
+                self.print(f"[vlp] skipped {reason}; kept as {kept.name}; falling back to {path.name}")
+        return path, state
+
+    def maybe_resume(self) -> None:
+        self.clean_checkpoint_dir()
+        if not self.cfg.train.resume:
             return
-        path = ckpt.latest_checkpoint(self.ckpt_dir) if resume == "latest" else Path(resume)
-        if path is None:
+        found = self.find_resume_checkpoint()
+        if found is None:
             self.print(f"[vlp] resume=latest: no checkpoint in {self.ckpt_dir}, starting fresh")
             return
-        self.load_state_dict(ckpt.load(path))
-        self.print(f"[vlp] resumed from {path} at step {self.step} (epoch {self.epoch}, batch {self.batch_in_epoch})")
+        path, state = found
+        try:
+            self.load_state_dict(state, path)
+        except (RuntimeError, KeyError, ValueError) as e:  # parameters or optimizer groups differ
+            if isinstance(e, ConfigError):
+                raise
+            changes = ckpt.changed_settings(state.get("config"), self.cfg.to_dict())
+            why = "; ".join(changes) if changes else ckpt._first_line(e)
+            raise ckpt.CheckpointError(f"checkpoint {path} does not fit this run ({why}): resume needs the same "
+                                       "model and loss; use a new train.output_dir to start over") from None
+        self.print(f"[vlp] resumed from {path} at step {self.step}, {self.samples_seen} samples seen "
+                   f"(epoch {self.epoch}, batch {self.batch_in_epoch}"
+                   f"{' of its rest under the new layout' if self.epoch_pieces else ''})")
 
     # ------------------------------------------------------------------ eval
     def eval_suite(self) -> dict:
@@ -371,8 +491,8 @@ class Trainer:
         now, (t_last, step_last) = time.time(), self._last_log
         sps = (self.step - step_last) * self.global_batch / max(now - t_last, 1e-9)
         self._last_log = (now, self.step)
-        self.log({"step": self.step, "samples_seen": self.step * self.global_batch, "epoch": self.epoch,
-                  "samples_per_s": sps, **metrics, **{f"skipped_{k}": v for k, v in self.skipped.items()}})
+        self.log({"step": self.step, "samples_seen": self.samples_seen, "epoch": self.epoch,
+                  "samples_per_s": sps, **metrics, **{f"skipped_{k}": v for k, v in self.global_skipped().items()}})
         bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}",
                         infonce=f"{metrics.get('infonce', float('nan')):.3f}",
                         scale=f"{metrics.get('logit_scale', float('nan')):.1f}", sps=f"{sps:.0f}", refresh=False)
@@ -404,11 +524,9 @@ class Trainer:
                 if self.step % cfg.train.log_every == 0 or is_last:
                     self._log_step(metrics, bar)
                 if "nonfinite" in metrics and not self.step % cfg.train.log_every == 0:
-                    self.log({"step": self.step, "samples_seen": self.step * self.global_batch, **metrics})
+                    self.log({"step": self.step, "samples_seen": self.samples_seen, **metrics})
                 if self.nonfinite_in_row >= cfg.train.max_nonfinite:
-                    raise FloatingPointError(
-                        f"{self.nonfinite_in_row} non-finite losses in a row at step {self.step}; "
-                        f"last valid checkpoint in {self.ckpt_dir}")
+                    raise FloatingPointError(self.stop_nonfinite())
                 if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0 and not is_last:
                     self.save_checkpoint()
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and not is_last:
@@ -423,9 +541,9 @@ class Trainer:
 
             export_open_clip(self.unwrapped, self.out_dir / "open_clip_model.pt")
         last_eval = self.evaluate()
-        result = {"step": self.step, "samples_seen": self.step * self.global_batch, "train_time_s": train_time,
+        result = {"step": self.step, "samples_seen": self.samples_seen, "train_time_s": train_time,
                   "global_batch": self.global_batch, "nonfinite_steps": self.nonfinite_total,
-                  "skipped": self.skipped, **{f"eval/{k}": v for k, v in last_eval.items()}}
+                  "skipped": self.global_skipped(), **{f"eval/{k}": v for k, v in last_eval.items()}}
         if acc.is_main_process:
             self.log({"step": self.step, **{k: v for k, v in result.items() if not isinstance(v, dict)}})
             (self.out_dir / "result.json").write_text(json.dumps(result, indent=2))
