@@ -19,7 +19,18 @@ import torch
 CKPT_RE = re.compile(r"step_(\d+)\.pt$")
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or used; the message is one line for the user."""
+
+
+STATE_KEYS = ("model", "optimizer", "scheduler", "step", "epoch", "batch_in_epoch", "world_size", "rng", "config")
+TEMP_PATTERN = r"\.(step_\d+\.pt)\.tmp-(\d+)"  # atomic_save's temp name; the last group is the PID
+
+
 def atomic_save(obj, path: str | Path) -> None:
+    """Write `obj` to `path` through a fsynced temp file and a rename. A failed write (disk full,
+    quota, I/O error) removes the temp file and raises CheckpointError: `path` and every earlier
+    checkpoint stay as they were."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -29,19 +40,112 @@ def atomic_save(obj, path: str | Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch wraps a failed write in a RuntimeError
+        raise CheckpointError(f"cannot write checkpoint {path}: {_reason(e)}; earlier checkpoints are unchanged") from None
     finally:
-        if tmp.exists():
+        if tmp.is_symlink() or tmp.exists():
             tmp.unlink()
+
+
+def _reason(error: BaseException) -> str:
+    """The OS's words for a failed write (the OSError torch's RuntimeError hides), one line."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        seen = seen.__cause__ or seen.__context__
+    return _first_line(error)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def load(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty (0 bytes)")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated file, wrong format, pickled objects
-        raise ValueError(f"checkpoint {path} cannot be read safely: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        raise CheckpointError(f"checkpoint {path} cannot be read safely: {_first_line(e)}") from None
+
+
+def check_state(state, path: str | Path) -> dict:
+    """`state` if it is a complete vlp training checkpoint with finite weights, else
+    CheckpointError naming what is wrong."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path} is not a vlp training checkpoint (a {type(state).__name__}, not a dict)")
+    missing = [k for k in STATE_KEYS if k not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is not a vlp training checkpoint: missing {', '.join(missing)}")
+    bad = nonfinite_tensors(state["model"])
+    if bad:
+        raise CheckpointError(f"checkpoint {path} has non-finite weights in {len(bad)} tensors (e.g. {bad[0]})")
+    return state
+
+
+def load_valid(path: str | Path) -> dict:
+    """Load a training checkpoint and check it (see check_state)."""
+    return check_state(load(path), path)
+
+
+def nonfinite_tensors(weights) -> list[str]:
+    """Names of the tensors of a state dict that hold nan or inf."""
+    if not isinstance(weights, dict):
+        return ["<not a state dict>"]
+    return [k for k, v in weights.items()
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+
+
+def latest_valid(ckpt_dir: str | Path, load_fn=load_valid):
+    """Newest checkpoint of `ckpt_dir` that loads and checks: (path, state, rejected), where
+    rejected lists (path, reason) of the newer ones passed over; None when there is no checkpoint.
+    Raises CheckpointError when checkpoints exist but none is valid. `load_fn(path)` loads and
+    checks one (a DCP checkpoint folder brings its own)."""
+    rejected = []
+    for path in reversed(list_checkpoints(ckpt_dir)):
+        try:
+            return path, load_fn(path), rejected
+        except (CheckpointError, FileNotFoundError) as e:
+            rejected.append((path, str(e)))
+    if rejected:
+        raise CheckpointError(f"no valid checkpoint in {ckpt_dir}: {rejected[0][1]}"
+                              + (f" (and {len(rejected) - 1} more)" if len(rejected) > 1 else ""))
+    return None
+
+
+def set_aside(path: str | Path) -> Path:
+    """Rename a bad checkpoint to `<name>.corrupt`: kept for inspection, out of `list_checkpoints`
+    (so neither resumed from, pruned, nor overwritten by the step that is written again)."""
+    path = Path(path)
+    target = path.with_name(path.name + ".corrupt")
+    os.replace(path, target)
+    return target
+
+
+def remove_stale_temps(ckpt_dir: str | Path) -> list[Path]:
+    """Remove temp files of saves killed before their rename (their PID is dead); return them."""
+    from data_pipelines.tempfiles import remove_stale_temps as remove
+
+    return remove(ckpt_dir, TEMP_PATTERN)
+
+
+def changed_settings(saved: dict, current: dict) -> list[str]:
+    """'section.key: saved -> current' for the config keys that shape the saved state (the
+    model's parameters and which of them train): resuming across a change cannot load it."""
+    keys = ("model.name", "model.hf_text_dir", "model.lock_image", "model.lock_image_unlocked_groups",
+            "model.lock_text", "model.lock_text_unlocked_layers", "loss.name", "loss.temperature")
+    out = []
+    for key in keys:
+        section, name = key.split(".")
+        old, new = (saved or {}).get(section, {}).get(name), current[section][name]
+        if old != new:
+            out.append(f"{key}={old!r} in the checkpoint, {new!r} now")
+    return out
 
 
 def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
@@ -62,6 +166,20 @@ def prune(ckpt_dir: str | Path, keep_last: int) -> None:
     for old in list_checkpoints(ckpt_dir)[:-keep_last] if keep_last > 0 else []:
         old.unlink(missing_ok=True)
 
+
+def rank_skipped(state: dict, rank: int, world: int) -> dict[str, int]:
+    """This rank's skip counts from a checkpoint: its own entry when the world size is the same,
+    else all ranks' sum on rank 0 (the global total stays right). Old checkpoints hold rank 0's."""
+    per_rank = state.get("skipped_per_rank")
+    if not per_rank:
+        return dict(state.get("skipped", {})) if rank == 0 else {}
+    if len(per_rank) == world:
+        return dict(per_rank[rank])
+    total: dict[str, int] = {}
+    for counts in per_rank if rank == 0 else []:
+        for kind, n in counts.items():
+            total[kind] = total.get(kind, 0) + n
+    return total
 
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
