@@ -1,10 +1,12 @@
 """Raw (image, caption) pairs -> webdataset ``.tar`` shards + ``sizes.json``.
 
 Each sample becomes three tar members: ``{key}.png|jpg`` (image), ``{key}.txt`` (UTF-8
-caption) and ``{key}.json`` (meta). Shards are written under a temporary name and renamed
-when complete, so a shard under its final name is never half-written; ``sizes.json``
-({shard file name: sample count}) is rewritten the same way at the end. Bad rows (unreadable
-image, empty caption, duplicate key) are skipped and counted in the returned summary.
+caption) and ``{key}.json`` (meta). Shards are written under temporary names and renamed
+together at the end, so a shard under its final name is never half-written and a failed or
+empty run leaves the folder as it was; ``sizes.json`` ({shard file name: sample count}) is
+rewritten the same way. Existing shards of the prefix are only replaced with ``overwrite``.
+Bad rows (unreadable image, empty caption, duplicate key, a FIFO / device / oversized file) are
+skipped and counted in the returned summary; a run that writes no sample is an error.
 
 Usage::
 
@@ -15,10 +17,12 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import json
 import os
 import re
+import stat
 import tarfile
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -28,6 +32,13 @@ from typing import Any
 from .sources import check_key
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")
+MAX_IMAGE_BYTES = 1 << 28  # 256 MiB: larger "images" are skipped as too_large (never read)
+MAX_CAPTION_BYTES = 1 << 20
+TEMP_PATTERN = r"\.(.+\.tar|sizes\.json)\.tmp-(\d+)"  # temp names of ShardWriter (last group: PID)
+
+
+class ShardError(ValueError):
+    """Shards cannot be written as asked (existing shards, nothing valid, disk full); one line."""
 _PIL_FORMAT_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "BMP": "bmp", "GIF": "gif",
                    "TIFF": "tif"}
 
@@ -44,6 +55,7 @@ class ShardSummary:
     out_dir: str
     sizes: dict[str, int]
     skipped: dict[str, int]
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def shards(self) -> list[str]:
@@ -61,8 +73,8 @@ class ShardSummary:
     def __str__(self) -> str:
         skipped = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items())) or "none"
         spec = self.spec if self.sizes else "(no shards)"
-        return (f"wrote {self.num_samples} samples in {len(self.sizes)} shards: {spec}\n"
-                f"skipped: {skipped}")
+        return "\n".join([f"wrote {self.num_samples} samples in {len(self.sizes)} shards: {spec}",
+                          f"skipped: {skipped}", *self.notes])
 
 
 @dataclasses.dataclass
@@ -128,18 +140,20 @@ def encode_pair(
     caption = _field(pair, "caption", default=None)
     meta = dict(_field(pair, "meta", default=None) or {})
     if caption is None and _field(pair, "caption_path") is not None:
+        data = read_regular(_field(pair, "caption_path"), MAX_CAPTION_BYTES, "missing_caption")
+        if isinstance(data, str):
+            return data
         try:
-            caption = Path(_field(pair, "caption_path")).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
+            caption = data.decode("utf-8")
+        except UnicodeDecodeError:
             return "missing_caption"
     if not isinstance(caption, str) or not caption.strip():
         return "missing_caption"
     raw = _field(pair, "image", "image_png")
     if raw is None:
-        try:
-            raw = Path(_field(pair, "image_path")).read_bytes()
-        except (OSError, TypeError):
-            return "missing_image"
+        raw = read_regular(_field(pair, "image_path"), MAX_IMAGE_BYTES, "missing_image")
+        if isinstance(raw, str):
+            return raw
     try:
         with Image.open(io.BytesIO(raw)) as image:
             src_ext = _PIL_FORMAT_EXT.get(image.format or "", None)
@@ -153,6 +167,31 @@ def encode_pair(
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError, TypeError):
         return "corrupt_image"
     return EncodedSample(check_key(key), want, out, caption.strip(), meta)
+
+
+def read_regular(path: Any, limit: int, missing: str) -> bytes | str:
+    """The bytes of a regular file (symlinks followed), or the skip kind: ``missing`` (absent,
+    unreadable), 'special_file' (FIFO, device, socket, folder: opened non-blocking and never read,
+    so a FIFO cannot hang the run nor /dev/zero fill memory) or 'too_large' (over ``limit``)."""
+    if not path:
+        return missing
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except (OSError, TypeError, ValueError):
+        return missing
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return "special_file"
+        if info.st_size > limit:
+            return "too_large"
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(limit + 1)
+    except OSError:
+        return missing
+    finally:
+        os.close(fd)
+    return "too_large" if len(data) > limit else data
 
 
 def _reencode(image, ext: str, jpeg_quality: int | None, resize_longest: int | None) -> bytes:
@@ -176,17 +215,31 @@ def _reencode(image, ext: str, jpeg_quality: int | None, resize_longest: int | N
 
 
 class ShardWriter:
-    """Writes numbered tar shards atomically: ``{prefix}-{i:06d}.tar.tmp`` -> final name."""
+    """Writes numbered tar shards under temp names (``.{prefix}-{i:06d}.tar.tmp-PID``); ``close``
+    renames them all, ``abort`` deletes them. Refuses a folder that already holds shards of the
+    prefix unless ``overwrite``; removes temp files of killed writers (dead PID) on start."""
 
     def __init__(self, out_dir: str | os.PathLike, prefix: str = "shard",
-                 samples_per_shard: int = 1000):
+                 samples_per_shard: int = 1000, overwrite: bool = False):
         if samples_per_shard < 1:
             raise ValueError("samples_per_shard must be >= 1")
+        check_prefix(prefix)
         self.out_dir = Path(out_dir).resolve()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.prefix, self.per_shard = prefix, samples_per_shard
+        self.pattern = re.compile(rf"{re.escape(prefix)}-\d{{6}}\.tar")
+        existing = sorted(p.name for p in self.out_dir.iterdir() if self.pattern.fullmatch(p.name))
+        if existing and not overwrite:
+            raise ShardError(f"{self.out_dir} already holds {len(existing)} shard(s) named {prefix}-NNNNNN.tar "
+                             f"({existing[0]}, ...): nothing written; pass --overwrite to replace them, "
+                             "or choose another output folder or --prefix")
+        from .tempfiles import remove_stale_temps
+
+        removed = remove_stale_temps(self.out_dir, TEMP_PATTERN)
+        self.notes = [f"removed {len(removed)} temp file(s) of killed writers ({removed[0].name}, ...)"] if removed else []
         self.sizes: dict[str, int] = {}
         self.skipped: Counter[str] = Counter()
+        self._done: list[tuple[Path, str]] = []  # (temp file, final name) of finished shards
         self._tar: tarfile.TarFile | None = None
         self._keys: set[str] = set()
         self._last_key: str | None = None
@@ -225,30 +278,68 @@ class ShardWriter:
             return
         self._tar.close()
         self._tar = None
-        os.replace(self._tmp, self.out_dir / self._name)
-        self.sizes[self._name] = self._count
+        if self._count:
+            self._done.append((self._tmp, self._name))
+            self.sizes[self._name] = self._count
+        else:  # every sample of it was a duplicate key
+            self._tmp.unlink(missing_ok=True)
 
     def close(self) -> ShardSummary:
-        """Finish the last shard, drop stale shards of this prefix, write sizes.json."""
+        """Rename the finished shards to their names, drop other shards of this prefix (only
+        there with overwrite), write sizes.json. No sample at all: abort, ShardError."""
         self._close_current()
-        pattern = re.compile(rf"{re.escape(self.prefix)}-\d{{6}}\.tar")
+        if not self.sizes:
+            self.abort()
+            skipped = ", ".join(f"{k}={v}" for k, v in sorted(self.skipped.items())) or "the source has no rows"
+            raise ShardError(f"no valid samples, nothing written ({skipped}); {self.out_dir} is unchanged")
+        for tmp, name in self._done:
+            os.replace(tmp, self.out_dir / name)
+        self._done = []
         for path in self.out_dir.iterdir():
-            if pattern.fullmatch(path.name) and path.name not in self.sizes:
+            if self.pattern.fullmatch(path.name) and path.name not in self.sizes:
                 path.unlink()
         sizes_path = self.out_dir / "sizes.json"
         sizes = json.loads(sizes_path.read_text()) if sizes_path.is_file() else {}
-        sizes = {k: v for k, v in sizes.items() if not pattern.fullmatch(k)}
+        sizes = {k: v for k, v in sizes.items() if not self.pattern.fullmatch(k)}
         sizes.update(self.sizes)
         tmp = self.out_dir / f".sizes.json.tmp-{os.getpid()}"
         tmp.write_text(json.dumps(dict(sorted(sizes.items())), indent=1))
         os.replace(tmp, sizes_path)
-        return ShardSummary(str(self.out_dir), dict(self.sizes), dict(self.skipped))
+        return ShardSummary(str(self.out_dir), dict(self.sizes), dict(self.skipped), list(self.notes))
 
     def abort(self) -> None:
+        """Delete every temp file of this writer: the folder is left as it was."""
         if self._tar is not None:
             self._tar.close()
             self._tar = None
-            self._tmp.unlink(missing_ok=True)
+            self._done.append((self._tmp, self._name))
+        for tmp, _ in self._done:
+            tmp.unlink(missing_ok=True)
+        self._done = []
+
+
+def check_prefix(prefix: str) -> str:
+    """A shard name prefix is one plain file-name part ('train', 'cc3m.v2'), never a path."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", prefix or ""):
+        raise ShardError(f"--prefix {prefix!r} must be a plain name: letters, digits, '.', '_' or '-', "
+                         "starting with a letter or digit (put folders in the output path)")
+    return prefix
+
+
+def check_options(samples_per_shard: int, jpeg_quality: int | None, resize_longest: int | None,
+                  workers: int) -> None:
+    """Refuse option values that would write wrong shards silently (1 px images, ...)."""
+    problems = [(samples_per_shard < 1, f"--samples-per-shard must be >= 1, got {samples_per_shard}"),
+                (jpeg_quality is not None and not 1 <= jpeg_quality <= 100,
+                 f"--jpeg-quality must be in [1, 100], got {jpeg_quality}"),
+                (resize_longest is not None and resize_longest < 1, f"--resize-longest must be >= 1, got {resize_longest}"),
+                (workers < 0, f"--workers must be >= 0, got {workers}")]
+    for bad, message in problems:
+        if bad:
+            raise ShardError(message)
+
+
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EIO)
 
 
 def write_shards(
@@ -262,6 +353,7 @@ def write_shards(
     resize_longest: int | None = None,
     workers: int = 0,
     progress: bool = False,
+    overwrite: bool = False,
 ) -> ShardSummary:
     """Write pair-likes (see ``encode_pair``) as ``out_dir/{prefix}-{i:06d}.tar``.
 
@@ -271,9 +363,12 @@ def write_shards(
     resize_longest: downscale images whose longest side is larger (aspect kept).
     workers:        >1 validates/encodes in that many processes (order is kept).
     progress:       show a tqdm bar.
-    Shard contents depend only on the input order, never on ``workers``.
+    overwrite:      replace existing ``{prefix}-*.tar`` shards of ``out_dir`` (else ShardError).
+    Shard contents depend only on the input order, never on ``workers``. Any failure (disk full,
+    Ctrl-C, no valid sample) leaves ``out_dir`` as it was.
     """
-    writer = ShardWriter(out_dir, prefix, samples_per_shard)
+    check_options(samples_per_shard, jpeg_quality, resize_longest, workers)
+    writer = ShardWriter(out_dir, prefix, samples_per_shard, overwrite=overwrite)
     try:
         for result in _encoded(pairs, image_ext, jpeg_quality, resize_longest, workers,
                                progress):
@@ -281,10 +376,16 @@ def write_shards(
                 writer.skipped[result] += 1
             else:
                 writer.write(result)
+        return writer.close()
+    except OSError as e:
+        writer.abort()
+        if e.errno in _WRITE_ERRNOS:
+            raise ShardError(f"cannot write shards to {writer.out_dir}: {e.strerror}; "
+                             "nothing written, the folder is unchanged") from None
+        raise
     except BaseException:
         writer.abort()
         raise
-    return writer.close()
 
 
 def _encode_star(args: tuple) -> EncodedSample | str:
@@ -329,6 +430,7 @@ def shards_from_source(
     caption_column: str | None = None,
     separator: str | None = None,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> ShardSummary:
     """Write shards from any supported source; the type is detected from ``source``:
 
@@ -347,11 +449,14 @@ def shards_from_source(
     unless ``image_column`` / ``caption_column`` are given. Other options as in
     ``write_shards``. Returns the ShardSummary (str() is a two-line report).
     """
+    check_prefix(prefix)
+    check_options(samples_per_shard, jpeg_quality, resize_longest, workers)
     rows = iter_source(source, split=split, image_column=image_column,
                        caption_column=caption_column, separator=separator)
     return write_shards(rows, out_dir, prefix=prefix, samples_per_shard=samples_per_shard,
                         image_ext=image_ext, jpeg_quality=jpeg_quality,
-                        resize_longest=resize_longest, workers=workers, progress=progress)
+                        resize_longest=resize_longest, workers=workers, progress=progress,
+                        overwrite=overwrite)
 
 
 def iter_source(source: str, *, split: str = "all", image_column: str | None = None,
@@ -383,11 +488,11 @@ def iter_source(source: str, *, split: str = "all", image_column: str | None = N
     if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
         return _hf_disk_rows(path, split, **columns)
     files = _walk(path)
-    metadata = [f for f in files if f.name in ("metadata.jsonl", "metadata.csv")]
+    metadata = [f for f in files if f.name in ("metadata.jsonl", "metadata.csv") and f.is_file()]
     if metadata:
         return _imagefolder_rows(metadata, **columns)
     images = [f for f in files if f.suffix.lower().lstrip(".") in IMAGE_EXTS]
-    parquets = [f for f in files if f.suffix.lower() == ".parquet"]
+    parquets = [f for f in files if f.suffix.lower() == ".parquet" and f.is_file()]
     if parquets and not images:
         return _parquet_rows(parquets, **columns)
     if not images:
@@ -424,9 +529,10 @@ def _folder_rows(root: Path, images: list[Path]) -> Iterator[dict]:
     for i, image in enumerate(images):
         rel = image.relative_to(root)
         sidecar = image.with_suffix(".txt")
+        has_sidecar = os.path.lexists(sidecar)  # read (or refused) by read_regular, never opened here
         yield {"key": keys(str(rel.with_suffix("")), i), "image_path": str(image),
-               "caption_path": str(sidecar) if sidecar.is_file() else None,
-               "caption": None if sidecar.is_file() else "", "meta": {"path": str(rel)}}
+               "caption_path": str(sidecar) if has_sidecar else None,
+               "caption": None if has_sidecar else "", "meta": {"path": str(rel)}}
 
 
 def _pick(names: list[str], wanted: str | None, candidates: tuple, what: str,

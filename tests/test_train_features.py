@@ -58,8 +58,11 @@ def test_nonfinite_losses_skip_then_stop_with_valid_checkpoint(tiny_shards, tmp_
     assert [r["step"] for r in log if r.get("nonfinite")] == [3, 7, 8, 9]
     from vlp.checkpoint import latest_checkpoint, load
 
+    # the stop saved the last good weights (skipped steps leave them as after step 6)
     state = load(latest_checkpoint(tmp_path / "checkpoints"))
-    assert state["step"] == 8 and all(torch.isfinite(v).all() for v in state["model"].values())
+    assert state["step"] == 9 and all(torch.isfinite(v).all() for v in state["model"].values())
+    step8 = load(tmp_path / "checkpoints" / "step_00000008.pt")
+    assert all(torch.equal(step8["model"][k], v) for k, v in state["model"].items())
 
 
 def test_eval_suite_hook_runs_zero_shot_classification(tiny_shards, tmp_path):

@@ -12,7 +12,8 @@ import sys
 
 from vlp.config import ConfigError
 
-USER_ERRORS = (ConfigError, FileNotFoundError, NotADirectoryError, ValueError, FloatingPointError)
+USER_ERRORS = (ConfigError, FileNotFoundError, NotADirectoryError, ValueError, FloatingPointError,
+               FileExistsError, IsADirectoryError, PermissionError)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -27,7 +28,7 @@ def cmd_shards(args) -> int:
         args.source, args.out, samples_per_shard=args.samples_per_shard, image_ext=args.image_format,
         jpeg_quality=args.jpeg_quality, resize_longest=args.resize_longest, workers=args.workers,
         split=args.split, prefix=args.prefix, image_column=args.image_column,
-        caption_column=args.caption_column, separator=args.separator,
+        caption_column=args.caption_column, separator=args.separator, overwrite=args.overwrite,
     )
     print(summary)
     return 0
@@ -95,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", choices=["train", "eval", "all"], default="all",
                    help="(openmoji) which split to write")
     p.add_argument("--prefix", default="shard", help="shard file name prefix")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace existing {prefix}-*.tar shards in OUT (default: refuse, nothing is touched)")
     p.add_argument("--image-column", default=None, help="CSV/parquet/HF image column (default: filepath / image)")
     p.add_argument("--caption-column", default=None, help="CSV/parquet/HF caption column (default: title / text)")
     p.add_argument("--separator", default=None, help="CSV separator (default: tab, as open_clip)")

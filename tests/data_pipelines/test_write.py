@@ -62,7 +62,7 @@ def test_jpeg_resize_and_bad_rows(small_pairs, tmp_path):
 
 def test_rewrite_removes_stale_shards(small_pairs, tmp_path):
     write_shards(small_pairs, tmp_path, samples_per_shard=10)
-    summary = write_shards(small_pairs[:15], tmp_path, samples_per_shard=10)
+    summary = write_shards(small_pairs[:15], tmp_path, samples_per_shard=10, overwrite=True)
     assert sorted(p.name for p in tmp_path.glob("*.tar")) == list(summary.sizes)
     assert sizes_from_spec(str(tmp_path)) == 15
 
