@@ -1,0 +1,153 @@
+"""The cluster paths on one box (CPU, gloo, `accelerate launch`): two "nodes" on 127.0.0.1 equal
+one 2-process launch; a 2-process checkpoint goes on as 1 process (train.resume_mode=continue);
+a dead node ends the other within the stated timeout; ranks never outlive their launcher."""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlp_testing import PYTHON, REPO, run_env
+
+ACCELERATE = shutil.which("accelerate", path=str(Path(os.sys.executable).parent)) or "accelerate"
+COMMON = ["model.name=vlp-micro", "data.batch_per_device=8", "optim.lr=1e-3", "optim.warmup_steps=2",
+          "train.log_every=1", "data.shuffle_buffer=32", "data.eval_shards=null"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_args(shards, out, *extra):
+    return ["-m", "vlp", "train", "-c", "configs/demo.yaml", f"data.train_shards={shards['train']}",
+            f"train.output_dir={out}", *COMMON, *extra]
+
+
+def _launch(args, machines=1, rank=0, port=None, wait=True):
+    """`accelerate launch` of 2 CPU processes in total, on 1 machine or as one of 2 machines."""
+    cmd = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", str(machines),
+           "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+           "--main_process_port", str(port or _port()), "--rdzv_backend", "static", *args]
+    env = run_env() | {"ACCELERATE_USE_CPU": "1"}
+    if not wait:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+
+
+def _weights(out):
+    return torch.load(Path(out) / "open_clip_model.pt", weights_only=True)["state_dict"]
+
+
+def _wait_for_steps(out: Path, steps: int, procs, limit_s: float = 240):
+    deadline = time.time() + limit_s
+    log = out / "log.jsonl"
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if log.exists() and sum('"infonce"' in x for x in log.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no {steps} steps in {out} ({[p.poll() for p in procs]})")
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def single(tiny_shards, tmp_path_factory):
+    """One 2-process launch: 16 steps of global batch 16 over 160 pairs (10 batches per epoch)."""
+    out = tmp_path_factory.mktemp("single")
+    proc = _launch(_train_args(tiny_shards, out, "train.samples=256", "train.checkpoint_every=4",
+                               "train.keep_last=4"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+def test_two_machines_on_loopback_equal_one_two_process_launch(tiny_shards, single, tmp_path):
+    port = _port()
+    args = _train_args(tiny_shards, tmp_path, "train.samples=256")
+    nodes = [_launch(args, machines=2, rank=r, port=port, wait=False) for r in (0, 1)]
+    outs = [node.communicate(timeout=400) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    a, b = _weights(single), _weights(tmp_path)
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    print(f"2 machines vs 1 machine, 2 processes: max |weight diff| = {worst:.1e}")
+    assert worst <= 1e-6
+    log = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    ref = [json.loads(x) for x in (single / "log.jsonl").read_text().splitlines()]
+    assert [r["infonce"] for r in log if "infonce" in r] == pytest.approx(
+        [r["infonce"] for r in ref if "infonce" in r], abs=1e-6)
+
+
+def test_two_process_checkpoint_goes_on_as_one_process(tiny_shards, single, tmp_path):
+    (tmp_path / "checkpoints").mkdir()
+    shutil.copy(single / "checkpoints" / "step_00000012.pt", tmp_path / "checkpoints")  # epoch 1, batch 2
+    args = _train_args(tiny_shards, tmp_path, "data.batch_per_device=16", "train.samples=256",
+                       "train.resume=latest")
+    env = run_env()
+    refused = subprocess.run([PYTHON, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2
+    lines = [x for x in refused.stderr.splitlines() if x.startswith("vlp: error")]
+    assert len(lines) == 1 and "Traceback" not in refused.stderr
+    assert "world size: 2 -> 1" in lines[0] and "data.batch_per_device: 8 -> 16" in lines[0]
+    proc = subprocess.run([PYTHON, *args, "train.resume_mode=continue"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "192 samples seen (epoch 1, batch 0 of its rest under the new layout)" in proc.stdout
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["samples_seen"] == 256 and result["step"] == 12 + 4
+
+
+def test_a_dead_node_ends_the_other_within_the_timeout(tiny_shards, tmp_path):
+    timeout_s = 20
+    port = _port()
+    args = _train_args(tiny_shards, tmp_path, "train.samples=100000", f"train.dist_timeout_s={timeout_s}")
+    nodes = [_launch(args, machines=2, rank=r, port=port, wait=False) for r in (0, 1)]
+    try:
+        _wait_for_steps(tmp_path, 2, nodes)
+        os.killpg(nodes[1].pid, signal.SIGKILL)  # node 1 dies: its launcher and its rank
+        start = time.time()
+        _, err = nodes[0].communicate(timeout=timeout_s + 60)
+        took = time.time() - start
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    print(f"node 0 exited {took:.1f} s after node 1 was killed (timeout {timeout_s} s)")
+    assert nodes[0].returncode != 0 and took < timeout_s + 30
+    assert "Error" in err or "error" in err
+
+
+def test_ranks_exit_when_their_launcher_is_killed(tiny_shards, tmp_path):
+    launcher = _launch(_train_args(tiny_shards, tmp_path, "train.samples=100000"), wait=False)
+    try:
+        _wait_for_steps(tmp_path, 2, [launcher])
+        ranks = _children(launcher.pid)
+        assert len(ranks) == 2
+        os.kill(launcher.pid, signal.SIGKILL)  # the launcher only, not its process group
+        deadline = time.time() + 15
+        while time.time() < deadline and any(_alive(pid) for pid in ranks):
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in ranks), "ranks outlived their launcher"
+    finally:
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
