@@ -79,7 +79,9 @@ def sizes_from_spec(urls: str) -> int:
 
 
 def _count_samples(path: str) -> int:
-    """Samples in a tar without sizes.json (headers only; stops at the first error)."""
+    """Samples in a tar without sizes.json (headers only; stops at the first error). A file
+    with no readable sample at all is an error naming the file and why (describe_unreadable):
+    otherwise it would silently count 0 and appear in no count."""
     count, last = 0, None
     try:
         with tarfile.open(path, "r:") as tar:
@@ -88,8 +90,35 @@ def _count_samples(path: str) -> int:
                 if info.isfile() and prefix != last:
                     count, last = count + 1, prefix
     except (OSError, tarfile.TarError, EOFError):
-        pass
+        if count == 0:
+            raise ValueError(f"shard {path} is unreadable: {describe_unreadable(_head(path))}") from None
     return count
+
+
+def _head(path: str, size: int = tarfile.BLOCKSIZE) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(size)
+    except OSError:
+        return b""
+
+
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"(\xb5/\xfd": "zstd",
+               b"PK\x03\x04": "zip"}
+
+
+def describe_unreadable(first_bytes: bytes) -> str:
+    """Why a shard whose first bytes are these is no readable tar, in words for the user."""
+    if not first_bytes:
+        return "empty file (0 bytes)"
+    for magic, kind in _COMPRESSED.items():
+        if first_bytes.startswith(magic):
+            return f"{kind}-compressed, not a plain tar (decompress it or write plain .tar shards)"
+    if first_bytes[257:262] == b"ustar":
+        return "a tar cut off or damaged after its first header (truncated)"
+    if len(first_bytes) < tarfile.BLOCKSIZE:
+        return f"truncated: {len(first_bytes)} bytes, less than one tar header"
+    return f"not a tar archive (starts with {first_bytes[:8]!r})"
 
 
 # ----------------------------------------------------------------------------- reading tars

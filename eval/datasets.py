@@ -1,7 +1,14 @@
 """Eval datasets: ImageNet val folders, any class-folder set, and eval shards (.tar).
 
-All classification datasets yield (image_tensor, label) through the given transform and come
-with their class-name list; the retrieval shard dataset yields dicts like the training stream.
+All classification datasets yield (image_tensor, label) through the given transform, or a
+`Skip` for an image that does not decode (corrupt, truncated, a decompression bomb), and come
+with their class-name list; `make_eval_loader` batches them as (images, labels, {kind: skipped})
+so skips are counted across workers. The retrieval shard dataset yields dicts like the training
+stream.
+
+Class folders are walked following symlinks, but a folder is entered once (no symlink loop, no
+class folder reached from another) and a file counted once; only regular files are opened (a
+FIFO cannot hang the eval).
 
 ImageNet labels: `imagenet_synsets.txt` (next to this file) lists the 1000 ILSVRC2012 wnids in
 the standard sorted order; line i is open_clip's IMAGENET_CLASSNAMES[i] (n01440764 = tench, ...,
@@ -16,6 +23,7 @@ Retrieval captions: "txt", one caption per non-empty line.
 from __future__ import annotations
 
 import os
+import stat
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence, Union
@@ -24,7 +32,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from data_pipelines.tars import IMAGE_EXTS, _read_shard, decode_image, expand_sources
+from data_pipelines.tars import IMAGE_EXTS, _read_shard, expand_sources
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 SYNSETS_PATH = Path(__file__).with_name("imagenet_synsets.txt")
@@ -42,21 +50,53 @@ def read_lines(path: Union[str, os.PathLike]) -> list[str]:
         return [ln.strip() for ln in f if ln.strip()]
 
 
-class LabeledImages(Dataset):
-    """Map-style dataset over [(path, label)]: yields (transform(RGB PIL image), label)."""
+class Skip(str):
+    """What a dataset yields instead of a sample it could not decode: the kind of skip."""
 
-    def __init__(self, samples: Sequence[tuple[str, int]], transform: Optional[Callable] = None):
+
+def open_rgb(source) -> Image.Image | Skip:
+    """RGB image from a path or bytes, or Skip('corrupt_image' | 'too_large') for bytes PIL
+    cannot decode or a decompression bomb (PIL's MAX_IMAGE_PIXELS guard)."""
+    import io
+
+    try:
+        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as im:
+            return im.convert("RGB")
+    except Image.DecompressionBombError:
+        return Skip("too_large")
+    except (OSError, ValueError, SyntaxError, EOFError, Image.UnidentifiedImageError):
+        return Skip("corrupt_image")
+
+
+class LabeledImages(Dataset):
+    """Map-style dataset over [(path, label)]: yields (transform(RGB PIL image), label), or a
+    Skip. ``skipped``: what discovery left out ({kind: count}: special files, repeats)."""
+
+    def __init__(self, samples: Sequence[tuple[str, int]], transform: Optional[Callable] = None,
+                 skipped: Optional[dict] = None):
         self.samples = list(samples)
         self.transform = transform
+        self.skipped = dict(skipped or {})
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, i: int):
         path, label = self.samples[i]
-        with Image.open(path) as im:
-            img = im.convert("RGB")
+        img = open_rgb(path)
+        if isinstance(img, Skip):
+            return img
         return (self.transform(img) if self.transform else img), label
+
+
+def collate_labeled(items: list) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
+    """(images, labels, {kind: skipped}) from (image, label) items and Skips."""
+    skipped = Counter(str(it) for it in items if isinstance(it, Skip))
+    kept = [it for it in items if not isinstance(it, Skip)]
+    if not kept:
+        return torch.empty(0), torch.empty(0, dtype=torch.long), dict(skipped)
+    images = torch.stack([im for im, _ in kept]) if isinstance(kept[0][0], torch.Tensor) else [im for im, _ in kept]
+    return images, torch.tensor([int(label) for _, label in kept]), dict(skipped)
 
 
 def _class_dirs(root: Union[str, os.PathLike]) -> list[str]:
@@ -68,18 +108,62 @@ def _class_dirs(root: Union[str, os.PathLike]) -> list[str]:
     return dirs
 
 
-def _images_in(folder: str) -> list[str]:
+def _identity(path: str) -> Optional[tuple[int, int]]:
+    """(device, inode) of what `path` points to, None if it does not resolve."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _images_in(folder: str, seen_dirs: set, seen_files: set, skipped: Counter) -> list[str]:
+    """Image files under `folder`, following symlinks into folders not seen yet (`seen_dirs`
+    holds the root and every class folder: a link to another class or up the tree is not
+    followed) and counting each file once (`seen_files`, by inode). Non-regular files (FIFOs,
+    devices, broken links) are counted in `skipped`, never opened."""
     paths = []
-    for dirpath, _, files in os.walk(folder, followlinks=True):
-        paths += [os.path.join(dirpath, f) for f in files if f.lower().endswith(IMAGE_EXTENSIONS)]
+    for dirpath, dirs, files in os.walk(folder, followlinks=True):
+        dirs.sort()
+        keep = []
+        for d in dirs:
+            ident = _identity(os.path.join(dirpath, d))
+            if ident is None or ident in seen_dirs:
+                skipped["repeated_folder"] += 1
+                continue
+            seen_dirs.add(ident)
+            keep.append(d)
+        dirs[:] = keep
+        for name in sorted(files):
+            if not name.lower().endswith(IMAGE_EXTENSIONS):
+                continue
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.stat(path)
+            except OSError:
+                skipped["broken_link"] += 1
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                skipped["special_file"] += 1
+            elif (st.st_dev, st.st_ino) in seen_files:
+                skipped["duplicate_file"] += 1
+            else:
+                seen_files.add((st.st_dev, st.st_ino))
+                paths.append(path)
     return sorted(paths)
 
 
-def _folder_samples(root, dir_to_label: dict[str, int]) -> list[tuple[str, int]]:
-    samples = [(p, label) for d, label in dir_to_label.items() for p in _images_in(os.path.join(root, d))]
+def _folder_samples(root, dir_to_label: dict[str, int]) -> tuple[list[tuple[str, int]], dict[str, int]]:
+    """[(path, label)] of every class folder, and {kind: count} of what was left out."""
+    folders = {d: os.path.join(root, d) for d in dir_to_label}
+    seen_dirs = {i for i in map(_identity, [root, *folders.values()]) if i is not None}
+    seen_files: set = set()
+    skipped: Counter[str] = Counter()
+    samples = [(p, label) for d, label in dir_to_label.items()
+               for p in _images_in(folders[d], seen_dirs, seen_files, skipped)]
     if not samples:
         raise ValueError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {root}")
-    return samples
+    return samples, dict(skipped)
 
 
 def imagenet_folder(root, transform: Optional[Callable] = None) -> tuple[LabeledImages, list[str]]:
@@ -95,7 +179,8 @@ def imagenet_folder(root, transform: Optional[Callable] = None) -> tuple[Labeled
     if unknown:
         raise ValueError(f"{root}: folders are not ImageNet-1k wnids: {unknown[:5]}"
                          f"{' ...' if len(unknown) > 5 else ''}")
-    return LabeledImages(_folder_samples(root, {d: wnid_to_idx[d] for d in dirs}), transform), list(IMAGENET_CLASSNAMES)
+    samples, skipped = _folder_samples(root, {d: wnid_to_idx[d] for d in dirs})
+    return LabeledImages(samples, transform, skipped), list(IMAGENET_CLASSNAMES)
 
 
 def class_folder(root, transform: Optional[Callable] = None,
@@ -111,7 +196,8 @@ def class_folder(root, transform: Optional[Callable] = None,
         names = read_lines(classnames) if isinstance(classnames, (str, os.PathLike)) else list(classnames)
         if len(names) != len(dirs):
             raise ValueError(f"{len(names)} class names for {len(dirs)} folders in {root}")
-    return LabeledImages(_folder_samples(root, {d: i for i, d in enumerate(dirs)}), transform), names
+    samples, skipped = _folder_samples(root, {d: i for i, d in enumerate(dirs)})
+    return LabeledImages(samples, transform, skipped), names
 
 
 # ----------------------------------------------------------------------------- shards
@@ -132,12 +218,15 @@ def iter_tar_samples(path: str) -> Iterator[dict[str, bytes]]:
     for _, key, members in _read_shard(path, 0, None, skipped, exts=None):
         yield {"__key__": key, **members}
     if skipped:
-        raise ValueError(f"{path}: unreadable tar ({dict(skipped)}); eval shards must be complete")
+        from data_pipelines.tars import _head, describe_unreadable
+
+        raise ValueError(f"eval shard {path} is unreadable ({describe_unreadable(_head(path))}); "
+                         "eval shards must be complete")
 
 
-def _decode_image(sample: dict) -> Optional[Image.Image]:
+def _decode_image(sample: dict) -> Optional[Image.Image | Skip]:
     ext = next((e for e in IMAGE_EXTS if e in sample), None)
-    return None if ext is None else decode_image(sample[ext])
+    return None if ext is None else open_rgb(sample[ext])
 
 
 class _ShardIterable(IterableDataset):
@@ -157,6 +246,8 @@ class _ShardIterable(IterableDataset):
         img = _decode_image(sample)
         if img is None:
             raise ValueError(f"sample {sample['__key__']} has no image (found {sorted(sample)})")
+        if isinstance(img, Skip):
+            return img
         return self.transform(img) if self.transform else img
 
 
@@ -167,7 +258,8 @@ class ShardClassification(_ShardIterable):
         for sample in self._my_samples():
             if "cls" not in sample:
                 raise ValueError(f"sample {sample['__key__']} has no 'cls' label (found {sorted(sample)})")
-            yield self._image(sample), int(sample["cls"].decode().strip())
+            image = self._image(sample)
+            yield image if isinstance(image, Skip) else (image, int(sample["cls"].decode().strip()))
 
 
 class ShardRetrieval(_ShardIterable):
@@ -183,14 +275,19 @@ class ShardRetrieval(_ShardIterable):
             caps = [c.strip() for c in sample.get("txt", b"").decode("utf-8").splitlines() if c.strip()]
             if not caps:
                 raise ValueError(f"sample {sample['__key__']} has no caption ('txt')")
-            yield {"image": self._image(sample), "text": self.tokenizer(caps), "key": sample["__key__"]}
+            image = self._image(sample)
+            yield image if isinstance(image, Skip) else {"image": image, "text": self.tokenizer(caps),
+                                                         "key": sample["__key__"]}
 
 
-def collate_retrieval(items: list[dict]) -> dict:
-    """Stack images; keep per-sample caption tensors as a list (K varies); keys as a list."""
-    return {"image": torch.stack([it["image"] for it in items]),
-            "text": [it["text"] for it in items],
-            "key": [it["key"] for it in items]}
+def collate_retrieval(items: list) -> dict:
+    """Stack images; keep per-sample caption tensors as a list (K varies); keys as a list;
+    "skipped": {kind: count} of the Skips among the items."""
+    kept = [it for it in items if not isinstance(it, Skip)]
+    return {"image": torch.stack([it["image"] for it in kept]) if kept else torch.empty(0),
+            "text": [it["text"] for it in kept],
+            "key": [it["key"] for it in kept],
+            "skipped": dict(Counter(str(it) for it in items if isinstance(it, Skip)))}
 
 
 def shard_classnames(shards, classnames: Union[None, str, Sequence[str]]) -> list[str]:
@@ -206,7 +303,9 @@ def shard_classnames(shards, classnames: Union[None, str, Sequence[str]]) -> lis
 
 
 def make_eval_loader(dataset, batch_size: int = 64, num_workers: int = 0, collate_fn=None) -> DataLoader:
-    """Sequential, non-shuffled DataLoader (all samples exactly once, in order)."""
+    """Sequential, non-shuffled DataLoader (all samples exactly once, in order). Classification
+    batches default to `collate_labeled`'s (images, labels, {kind: skipped})."""
+    collate_fn = collate_fn or collate_labeled
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
                       collate_fn=collate_fn, pin_memory=torch.cuda.is_available(),
                       persistent_workers=False)

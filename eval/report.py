@@ -47,13 +47,23 @@ def markdown_tables(results: dict[str, Any]) -> str:
         rows = {name: e for name, e in results.items() if e.get("task") == task}
         if not rows:
             continue
-        heads = ["dataset", *[h for h, _ in columns], "images"]
+        heads = ["dataset", *[h for h, _ in columns], "images", "skipped"]
         out += [f"### {task}", "", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
         for name, entry in rows.items():
-            cells = [name, *[_fmt(k, entry["metrics"].get(k)) for _, k in columns], str(entry.get(size_key, ""))]
+            cells = [name, *[_fmt(k, entry["metrics"].get(k)) for _, k in columns], str(entry.get(size_key, "")),
+                     _skipped_cell(entry.get("skipped") or {})]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
+        out += [f"- warning: {name}: {w}" for name, e in rows.items() for w in e.get("warnings") or []]
+        out += [""] if any(e.get("warnings") for e in rows.values()) else []
     return "\n".join(out)
+
+
+def _skipped_cell(skipped: dict) -> str:
+    """'0', or the total and its kinds: '3 (corrupt_image 2, too_large 1)'."""
+    total = sum(skipped.values())
+    kinds = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
+    return f"{total} ({kinds})" if total else "0"
 
 
 def write_markdown(results: dict[str, Any], path: str) -> str:

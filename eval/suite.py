@@ -1,7 +1,14 @@
-"""`run_eval_suite`: the one entry point `vlp eval` (and the trainer's eval hook) calls."""
+"""`run_eval_suite`: the one entry point `vlp eval` (and the trainer's eval hook) calls.
+
+Every result carries "skipped" ({kind: count} of samples left out: undecodable images,
+decompression bombs, special or repeated files) and "warnings" (a metric that cannot mean
+anything: one class, top-k with k >= classes, one image or caption); warnings also go to stderr.
+"""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import sys
+from collections import Counter
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -21,6 +28,32 @@ def _check_keys(d: dict, allowed: set, where: str) -> None:
     unknown = set(d) - allowed
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
+def counting(loader: Iterable, skipped: Counter) -> Iterator:
+    """The loader's batches, adding each batch's skip counts to `skipped` (dict batches: their
+    "skipped"; tuple batches: a dict third element) and dropping batches left empty by skips."""
+    for batch in loader:
+        counts = batch.get("skipped") if isinstance(batch, dict) else (batch[2] if len(batch) > 2 else None)
+        skipped.update(counts or {})
+        images = batch["image"] if isinstance(batch, dict) else batch[0]
+        if len(images):
+            yield batch
+
+
+def meaningless(task: str, result: dict, ks=(1, 5)) -> list[str]:
+    """Why some of a result's metrics say nothing about the model (empty: they all do)."""
+    if task == "classification":
+        c = result["num_classes"]
+        if c < 2:
+            return [f"only {c} class: every image is classified correctly by construction, top-k is meaningless"]
+        return [f"top{k} is 100% by construction with {c} classes" for k in ks if k >= c]
+    out = []
+    if result["n_images"] < 2:
+        out.append(f"only {result['n_images']} image: text-to-image recall is meaningless")
+    if result["n_texts"] < 2:
+        out.append(f"only {result['n_texts']} caption: image-to-text recall is meaningless")
+    return out
 
 
 def _classification_dataset(entry: dict, transform):
@@ -93,11 +126,13 @@ def run_eval_suite(
         else:
             loader = D.make_eval_loader(D.ShardRetrieval(entry["shards"], transform, tokenizer), ebs, nw,
                                         collate_fn=D.collate_retrieval)
-        img_emb, txt_emb, txt_to_img = embed_retrieval(model, loader, device, precision=precision,
+        skipped: Counter[str] = Counter()
+        img_emb, txt_emb, txt_to_img = embed_retrieval(model, counting(loader, skipped), device, precision=precision,
                                                        show_progress=show_progress)
         metrics = retrieval_metrics(img_emb.to(device), txt_emb.to(device), txt_to_img.to(device), chunk_size=chunk)
         results[name] = {"task": "retrieval", "metrics": metrics, "clip_benchmark": clip_benchmark_names(metrics),
-                         "n_images": int(img_emb.shape[0]), "n_texts": int(txt_emb.shape[0])}
+                         "n_images": int(img_emb.shape[0]), "n_texts": int(txt_emb.shape[0]),
+                         "skipped": dict(sorted(skipped.items()))}
 
     for entry in suite.get("classification") or []:
         _check_keys(entry, CLASSIFICATION_KEYS, "classification entry")
@@ -107,12 +142,19 @@ def run_eval_suite(
         classifier = build_classifier(model, tokenizer, classnames, load_templates(templates_spec), device,
                                       precision=precision, show_progress=show_progress)
         loader = D.make_eval_loader(dataset, int(entry.get("batch_size", bs)), nw)
-        metrics = zeroshot_classify(model, classifier, loader, device, precision=precision,
+        skipped = Counter(getattr(dataset, "skipped", {}))  # left out when the folders were read
+        metrics = zeroshot_classify(model, classifier, counting(loader, skipped), device, precision=precision,
                                     show_progress=show_progress)
         n = metrics.pop("n")
         results[name] = {"task": "classification", "metrics": metrics, "clip_benchmark": clip_benchmark_names(metrics),
                          "n": n, "num_classes": len(classnames),
-                         "templates": templates_spec if isinstance(templates_spec, str) else "custom"}
+                         "templates": templates_spec if isinstance(templates_spec, str) else "custom",
+                         "skipped": dict(sorted(skipped.items()))}
+
+    for name, result in results.items():
+        result["warnings"] = meaningless(result["task"], result)
+        for text in result["warnings"]:
+            print(f"vlp: warning: {name}: {text}", file=sys.stderr)
 
     if out_dir is not None:
         write_reports(results, out_dir)

@@ -166,6 +166,8 @@ def zeroshot_classify(
         for batch in tqdm(loader, desc="zero-shot", unit="batch", disable=not show_progress):
             images, labels = _unpack(batch)
             labels = torch.as_tensor(labels).long()
+            if not labels.numel():  # every image of the batch was skipped
+                continue
             if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= classifier.shape[1]):
                 raise ValueError(f"label outside [0, {classifier.shape[1]}) — class names do not match the data")
             with autocast_for(precision, device):

@@ -26,7 +26,7 @@ def prepare_openmoji_shards(root: Path) -> dict[str, str]:
     for split in ("train", "eval"):
         out = root / split
         if not (out / "sizes.json").is_file():
-            write_shards(load_pairs(split), out, prefix=split, samples_per_shard=500)
+            write_shards(load_pairs(split), out, prefix=split, samples_per_shard=500, overwrite=True)
         specs[split] = shard_spec(out, prefix=split)
     return specs
 

@@ -17,6 +17,8 @@ def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, devi
     from vlp.model import build_model
 
     state = ckpt.load(path)
+    if not isinstance(state, dict):
+        raise ckpt.CheckpointError(f"{path} is not a checkpoint: it holds a {type(state).__name__}, not a dict of weights")
     if "model" in state and "config" in state:  # a vlp training checkpoint
         model_cfg = from_dict(state["config"]["model"], ModelConfig, "model.")
         loss_cfg = from_dict(state["config"]["loss"], LossConfig, "loss.")
@@ -26,6 +28,8 @@ def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, devi
             raise ConfigError("vlp eval: --model is required for an open_clip checkpoint (no vlp config inside)")
         model_cfg, loss_cfg = ModelConfig(), LossConfig()
         weights = state.get("state_dict", state)
+        if not isinstance(weights, dict) or not all(isinstance(k, str) for k in weights):
+            raise ckpt.CheckpointError(f"{path} is not a model state dict (no name -> tensor mapping)")
         weights = {k.removeprefix("module."): v for k, v in weights.items()}
     if model_name is not None:
         model_cfg.name = model_name
@@ -33,9 +37,23 @@ def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, devi
     if "logit_bias" in weights:
         loss_cfg.name = "siglip"
     model, tokenizer, _, eval_tf = build_model(model_cfg, loss_cfg, device=device)
-    model.clip.load_state_dict(weights)
+    try:
+        model.clip.load_state_dict(weights)
+    except (RuntimeError, TypeError, AttributeError) as e:
+        hint = " (drop --model to use the checkpoint's own)" if model_name and "config" in state else ""
+        raise ckpt.CheckpointError(f"checkpoint {path} does not fit model '{model_cfg.name}'{hint}: "
+                                   f"{mismatch_summary(e)}") from None
     model.eval()
     return model, tokenizer, eval_tf
+
+
+def mismatch_summary(error: BaseException) -> str:
+    """One line from load_state_dict's multi-line error: the first concrete problem and a count."""
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    details = [ln for ln in lines[1:] if ln.startswith(("size mismatch", "Missing key", "Unexpected key"))]
+    first = details[0] if details else (lines[0] if lines else type(error).__name__)
+    more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""
+    return (first[:300] + "...") if len(first) > 300 else first + more
 
 
 def build_suite(suite: Optional[str], shards: Optional[str], imagenet: Optional[str], templates: str,

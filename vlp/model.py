@@ -148,11 +148,9 @@ def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu"):
     kwargs = dict(init_logit_scale=math.log(1.0 / tau))
     if siglip:
         kwargs["init_logit_bias"] = -10.0
-    if model_cfg.pretrained and not Path(model_cfg.pretrained).is_file():
-        raise FileNotFoundError(f"model.pretrained: no such file: {model_cfg.pretrained}")
-    clip, train_tf, eval_tf = open_clip.create_model_and_transforms(
-        name, pretrained=model_cfg.pretrained, device=device, **kwargs
-    )
+    clip, train_tf, eval_tf = open_clip.create_model_and_transforms(name, device=device, **kwargs)
+    if model_cfg.pretrained:
+        load_pretrained(clip, model_cfg.pretrained)
     if model_cfg.grad_checkpointing:
         clip.set_grad_checkpointing(True)
     if model_cfg.lock_image:  # LiT (Zhai et al. 2022)
@@ -166,6 +164,23 @@ def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu"):
     tokenizer = open_clip.get_tokenizer(name)
     pad_id = 0 if isinstance(tokenizer, open_clip.tokenizer.SimpleTokenizer) else None  # pads with 0
     return DualEncoder(clip, text_pad_id=pad_id), tokenizer, train_tf, eval_tf
+
+
+def load_pretrained(clip: nn.Module, path: str) -> None:
+    """Initialise from a local open_clip checkpoint (open_clip.load_checkpoint: weights_only
+    unpickling, key conversions). Anything that is not one, or not for this model (a pickle with
+    code, another architecture, a text file), is one ValueError line naming model.pretrained."""
+    from vlp.checkpoint import _first_line
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"model.pretrained: no such file: {path}")
+    try:
+        open_clip.load_checkpoint(clip, path)
+    except Exception as e:  # UnpicklingError, RuntimeError (size mismatch), KeyError, StopIteration, ...
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        detail = next((ln for ln in lines if ln.startswith(("size mismatch", "Missing key", "Unexpected key"))), None)
+        why = detail[:200] if detail else _first_line(e)[:200]
+        raise ValueError(f"model.pretrained {path} cannot be loaded into this model: {why}") from None
 
 
 def export_open_clip(model: DualEncoder, path: str | Path) -> None:

@@ -63,7 +63,7 @@ def test_shard_classification_and_retrieval(tmp_path):
 
     size = lambda im: torch.tensor(im.size)
     cls = list(D.make_eval_loader(D.ShardClassification(spec, size), batch_size=2, num_workers=2))
-    labels = sorted(torch.cat([y for _, y in cls]).tolist())
+    labels = sorted(torch.cat([y for _, y, _ in cls]).tolist())
     assert labels == [0, 0, 1]
 
     tokenize = lambda caps: torch.tensor([[len(c), 0] for c in caps])
