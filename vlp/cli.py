@@ -145,6 +145,17 @@ def user_message(error: BaseException) -> str:
     return lines[0]
 
 
+def peer_failure(error: BaseException) -> bool:
+    """True for a collective that failed because another rank or node died or timed out (gloo /
+    NCCL connection errors, the process group's timeout): not this rank's bug, so one line."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        needle in text for needle in ("gloo", "NCCL", "Connection reset by peer", "Connection closed by peer", "imed out"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -154,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"vlp: error: {user_message(e)}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001  (only peer failures are turned into one line)
+        if os.environ.get("VLP_DEBUG") or not peer_failure(e):
+            raise
+        rank = os.environ.get("RANK", "?")
+        print(f"vlp: error: rank {rank} lost its peers (another rank or node died, or a collective "
+              f"waited longer than train.dist_timeout_s): {user_message(e)[:300]}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
