@@ -310,9 +310,13 @@ class ShardWriter:
     def abort(self) -> None:
         """Delete every temp file of this writer: the folder is left as it was."""
         if self._tar is not None:
-            self._tar.close()
-            self._tar = None
+            tar, self._tar = self._tar, None
             self._done.append((self._tmp, self._name))
+            for close in (tar.close, tar.fileobj.close):  # tar.close writes end blocks: fails again on a full disk
+                try:
+                    close()
+                except OSError:
+                    pass
         for tmp, _ in self._done:
             tmp.unlink(missing_ok=True)
         self._done = []

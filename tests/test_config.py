@@ -21,7 +21,7 @@ def test_demo_config_loads_with_overrides():
     (["data.batch_per_device=0"], "data.batch_per_device must be > 0"),
     (["loss.name=nce"], "loss.name must be one of"),
     (["loss.temperature=infonce"], "only applies to loss.name=flatnce"),
-    (["train.resume=/nope/ckpt.pt"], "train.resume must be 'latest' or an existing checkpoint file"),
+    (["train.resume=/nope/ckpt.pt"], "train.resume must be 'latest' or an existing checkpoint"),
     (["loss"], "must look like key.sub=value"),
 ])
 def test_bad_config_is_one_clear_error(override, needle):

@@ -14,7 +14,7 @@ from vlp.config import ConfigError, LossConfig, ModelConfig, from_dict
 
 def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, device: str = "cpu"):
     """(model, tokenizer, eval_transform) from a vlp `step_*.pt` or an open_clip state-dict file."""
-    from vlp.model import build_model
+    from vlp.model import build_model, state_dict_mismatch
 
     state = ckpt.load(path)
     if not isinstance(state, dict):
@@ -42,18 +42,9 @@ def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, devi
     except (RuntimeError, TypeError, AttributeError) as e:
         hint = " (drop --model to use the checkpoint's own)" if model_name and "config" in state else ""
         raise ckpt.CheckpointError(f"checkpoint {path} does not fit model '{model_cfg.name}'{hint}: "
-                                   f"{mismatch_summary(e)}") from None
+                                   f"{state_dict_mismatch(e)}") from None
     model.eval()
     return model, tokenizer, eval_tf
-
-
-def mismatch_summary(error: BaseException) -> str:
-    """One line from load_state_dict's multi-line error: the first concrete problem and a count."""
-    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
-    details = [ln for ln in lines[1:] if ln.startswith(("size mismatch", "Missing key", "Unexpected key"))]
-    first = details[0] if details else (lines[0] if lines else type(error).__name__)
-    more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""
-    return (first[:300] + "...") if len(first) > 300 else first + more
 
 
 def build_suite(suite: Optional[str], shards: Optional[str], imagenet: Optional[str], templates: str,

@@ -8,8 +8,11 @@ The model knows nothing about ranks or losses: `forward(image, text)` returns on
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -148,7 +151,8 @@ def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu"):
     kwargs = dict(init_logit_scale=math.log(1.0 / tau))
     if siglip:
         kwargs["init_logit_bias"] = -10.0
-    clip, train_tf, eval_tf = open_clip.create_model_and_transforms(name, device=device, **kwargs)
+    with _without_random_init_notice() if model_cfg.pretrained else contextlib.nullcontext():
+        clip, train_tf, eval_tf = open_clip.create_model_and_transforms(name, device=device, **kwargs)
     if model_cfg.pretrained:
         load_pretrained(clip, model_cfg.pretrained)
     if model_cfg.grad_checkpointing:
@@ -166,6 +170,21 @@ def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu"):
     return DualEncoder(clip, text_pad_id=pad_id), tokenizer, train_tf, eval_tf
 
 
+@contextlib.contextmanager
+def _without_random_init_notice():
+    """open_clip logs 'No pretrained weights loaded ... initialized randomly' for a model built
+    without `pretrained`; untrue when load_pretrained follows, so it is filtered out meanwhile."""
+    def drop(record: logging.LogRecord) -> bool:
+        return "No pretrained weights loaded" not in record.getMessage()
+
+    root = logging.getLogger()
+    root.addFilter(drop)
+    try:
+        yield
+    finally:
+        root.removeFilter(drop)
+
+
 def load_pretrained(clip: nn.Module, path: str) -> None:
     """Initialise from a local open_clip checkpoint (open_clip.load_checkpoint: weights_only
     unpickling, key conversions). Anything that is not one, or not for this model (a pickle with
@@ -177,10 +196,27 @@ def load_pretrained(clip: nn.Module, path: str) -> None:
     try:
         open_clip.load_checkpoint(clip, path)
     except Exception as e:  # UnpicklingError, RuntimeError (size mismatch), KeyError, StopIteration, ...
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        detail = next((ln for ln in lines if ln.startswith(("size mismatch", "Missing key", "Unexpected key"))), None)
-        why = detail[:200] if detail else _first_line(e)[:200]
+        why = state_dict_mismatch(e) if isinstance(e, RuntimeError) else _first_line(e)[:200]
         raise ValueError(f"model.pretrained {path} cannot be loaded into this model: {why}") from None
+
+
+def state_dict_mismatch(error: BaseException) -> str:
+    """One line from load_state_dict's many-line error: how many keys are missing, unexpected
+    or of another shape, with one example each."""
+    from vlp.checkpoint import _first_line
+
+    text = str(error)
+    parts = []
+    for label, pattern in (("missing", r"Missing key\(s\) in state_dict: (.*)"),
+                           ("unexpected", r"Unexpected key\(s\) in state_dict: (.*)")):
+        found = re.search(pattern, text)
+        names = re.findall(r'"([^"]+)"', found.group(1)) if found else []
+        if names:
+            parts.append(f"{len(names)} {label} keys (e.g. {names[0]})")
+    sizes = re.findall(r"size mismatch for ([^:]+): (.*)", text)
+    if sizes:
+        parts.append(f"{len(sizes)} shape mismatches (e.g. {sizes[0][0]}: {sizes[0][1][:160]})")
+    return "; ".join(parts) or _first_line(error)[:200]
 
 
 def export_open_clip(model: DualEncoder, path: str | Path) -> None:
