@@ -52,6 +52,7 @@ from data_pipelines.tars import (  # noqa: F401  (re-exported: the public shard 
     IMAGE_EXTS, TEXT_EXTS, _check_sample, _read_shard, decode_image, expand_sources, image_decodes,
     shard_sizes, sizes_from_spec,
 )
+from data_pipelines.shard_io import Retry
 
 SKIP_KINDS = ("corrupt_image", "missing_caption", "missing_image", "bad_member", "bad_shard")
 MODES = ("split", "resampled", "sequential")
@@ -109,10 +110,12 @@ def merge_pieces(pieces) -> list[tuple[int, int, int]]:
 class _Plan:
     """Everything a worker needs; picklable; no I/O in __init__ besides sizes.json."""
 
+    retry: Retry = Retry()  # shard read retries (make_loader: data.io_retries, io_backoff_s)
+
     def __init__(self, sources, weights, mode, batch_size, world_size, rank, seed,
                  num_samples, drop_last, shuffle_buffer, num_workers, pieces=None):
         self.paths = [p for src in sources for p in src]
-        self.sizes = shard_sizes(self.paths)
+        self.sizes = shard_sizes(self.paths, num_samples)
         self.weights = [w for src, w in zip(sources, weights) for _ in src]
         self.mode, self.batch, self.world, self.rank = mode, batch_size, world_size, rank
         self.seed, self.drop_last, self.buffer = seed, drop_last, shuffle_buffer
@@ -199,7 +202,7 @@ class _Stream:
             url = self.plan.paths[shard]
             self.read_to = (k, begin)
             for index, key, members in _read_shard(url, begin, end, self.skipped,
-                                                   seen_exts=self.seen_exts):
+                                                   seen_exts=self.seen_exts, retry=self.plan.retry):
                 self.read_to = (k, index + 1)
                 if len(self.seen_keys) < 8:
                     self.seen_keys.append(os.path.basename(key))
@@ -359,7 +362,7 @@ class _Stream:
             url, off = p.paths[shard], position - begin - lo  # shard index -> rank position
             for index, key, members in _read_shard(
                     url, begin, end, self.skipped, want=lambda i, o=off: (i + o) // p.batch
-                    in wanted):
+                    in wanted, retry=p.retry):
                 j = (index + off) // p.batch
                 while todo and todo[0] < j:  # earlier batches are complete
                     done = todo.pop(0)
@@ -581,11 +584,17 @@ def make_loader(
     weights: str | list[float] | None = None,
     decode_size: int | None = None,
     pieces: list[tuple[int, int, int]] | None = None,
+    io_retries: int = 3,
+    io_backoff_s: float = 1.0,
 ) -> Loader:
     """Build the batch stream of one rank over ``urls`` (brace spec, '::' joins sources).
 
     mode:        'split' | 'resampled' | 'sequential' (module docstring).
-    num_samples: samples per epoch over all ranks (default: total from sizes.json).
+    urls:        each element a local path, an fsspec URL or 'pipe:COMMAND'
+                 (data_pipelines.shard_io); remote shards are streamed, never downloaded whole.
+    num_samples: samples per epoch over all ranks (default: total from sizes.json); also what
+                 remote shards without sizes.json / *_stats.json are laid out by
+                 (tars.shard_sizes: equal shares, an assumption).
     drop_last:   split mode only; False pads ranks by wrapping around (a few repeats) and
                  keeps a partial last batch.
     start_batch: skip this many batches of ``epoch`` (resume); see ``Loader.set_epoch``.
@@ -595,6 +604,8 @@ def make_loader(
     pieces:      split mode: read these (shard index, begin, end) pieces as the epoch instead
                  of all shards (the rest of an epoch begun under another layout; see
                  ``Loader.rest_of_epoch``).
+    io_retries, io_backoff_s: a failed shard open or read is retried this often, waiting
+                 io_backoff_s * 2**k, continuing at the same byte; then it counts 'bad_shard'.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -607,7 +618,8 @@ def make_loader(
         raise ValueError("per-source weights need mode='resampled'")
     plan = _Plan(sources, source_weights, mode, batch_size, world_size, rank, seed,
                  num_samples, drop_last, shuffle_buffer, num_workers, pieces=pieces)
-    _probe(plan.paths)
+    plan.retry = Retry(io_retries, io_backoff_s)
+    _probe(plan.paths, plan.retry)
     return Loader(plan, transform, tokenize, epoch, start_batch, num_workers, decode_size)
 
 
@@ -620,12 +632,16 @@ def _parse_weights(weights, count: int) -> list[float]:
     return values
 
 
-def _probe(paths: list[str], max_samples: int = 32) -> None:
-    """Fail fast when the first readable shard has no image+caption pair at all."""
+def _probe(paths: list[str], retry: Retry = Retry(), max_samples: int = 32) -> None:
+    """Fail fast when the first shards cannot be read at all (a wrong URL, bucket or
+    credentials: better one error at start than every worker giving up shard by shard), or
+    the first readable shard has no image+caption pair."""
+    errors: list[str] = []
     for path in paths[:3]:
         skipped: Counter[str] = Counter()
         keys, exts, usable = [], set(), False
-        for i, key, members in _read_shard(path, 0, max_samples, skipped, seen_exts=exts):
+        for i, key, members in _read_shard(path, 0, max_samples, skipped, seen_exts=exts,
+                                           retry=retry, errors=errors):
             keys.append(os.path.basename(key))
             usable |= any(e in members for e in IMAGE_EXTS) and \
                 any(e in members for e in TEXT_EXTS)
@@ -635,3 +651,6 @@ def _probe(paths: list[str], max_samples: int = 32) -> None:
             raise ValueError(
                 f"{path} has no usable samples: keys {keys[:8]}, image/text extensions "
                 f"{sorted(exts)}; need one of {IMAGE_EXTS} and one of {TEXT_EXTS} per key")
+    if len(errors) == len(paths[:3]):
+        raise ValueError(f"could not read the first {len(errors)} shard(s) "
+                         f"(after {retry.retries} retries each): {errors[-1]}")

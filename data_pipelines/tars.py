@@ -10,9 +10,14 @@ import glob
 import io
 import json
 import os
+import sys
 import tarfile
 from collections import Counter
 from collections.abc import Callable, Iterator
+
+from data_pipelines.shard_io import (
+    PIPE, Retry, ShardReadError, is_remote, is_url, open_shard, read_many, read_small,
+)
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")  # first present wins
 TEXT_EXTS = ("txt", "text", "caption")
@@ -21,8 +26,12 @@ TEXT_EXTS = ("txt", "text", "caption")
 # ----------------------------------------------------------------------------- shard lists
 def expand_sources(urls: str) -> list[list[str]]:
     """'a-{0..3}.tar::b.tar' -> [[a-0.tar, .., a-3.tar], [b.tar]]; raises FileNotFoundError
-    for a missing path. A directory stands for the shards listed in its sizes.json (else its
-    *.tar, sorted); a glob ('d/*.tar') for its sorted matches."""
+    for a missing local path. A directory stands for the shards listed in its sizes.json (else
+    its *.tar, sorted); a glob ('d/*.tar') for its sorted matches.
+
+    Remote elements (fsspec URLs, ``pipe:`` commands; data_pipelines.shard_io) are taken as
+    written, not checked here (a missing one fails when read, as a 'bad_shard'); a URL ending in
+    '/' stands for the shards its sizes.json lists. Remote globs are not expanded: use braces."""
     import braceexpand
 
     sources, missing = [], []
@@ -32,7 +41,9 @@ def expand_sources(urls: str) -> list[list[str]]:
             continue
         paths = []
         for path in braceexpand.braceexpand(part):
-            if os.path.isdir(path):
+            if is_remote(path):
+                paths += _remote_dir(path) if path.endswith("/") and is_url(path) else [path]
+            elif os.path.isdir(path):
                 names = list(_read_sizes(path)) or sorted(glob.glob("*.tar", root_dir=path))
                 paths += [os.path.join(path, n) for n in names]
             elif any(ch in path for ch in "*?["):
@@ -54,6 +65,14 @@ def expand_sources(urls: str) -> list[list[str]]:
     return sources
 
 
+def _remote_dir(url: str) -> list[str]:
+    table = _remote_sizes(url.rstrip("/"))
+    if not table:
+        raise FileNotFoundError(f"{url}sizes.json not found: a remote directory needs a sizes.json "
+                                "listing its shards (or give the shards with braces)")
+    return [url + name for name in table]
+
+
 def _read_sizes(directory: str) -> dict[str, int]:
     path = os.path.join(directory, "sizes.json")
     if not os.path.isfile(path):
@@ -62,20 +81,116 @@ def _read_sizes(directory: str) -> dict[str, int]:
         return {str(k): int(v) for k, v in json.load(f).items()}
 
 
-def shard_sizes(paths: list[str]) -> list[int]:
-    """Samples per shard from sizes.json beside each shard (counted from the tar if absent)."""
-    cache: dict[str, dict[str, int]] = {}
-    sizes = []
-    for path in paths:
-        directory, name = os.path.split(os.path.abspath(path))
-        table = cache.setdefault(directory, _read_sizes(directory))
-        sizes.append(table[name] if name in table else _count_samples(path))
+def _remote_sizes(directory: str) -> dict[str, int]:
+    """{shard name: samples} of the sizes.json at a remote directory URL ({} if it has none)."""
+    data = read_small(f"{directory}/sizes.json")
+    if data is None:
+        return {}
+    try:
+        return {str(k): int(v) for k, v in json.loads(data).items()}
+    except (ValueError, AttributeError, TypeError) as e:
+        raise ValueError(f"{directory}/sizes.json is not a {{shard name: samples}} map: {e}") from None
+
+
+def _metadata_location(spec: str) -> tuple[str, str] | None:
+    """(directory URL or path, shard file name) where a remote spec's sizes may be found: beside
+    the URL, or beside the .tar named in a pipe: command ('pipe:aws s3 cp s3://b/0001.tar -'
+    looks in s3://b/). None if a pipe command names no .tar."""
+    if spec.startswith(PIPE):
+        tars = [t for t in spec[len(PIPE):].split() if t.endswith(".tar")]
+        if not tars:
+            return None
+        spec = tars[0]
+    if "/" not in spec:
+        return ".", spec
+    directory, _, name = spec.rpartition("/")
+    return directory, name
+
+
+def shard_sizes(paths: list[str], num_samples: int | None = None) -> list[int]:
+    """Samples per shard, from metadata only for remote shards:
+
+    1. ``sizes.json`` beside the shards ({name: samples}; what data_pipelines.write writes);
+    2. img2dataset's ``<name>_stats.json`` beside each shard (its "successes" count);
+    3. local shards only: counted from the tar (headers only);
+    4. ``num_samples`` (data.num_samples): the shards whose size is still unknown share what is
+       left of it equally (remainder to the first). This is an assumption, not a count: in
+       split mode a shard shorter than its share leaves its worker short (the worker refills
+       by re-reading its range: a few repeats), and samples past a longer shard's share are
+       not used. Layout, determinism, exact resume and equal per-rank batches still hold
+       (they depend on the sizes used, not on the true ones). Resampled mode reads whole
+       shards and only uses the total.
+    Remote shards never get counted (that would read the whole dataset at start): without
+    1, 2 or 4 this raises a one-line ValueError saying which to provide.
+    """
+    local_tables: dict[str, dict[str, int]] = {}
+    remote_tables: dict[str, dict[str, int]] = {}
+    sizes: list[int | None] = []
+    stats_wanted: dict[int, str] = {}
+    for i, path in enumerate(paths):
+        if not is_remote(path):
+            directory, name = os.path.split(os.path.abspath(path))
+            table = local_tables.setdefault(directory, _read_sizes(directory))
+            sizes.append(table[name] if name in table else _count_samples(path))
+            continue
+        where = _metadata_location(path)
+        sizes.append(None)
+        if where is None:
+            continue
+        directory, name = where
+        if directory not in remote_tables:
+            remote_tables[directory] = (_read_sizes(directory) if not is_remote(directory)
+                                        else _remote_sizes(directory))
+        if name in remote_tables[directory]:
+            sizes[i] = remote_tables[directory][name]
+        else:
+            stem = name[:-len(".tar")] if name.endswith(".tar") else name
+            stats_wanted[i] = f"{directory}/{stem}_stats.json"
+    for i, count in _stats_successes(stats_wanted).items():
+        sizes[i] = count
+    unknown = [i for i, s in enumerate(sizes) if s is None]
+    if not unknown:
+        return sizes
+    if num_samples is None:
+        raise ValueError(
+            f"sizes of {len(unknown)} remote shard(s) unknown (e.g. {paths[unknown[0]]}): put a "
+            "sizes.json ({\"shard.tar\": samples, ...}) beside the shards, keep img2dataset's "
+            "*_stats.json beside them, or set data.num_samples (samples per epoch)")
+    left = int(num_samples) - sum(s for s in sizes if s is not None)
+    if left < len(unknown):
+        raise ValueError(f"data.num_samples={num_samples} leaves {left} samples for "
+                         f"{len(unknown)} shard(s) of unknown size")
+    share, extra = divmod(left, len(unknown))
+    for k, i in enumerate(unknown):
+        sizes[i] = share + (1 if k < extra else 0)
     return sizes
 
 
-def sizes_from_spec(urls: str) -> int:
-    """Total samples of a (brace / '::') shard spec, from sizes.json."""
-    return sum(shard_sizes([p for src in expand_sources(urls) for p in src]))
+def _stats_successes(wanted: dict[int, str]) -> dict[int, int]:
+    """{index: successes} from img2dataset stats files that exist (local or remote URLs; remote
+    ones fetched concurrently per filesystem)."""
+    found: dict[str, bytes | None] = {}
+    remote = sorted({url for url in wanted.values() if is_url(url)})
+    by_scheme: dict[str, list[str]] = {}
+    for url in remote:
+        by_scheme.setdefault(url.split("://", 1)[0], []).append(url)
+    for urls in by_scheme.values():
+        found.update(read_many(urls))
+    out = {}
+    for i, url in wanted.items():
+        data = found[url] if url in found else read_small(url)
+        if data is None:
+            continue
+        try:
+            out[i] = int(json.loads(data)["successes"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{url}: no integer 'successes' ({e})") from None
+    return out
+
+
+def sizes_from_spec(urls: str, num_samples: int | None = None) -> int:
+    """Total samples of a (brace / '::') shard spec, from sizes.json (see shard_sizes)."""
+    return sum(shard_sizes([p for src in expand_sources(urls) for p in src], num_samples))
 
 
 def _count_samples(path: str) -> int:
@@ -97,7 +212,7 @@ def _count_samples(path: str) -> int:
 
 def _head(path: str, size: int = tarfile.BLOCKSIZE) -> bytes:
     try:
-        with open(path, "rb") as f:
+        with open_shard(path, Retry(0, 0.0)) as f:  # local or remote (one try: for a message)
             return f.read(size)
     except OSError:
         return b""
@@ -131,20 +246,31 @@ def _split_name(name: str) -> tuple[str, str]:
 
 def _read_shard(path: str, start: int, stop: int | None, skipped: Counter,
                 want: Callable[[int], bool] | None = None, seen_exts: set | None = None,
-                exts: tuple[str, ...] | None = IMAGE_EXTS + TEXT_EXTS,
-                ) -> Iterator[tuple[int, str, dict]]:
+                exts: tuple[str, ...] | None = IMAGE_EXTS + TEXT_EXTS, retry: Retry = Retry(),
+                errors: list[str] | None = None) -> Iterator[tuple[int, str, dict]]:
     """Yield (index in shard, key, {ext: bytes}) for samples start <= index < stop, with the
     members whose extension is in ``exts`` (None: every member).
 
-    Streams member by member (random access to skip, so skipped samples cost headers only).
-    A sample is yielded once the next sample's header is read or the archive's end marker is
-    seen, so a truncated tar yields its complete samples and counts the one in progress as
-    'bad_member'. An unopenable tar counts one 'bad_shard'.
+    Streams member by member; skipped samples cost headers only (local files seek; remote
+    shards read through the bytes, shard_io). A sample is yielded once the next sample's header
+    is read or the archive's end marker is seen, so a truncated tar yields its complete samples
+    and counts the one in progress as 'bad_member'. An unopenable tar, or a remote shard that
+    still fails after ``retry`` (open or mid-stream), counts one 'bad_shard' (with a warning on
+    stderr): the samples yielded before the failure stay, the one in progress is dropped.
+    ``errors`` (if given) receives a line per bad shard.
     """
+    fileobj = None
     try:
-        fileobj = open(path, "rb")
+        fileobj = open_shard(path, retry)
         tar = tarfile.open(fileobj=fileobj, mode="r:")
-    except (OSError, tarfile.TarError, EOFError):
+    except (OSError, tarfile.TarError, EOFError) as e:
+        if fileobj is not None:
+            fileobj.close()
+        if isinstance(e, ShardReadError):
+            _warn_bad_shard(e)
+        if errors is not None:
+            errors.append(str(e) if isinstance(e, ShardReadError) else
+                          f"{path}: {type(e).__name__}: {e}")
         skipped["bad_shard"] += 1
         return
     index, key, members = -1, None, {}
@@ -154,10 +280,11 @@ def _read_shard(path: str, start: int, stop: int | None, skipped: Counter,
             while True:
                 try:
                     info = tar.next()
+                    truncated = info is None and not _at_end_marker(tar)
+                except ShardReadError:
+                    raise
                 except (OSError, tarfile.TarError, EOFError):
                     info, truncated = None, True
-                else:
-                    truncated = info is None and not _at_end_marker(tar)
                 if info is None:
                     if keep and not truncated:
                         yield index, key, members
@@ -179,11 +306,23 @@ def _read_shard(path: str, start: int, stop: int | None, skipped: Counter,
                 if keep and (exts is None or ext in exts):
                     try:
                         members[ext] = tar.extractfile(info).read()
+                    except ShardReadError:
+                        raise
                     except (OSError, tarfile.TarError, EOFError):
                         skipped["bad_member"] += 1
                         return
+    except ShardReadError as e:
+        _warn_bad_shard(e)
+        if errors is not None:
+            errors.append(str(e))
+        skipped["bad_shard"] += 1
     finally:
         tar.members = []  # release the member index of big shards
+
+
+def _warn_bad_shard(error: ShardReadError) -> None:
+    """One stderr line per shard given up on (the run goes on; counts go to 'bad_shard')."""
+    print(f"vlp: warning: skipping shard: {error}", file=sys.stderr, flush=True)
 
 
 def _at_end_marker(tar: tarfile.TarFile) -> bool:

@@ -72,6 +72,15 @@ class DataConfig:
     byte, so batches do not change. A shard still failing counts as 'bad_shard'."""
     io_backoff_s: float = 1.0
     """Wait before the first retry; doubles for each further one."""
+    num_samples: Optional[int] = None
+    """Samples per epoch (all ranks). Needed for remote shards (URL or pipe:) that have no
+    sizes.json or img2dataset *_stats.json beside them: their sizes are then assumed equal
+    (data_pipelines.tars.shard_sizes). Unset: the total of the shards' sizes."""
+    io_retries: int = 3
+    """Retries of a failed shard open or read (remote shards); a retry continues at the same
+    byte, so batches do not change. A shard still failing counts as 'bad_shard'."""
+    io_backoff_s: float = 1.0
+    """Wait before the first retry; doubles for each further one."""
 
 
 @dataclass
@@ -266,6 +275,9 @@ RULES: dict[str, Rule] = {
                          ("1::nan", "-1::2", "0::0", "a::b")),
     "data.shuffle_buffer": POSITIVE_INT,
     "data.decode_size": POSITIVE_INT,
+    "data.num_samples": POSITIVE_INT,
+    "data.io_retries": COUNT,
+    "data.io_backoff_s": number(0),
     "data.num_samples": POSITIVE_INT,
     "data.io_retries": COUNT,
     "data.io_backoff_s": number(0),
