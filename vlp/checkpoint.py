@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-CKPT_RE = re.compile(r"step_(\d+)\.pt$")
+CKPT_RE = re.compile(r"^step_(\d+)(\.pt)?$")  # step_N.pt file (replicated) or step_N/ DCP directory (sharded)
+META_FILE = "meta.pt"  # a DCP checkpoint's non-tensor state (step, RNG, config, ...), written by rank 0
 
 
 class CheckpointError(ValueError):
@@ -89,7 +91,10 @@ def check_state(state, path: str | Path) -> dict:
 
 
 def load_valid(path: str | Path) -> dict:
-    """Load a training checkpoint and check it (see check_state)."""
+    """Load a training checkpoint and check it (see check_state). For a sharded (DCP) checkpoint
+    directory: its meta dict, checked by `load_sharded_meta` (the tensors load later, per rank)."""
+    if Path(path).is_dir():
+        return load_sharded_meta(path)
     return check_state(load(path), path)
 
 
@@ -149,11 +154,13 @@ def changed_settings(saved: dict, current: dict) -> list[str]:
 
 
 def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
-    """Step checkpoints in `ckpt_dir`, oldest first."""
+    """Step checkpoints in `ckpt_dir`, oldest first: `step_N.pt` files and `step_N/` DCP dirs
+    (not the temp names of saves in progress, nor ones set aside as `.corrupt`)."""
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := CKPT_RE.search(p.name))]
+    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir()
+             if (m := CKPT_RE.match(p.name)) and (p.is_dir() if m.group(2) is None else p.is_file())]
     return [p for _, p in sorted(found)]
 
 
@@ -164,7 +171,10 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Optional[Path]:
 
 def prune(ckpt_dir: str | Path, keep_last: int) -> None:
     for old in list_checkpoints(ckpt_dir)[:-keep_last] if keep_last > 0 else []:
-        old.unlink(missing_ok=True)
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
 
 
 def rank_skipped(state: dict, rank: int, world: int) -> dict[str, int]:
@@ -197,3 +207,79 @@ def set_rng_state(state: dict) -> None:
 
 def _tuplify(x):
     return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+# ---------------------------------------------------------------- sharded (DCP) checkpoints
+# step_N/ holds one file of tensor shards per rank and DCP's .metadata (torch.distributed.checkpoint),
+# plus META_FILE. It is written as .step_N.tmp/ and renamed by rank 0 once every rank has written:
+# a directory under a final name is always complete. The checkpoint folder must be shared by all
+# ranks (one filesystem), as for any multi-node checkpoint.
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def save_sharded(state: dict, meta: dict, path: str | Path) -> None:
+    """Write a DCP checkpoint directory atomically. Collective: every rank passes its own shards
+    in `state` (parallel.sharded_state); rank 0's `meta` (plain tensors and containers) goes into
+    META_FILE. A leftover temp dir of a killed save is removed first."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    main = _rank() == 0
+    if main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob(".step_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+    _barrier()
+    try:
+        dcp.save(state, checkpoint_id=tmp)  # returns on every rank once all shards and .metadata are written
+        if main:
+            atomic_save(meta, tmp / META_FILE)
+            if path.exists():  # the same step saved again (e.g. the last good state before a stop)
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # DCP raises CheckpointException (a RuntimeError) on every rank
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot write checkpoint {path}: {_reason(e)}; earlier checkpoints are unchanged") from None
+    _barrier()
+
+
+def load_sharded_meta(path: str | Path) -> dict:
+    """The meta dict of a DCP checkpoint directory, after checking the directory is complete."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    for name in (".metadata", META_FILE):
+        if not (path / name).is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: no {name}")
+    meta = load(path / META_FILE)
+    missing = [k for k in STATE_KEYS if k not in ("model", "optimizer") and k not in meta]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is not a vlp training checkpoint: missing {', '.join(missing)}")
+    return meta
+
+
+def load_sharded(state: dict, path: str | Path) -> None:
+    """Fill `state` (parallel.sharded_state of this run's model and optimizer) in place from a DCP
+    directory. DCP reshards: the saved world size and parallelism need not match this run's.
+    Collective when a process group exists."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(state, checkpoint_id=Path(path))
+    except (OSError, RuntimeError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {_first_line(e)}") from None
+

