@@ -68,6 +68,8 @@ class ShardReadError(OSError):
 
 def _permanent(exc: BaseException) -> bool:
     """Errors a retry cannot mend: missing object, access denied, no backend, HTTP 4xx."""
+    if isinstance(exc, FileNotFoundError) and exc.__cause__ is not None:
+        return _permanent(exc.__cause__)  # fsspec's "not found" for any failed probe
     if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError,
                         NotADirectoryError, ImportError, ValueError)):
         return True
@@ -116,7 +118,10 @@ def _open_url(url: str):
     except ImportError as e:  # backend not installed: say which extra to install
         raise ImportError(f"{url}: {e} (e.g. pip install 'vlp[s3]' or 'vlp[gcs]')") from None
     if "http" in fs.protocol or "https" in fs.protocol:
-        return fs.open(path, "rb", block_size=0), False  # streamed: says seekable, is not
+        # block_size=0: one streamed GET (says seekable, is not). size=: any value skips
+        # fsspec's HEAD probe, a round trip that reports every failure as FileNotFoundError
+        # (the GET itself raises FileNotFoundError for a 404 only); the stream ignores it.
+        return fs.open(path, "rb", block_size=0, size=-1), False
     f = fs.open(path, "rb")
     return f, _seekable(f)
 

@@ -83,7 +83,10 @@ def _read_sizes(directory: str) -> dict[str, int]:
 
 def _remote_sizes(directory: str) -> dict[str, int]:
     """{shard name: samples} of the sizes.json at a remote directory URL ({} if it has none)."""
-    data = read_small(f"{directory}/sizes.json")
+    try:
+        data = read_small(f"{directory}/sizes.json")
+    except ShardReadError as e:
+        raise ValueError(f"cannot read {directory}/sizes.json: {e}") from None
     if data is None:
         return {}
     try:
@@ -175,7 +178,10 @@ def _stats_successes(wanted: dict[int, str]) -> dict[int, int]:
     for url in remote:
         by_scheme.setdefault(url.split("://", 1)[0], []).append(url)
     for urls in by_scheme.values():
-        found.update(read_many(urls))
+        try:
+            found.update(read_many(urls))
+        except (ShardReadError, ImportError) as e:
+            raise ValueError(f"cannot read img2dataset stats ({urls[0]} ...): {e}") from None
     out = {}
     for i, url in wanted.items():
         data = found[url] if url in found else read_small(url)

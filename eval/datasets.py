@@ -32,6 +32,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
+from data_pipelines.shard_io import is_url, read_small
 from data_pipelines.tars import IMAGE_EXTS, _read_shard, expand_sources
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
@@ -295,7 +296,15 @@ def shard_classnames(shards, classnames: Union[None, str, Sequence[str]]) -> lis
     (CLIP_benchmark's wds layout: <root>/classnames.txt, <root>/test/0.tar)."""
     if classnames is not None:
         return read_lines(classnames) if isinstance(classnames, (str, os.PathLike)) else list(classnames)
-    first = Path(expand_shards(shards)[0]).parent
+    shard = expand_shards(shards)[0]
+    if is_url(shard):  # remote shards: the same two places, fetched (data_pipelines.shard_io)
+        here = shard.rsplit("/", 1)[0]
+        for cand in (f"{here}/classnames.txt", f"{here.rsplit('/', 1)[0]}/classnames.txt"):
+            data = read_small(cand)
+            if data is not None:
+                return [ln.strip() for ln in data.decode("utf-8").splitlines() if ln.strip()]
+        raise ValueError(f"no class names given and no classnames.txt next to {here}")
+    first = Path(shard).parent
     for cand in (first / "classnames.txt", first.parent / "classnames.txt"):
         if cand.is_file():
             return read_lines(cand)

@@ -26,10 +26,21 @@ from vlp_testing import PYTHON, REPO, run_env
 
 
 class _Handler(http.server.SimpleHTTPRequestHandler):
-    """Serves server.root; server.drops[path] = n cuts the first n GETs of path mid-body."""
+    """Serves server.root; server.drops[path] = n cuts the first n GETs of path mid-body,
+    server.busy[path] = n answers the first n GETs with 503."""
 
     def log_message(self, *args):
         pass
+
+    def do_GET(self):
+        with self.server.lock:
+            busy = self.server.busy.get(self.path, 0)
+            if busy:
+                self.server.busy[self.path] = busy - 1
+        if busy:
+            self.send_error(503, "busy")
+            return
+        super().do_GET()
 
     def copyfile(self, source, outputfile):
         server = self.server
@@ -52,7 +63,7 @@ def server(tiny_shards):
     root = Path(expand_sources(tiny_shards["train"])[0][0]).parent.parent
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Handler, directory=root))
     srv.daemon_threads = True
-    srv.root, srv.lock, srv.drops, srv.gets = root, threading.Lock(), {}, {}
+    srv.root, srv.lock, srv.drops, srv.busy, srv.gets = root, threading.Lock(), {}, {}, {}
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{srv.server_address[1]}", srv
@@ -104,6 +115,19 @@ def test_dropped_connections_are_retried_to_the_same_batches(tiny_shards, server
     got = list(loader)
     assert all(srv.drops[path] == 0 for path in shards)  # the cuts happened
     assert "bad_shard" not in loader.stats and "bad_member" not in loader.stats
+    _assert_same(got, _batches(tiny_shards["train"], **kw))
+
+
+def test_busy_server_at_open_is_retried(tiny_shards, server):
+    spec = _http(tiny_shards["train"], server)
+    srv = server[1]
+    with srv.lock:
+        srv.busy.update({url[len(server[0]):]: 2 for url in expand_sources(spec)[0]})
+        srv.busy["/train/sizes.json"] = 1
+    kw = dict(mode="sequential", batch_size=32)
+    loader = make_loader(spec, transform=to_tensor, tokenize=tokenize, io_backoff_s=0.01, **kw)
+    got = list(loader)
+    assert not any(srv.busy.values()) and "bad_shard" not in loader.stats
     _assert_same(got, _batches(tiny_shards["train"], **kw))
 
 
@@ -202,6 +226,20 @@ def test_img2dataset_stats_give_sizes(tiny_shards, server):
     assert shard_sizes([f"pipe:cat {out}/00001.tar"]) == [list(sizes.values())[1]]
     kw = dict(mode="split", seed=6, batch_size=16)
     _assert_same(_batches("::".join(urls), **kw), _batches(tiny_shards["train"], **kw))
+
+
+def test_eval_classification_shards_over_http(server):
+    from eval.datasets import ShardClassification, shard_classnames
+    from dp_helpers import png_bytes, write_tar
+
+    root = server[1].root / "cls" / "test"
+    root.mkdir(parents=True)
+    (root.parent / "classnames.txt").write_text("zero\none\n")
+    write_tar(root / "0.tar", [(f"k{i}", {"png": png_bytes(i), "cls": str(i % 2).encode()}) for i in range(6)])
+    spec = f"{server[0]}/cls/test/0.tar"
+    assert shard_classnames(spec, None) == ["zero", "one"]
+    got = [(tuple(img.shape), label) for img, label in ShardClassification(spec, to_tensor)]
+    assert got == [((3, 8, 8), i % 2) for i in range(6)]
 
 
 # ----------------------------------------------------------------------------- vlp train e2e
