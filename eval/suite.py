@@ -6,6 +6,7 @@ anything: one class, top-k with k >= classes, one image or caption); warnings al
 """
 from __future__ import annotations
 
+import os
 import sys
 from collections import Counter
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -24,10 +25,47 @@ CLASSIFICATION_KEYS = {"name", "type", "root", "shards", "classnames", "template
 
 def _check_keys(d: dict, allowed: set, where: str) -> None:
     if not isinstance(d, dict):
-        raise TypeError(f"{where} must be a mapping, got {type(d).__name__}")
+        raise ValueError(f"{where} must be a mapping, got {type(d).__name__}")
     unknown = set(d) - allowed
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
+def check_suite(suite: dict) -> dict:
+    """The suite's structure (keys, entry lists, names, a retrieval entry's shards), checked
+    before any work: a ValueError line, not a crash after hours of training."""
+    _check_keys(suite, SUITE_KEYS, "eval suite")
+    names: set = set()
+    for kind, allowed in (("retrieval", RETRIEVAL_KEYS), ("classification", CLASSIFICATION_KEYS)):
+        entries = suite.get(kind) or []
+        if not isinstance(entries, list):
+            raise ValueError(f"eval suite: {kind} must be a list of entries, got {type(entries).__name__}")
+        for entry in entries:
+            _check_keys(entry, allowed, f"{kind} entry")
+            if "name" not in entry:
+                raise ValueError(f"{kind} entry needs a 'name'")
+            if entry["name"] in names:
+                raise ValueError(f"duplicate eval name {entry['name']!r}")
+            names.add(entry["name"])
+            if kind == "retrieval" and not entry.get("shards"):
+                raise ValueError(f"retrieval {entry['name']!r} needs 'shards'")
+    return suite
+
+
+def load_suite(path: str) -> dict:
+    """A suite YAML file, checked (check_suite)."""
+    import yaml
+
+    from vlp.checkpoint import _first_line
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"eval suite not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            suite = yaml.safe_load(f) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ValueError(f"eval suite {path} is not valid YAML: {_first_line(e)}") from None
+    return check_suite(suite)
 
 
 def counting(loader: Iterable, skipped: Counter) -> Iterator:
@@ -104,7 +142,7 @@ def run_eval_suite(
 
     Returns {name: {"task", "metrics", "clip_benchmark", sizes...}}; out_dir=None writes nothing.
     """
-    _check_keys(suite, SUITE_KEYS, "eval suite")
+    check_suite(suite)
     bs, nw = int(suite.get("batch_size", 64)), int(suite.get("num_workers", 0))
     precision, chunk = suite.get("precision", "fp32"), int(suite.get("chunk_size", 4096))
     device = torch.device(device)

@@ -462,3 +462,64 @@ def test_global_skip_counts_sum_over_ranks(monkeypatch):
     assert rank_skipped(state, 1, 2) == ranks[1]
     assert rank_skipped(state, 0, 1) == {"corrupt_image": 12, "missing_caption": 1}  # world size changed
     assert rank_skipped(state, 1, 3) == {}
+
+
+def test_end_to_end_exit_status_and_stderr_of_a_real_process(tmp_path):
+    """The same contract seen from outside: a real `python -m vlp` process on a source of a FIFO
+    and a non-image ends (no hang) with exit 2 and one stderr line, and leaves no temp file."""
+    from vlp_testing import PYTHON, run_env
+
+    src = tmp_path / "src"
+    src.mkdir()
+    os.mkfifo(src / "pipe.jpg")
+    (src / "pipe.txt").write_text("caption")
+    (src / "junk.png").write_bytes(b"junk")
+    (src / "junk.txt").write_text("caption")
+    proc = subprocess.run([PYTHON, "-m", "vlp", "shards", str(src), str(tmp_path / "out")], cwd=REPO,
+                          env=run_env(), capture_output=True, text=True, timeout=120)
+    one_error(proc.returncode, proc.stderr, "no valid samples", "corrupt_image=1", "special_file=1")
+    assert sorted(os.listdir(tmp_path / "out")) == []
+
+
+def test_two_ranks_skip_counts_are_summed_in_result_and_log(tmp_path):
+    """2 processes (accelerate launch, gloo): both ranks meet corrupt images; result.json and the
+    log hold the sum of both ranks' counts, not rank 0's alone."""
+    from data_pipelines.sources.openmoji import load_pairs
+    from vlp_testing import run_env
+
+    pairs = load_pairs("train", image_size=32)[:80]
+    samples = [(p.key, {"png": b"garbage" if i % 5 == 2 else p.image, "txt": p.caption.encode()})
+               for i, p in enumerate(pairs)]
+    for s in range(2):
+        write_tar(tmp_path / f"mix-{s}.tar", samples[40 * s:40 * (s + 1)])
+    accelerate = Path(os.sys.executable).parent / "accelerate"
+    out = tmp_path / "run"
+    cmd = [str(accelerate), "launch", "--config_file", "launch/cpu_2proc.yaml", "--main_process_port",
+           str(30500 + os.getpid() % 1000), "-m", "vlp", *[str(a) for a in train(tmp_path / "mix-{0..1}.tar", out)],
+           "data.batch_per_device=8", "train.samples=64"]
+    proc = subprocess.run(cmd, cwd=REPO, env=run_env() | {"ACCELERATE_USE_CPU": "1"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    per_rank = torch.load(out / "checkpoints" / "step_00000004.pt", weights_only=True)["skipped_per_rank"]
+    assert len(per_rank) == 2 and all(r.get("corrupt_image", 0) > 0 for r in per_rank), per_rank
+    total = sum(r["corrupt_image"] for r in per_rank)
+    assert json.loads((out / "result.json").read_text())["skipped"] == {"corrupt_image": total}
+    last = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()][-2]
+    assert last["skipped_corrupt_image"] == total
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("- name: x\n", "eval suite must be a mapping, got list"),
+    ("retrieval:\n  - name: r\n", "retrieval 'r' needs 'shards'"),
+    ("classification: pets\n", "classification must be a list of entries"),
+    ("retrieval: [unclosed\n", "is not valid YAML"),
+])
+def test_malformed_eval_suite_is_one_line_before_any_work(capsys, tmp_path, tiny_shards, exported, text, needle):
+    suite = tmp_path / "suite.yaml"
+    suite.write_text(text)
+    rc, _, err = run(capsys, "eval", "--checkpoint", exported, "--model", "vlp-micro", "--suite", suite,
+                     "--out", tmp_path / "eval", "--device", "cpu")
+    one_error(rc, err, needle)
+    rc, _, err = run(capsys, *train(tiny_shards["train"], tmp_path / "run", f"eval.suite={suite}"))
+    one_error(rc, err, needle)
+    assert not (tmp_path / "eval").exists() and not (tmp_path / "run").exists()

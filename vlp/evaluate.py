@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import yaml
 
 from vlp import checkpoint as ckpt
 from vlp.config import ConfigError, LossConfig, ModelConfig, from_dict
@@ -49,13 +48,9 @@ def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, devi
 
 def build_suite(suite: Optional[str], shards: Optional[str], imagenet: Optional[str], templates: str,
                 batch_size: int, precision: str) -> dict:
-    if suite:
-        p = Path(suite)
-        if not p.is_file():
-            raise FileNotFoundError(f"eval suite not found: {suite}")
-        spec = yaml.safe_load(p.read_text()) or {}
-    else:
-        spec = {}
+    from eval.suite import check_suite, load_suite
+
+    spec = load_suite(suite) if suite else {}
     spec.setdefault("batch_size", batch_size)
     spec.setdefault("precision", {"fp32": "fp32", "bf16": "amp_bf16", "fp16": "amp_fp16"}[precision])
     if shards:
@@ -66,7 +61,7 @@ def build_suite(suite: Optional[str], shards: Optional[str], imagenet: Optional[
         spec.setdefault("classification", []).append({"name": "imagenet", "root": imagenet, "templates": templates})
     if not spec.get("retrieval") and not spec.get("classification"):
         raise ConfigError("vlp eval: nothing to evaluate: give --shards, --imagenet or --suite")
-    return spec
+    return check_suite(spec)
 
 
 def evaluate_checkpoint(checkpoint: str, model_name: Optional[str] = None, suite: Optional[str] = None,

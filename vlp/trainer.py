@@ -91,6 +91,7 @@ class Trainer:
             )
         model, self.tokenizer, self.train_transform, self.eval_transform = build_model(cfg.model, cfg.loss)
         self.train_loader = self.make_train_loader()  # validates the shard spec before any work
+        self.eval_suite()  # and the eval suite file: a malformed one fails now, not after training
         self.sharded = cfg.train.parallel == "fsdp"
         if acc.distributed_type == DistributedType.FSDP:
             raise ConfigError("the accelerate launch config sets distributed_type: FSDP, which vlp does not use: "
@@ -479,9 +480,9 @@ class Trainer:
         """data.eval_shards as the 'heldout' retrieval set, plus eval.suite's tasks."""
         suite = {"batch_size": self.cfg.eval.batch_size, "retrieval": [], "classification": []}
         if self.cfg.eval.suite:
-            import yaml
+            from eval.suite import load_suite
 
-            extra = yaml.safe_load(Path(self.cfg.eval.suite).read_text()) or {}
+            extra = load_suite(self.cfg.eval.suite)
             suite.update({k: v for k, v in extra.items() if k not in ("retrieval", "classification")})
             suite["retrieval"] += extra.get("retrieval") or []
             suite["classification"] += extra.get("classification") or []
