@@ -20,6 +20,8 @@ COMMON = ["model.name=vlp-micro", "data.batch_per_device=8", "data.num_workers=0
           "optim.warmup_steps=2", "train.log_every=1", "data.shuffle_buffer=32", "train.samples=192",
           "train.keep_last=20", "train.checkpoint_every=4"]
 
+ACCUM = ("train.accum_steps=2", "optim.grad_clip=0.5")  # micro-steps without grad sync; clipping
+
 
 def _config(shards, out, *extra):
     from vlp.config import load_config
@@ -48,16 +50,18 @@ def _trainer_runs(rank, world, shards, root):
                       LOCAL_WORLD_SIZE=str(world))
     root = Path(root)
 
-    def run(name, parallel_mode, resume_from=None):
+    def run(name, parallel_mode, resume_from=None, extra=()):
         if resume_from is not None and rank == 0:
             _copy_checkpoint(root / resume_from, root / name)
         dist.barrier()
-        extra = [f"train.parallel={parallel_mode}"] + (["train.resume=latest"] if resume_from else [])
+        extra = [f"train.parallel={parallel_mode}", *extra] + (["train.resume=latest"] if resume_from else [])
         trainer = Trainer(_config(shards, root / name, *extra))
         trainer.train()
         return trainer
 
     run("ddp", "ddp")
+    run("ddp_accum", "ddp", None, ACCUM)
+    run("fsdp_accum", "fsdp", None, ACCUM)
     fsdp = run("fsdp", "fsdp")
     kinds = sorted({type(p).__name__ for p in fsdp.model.parameters()})
     local = sum(parallel.local(p).numel() for p in fsdp.model.parameters())
@@ -111,6 +115,45 @@ def test_fsdp_equals_ddp(runs):
     for a, b in zip(log(runs / "fsdp"), log(runs / "ddp")):
         if "infonce" in a:
             assert a["infonce"] == pytest.approx(b["infonce"], abs=1e-5)
+
+
+def test_fsdp_equals_ddp_with_accumulation_and_clipping(runs):
+    worst = _max_diff(_weights(runs / "fsdp_accum"), _weights(runs / "ddp_accum"))
+    print(f"FSDP vs DDP, accum_steps=2 and grad_clip (fp32): max |weight diff| = {worst:.2e}")
+    assert worst < 1e-5
+
+
+def _launch(shards, out, *extra, wait=True):
+    cmd = [ACCELERATE, "launch", "--config_file", "launch/cpu_2proc.yaml", "--main_process_port",
+           str(29500 + (os.getpid() + 7) % 1000), "-m", "vlp", "train", "-c", "configs/demo.yaml",
+           f"data.train_shards={shards['train']}", f"train.output_dir={out}", *COMMON, "train.parallel=fsdp", *extra]
+    env = run_env() | {"ACCELERATE_USE_CPU": "1"}
+    if not wait:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_fsdp_sigkill_and_resume_is_bit_identical(runs, tiny_shards, tmp_path):
+    """`accelerate launch`, every step a DCP checkpoint, SIGKILL of the whole job after step 6,
+    resume=latest: the same weights, bit for bit, as the uninterrupted FSDP run."""
+    from vlp import checkpoint as ckpt
+
+    child = _launch(tiny_shards, tmp_path, "train.checkpoint_every=1", wait=False)
+    target = tmp_path / "checkpoints" / "step_00000006"
+    deadline = time.time() + 240
+    while not target.exists() and child.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+    assert target.is_dir()
+    for path in ckpt.list_checkpoints(tmp_path / "checkpoints"):  # only complete ones under a final name
+        assert ckpt.load_valid(path)["step"] == int(path.name[5:])
+    proc = _launch(tiny_shards, tmp_path, "train.checkpoint_every=1", "train.resume=latest")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed from" in proc.stdout
+    assert not list((tmp_path / "checkpoints").glob(".*.tmp"))
+    assert _max_diff(_weights(tmp_path), _weights(runs / "fsdp")) == 0.0
 
 
 def test_fsdp_resume_from_dcp_is_bit_identical(runs):
