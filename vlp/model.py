@@ -151,7 +151,7 @@ def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu"):
     kwargs = dict(init_logit_scale=math.log(1.0 / tau))
     if siglip:
         kwargs["init_logit_bias"] = -10.0
-    with _without_random_init_notice() if model_cfg.pretrained else contextlib.nullcontext():
+    with _without_random_init_notice():
         clip, train_tf, eval_tf = open_clip.create_model_and_transforms(name, device=device, **kwargs)
     if model_cfg.pretrained:
         load_pretrained(clip, model_cfg.pretrained)
@@ -172,8 +172,9 @@ def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu"):
 
 @contextlib.contextmanager
 def _without_random_init_notice():
-    """open_clip logs 'No pretrained weights loaded ... initialized randomly' for a model built
-    without `pretrained`; untrue when load_pretrained follows, so it is filtered out meanwhile."""
+    """open_clip logs 'No pretrained weights loaded ... initialized randomly' for every model built
+    without `pretrained`: vlp never downloads weights (load_pretrained reads model.pretrained), so
+    the line is noise on stderr, where a user error must be the only line."""
     def drop(record: logging.LogRecord) -> bool:
         return "No pretrained weights loaded" not in record.getMessage()
 
