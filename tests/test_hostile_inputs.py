@@ -523,3 +523,23 @@ def test_malformed_eval_suite_is_one_line_before_any_work(capsys, tmp_path, tiny
     rc, _, err = run(capsys, *train(tiny_shards["train"], tmp_path / "run", f"eval.suite={suite}"))
     one_error(rc, err, needle)
     assert not (tmp_path / "eval").exists() and not (tmp_path / "run").exists()
+
+
+def test_eval_refuses_nonfinite_weights(capsys, tmp_path, tiny_shards, exported):
+    state = torch.load(exported, weights_only=True)
+    state["state_dict"]["logit_scale"] = torch.tensor(float("nan"))
+    torch.save(state, tmp_path / "nan.pt")
+    rc, _, err = run(capsys, "eval", "--checkpoint", tmp_path / "nan.pt", "--model", "vlp-micro",
+                     "--shards", tiny_shards["eval"], "--out", tmp_path / "eval", "--device", "cpu")
+    one_error(rc, err, "non-finite weights in 1 tensors (e.g. logit_scale)")
+    assert not (tmp_path / "eval").exists()
+
+
+def test_csv_rows_pointing_at_special_files_are_counted(capsys, tmp_path, image_folder):
+    os.mkfifo(tmp_path / "fifo.png")
+    rows = ["filepath\ttitle", f"{image_folder / 'img0.png'}\tgood one", "/dev/zero\tzeros", "/dev/null\tnull",
+            f"{tmp_path / 'fifo.png'}\tfifo", f"{image_folder}\ta folder", "missing.png\tgone"]
+    (tmp_path / "pairs.tsv").write_text("\n".join(rows) + "\n")
+    rc, stdout, err = run(capsys, "shards", tmp_path / "pairs.tsv", tmp_path / "out")
+    assert rc == 0, err
+    assert "wrote 1 samples" in stdout and "missing_image=1, special_file=4" in stdout, stdout

@@ -30,6 +30,9 @@ def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, devi
         if not isinstance(weights, dict) or not all(isinstance(k, str) for k in weights):
             raise ckpt.CheckpointError(f"{path} is not a model state dict (no name -> tensor mapping)")
         weights = {k.removeprefix("module."): v for k, v in weights.items()}
+    bad = ckpt.nonfinite_tensors(weights)
+    if bad:  # metrics of nan weights would be silently meaningless
+        raise ckpt.CheckpointError(f"checkpoint {path} has non-finite weights in {len(bad)} tensors (e.g. {bad[0]})")
     if model_name is not None:
         model_cfg.name = model_name
     model_cfg.pretrained = None
