@@ -26,6 +26,7 @@ CASES = {  # longest first: they start first
     "gpu_bench.py": ["--cpu", "--tiny"],
     "step_cost.py": ["--quick"],
     "eval_cost.py": ["--quick"],
+    "fsdp_cost.py": ["--quick"],
 }
 
 EXPECTED = {
@@ -43,6 +44,7 @@ EXPECTED = {
     "eval_cost.py": ["eval_classifier_s trim", "eval_classifier_s no_trim", "eval_classifier_speedup trim",
                      "eval_retrieval_speedup trim", "eval_trim_max_abs_diff"],
     "remote_loading.py": ["remote_images_per_s local", "remote_images_per_s http", "remote_ratio http/local"],
+    "fsdp_cost.py": ["fsdp_step_time_ratio fsdp/ddp", "fsdp_bytes_per_rank_ratio fsdp/ddp"],
     "scaling.py": ["scaling_samples_per_s 1proc", "scaling_samples_per_s 2proc", "scaling_ratio 2proc/1proc"],
     "gpu_bench.py": ["gpu_synthetic_samples_per_s vlp", "gpu_synthetic_samples_per_s open_clip",
                      "gpu_synthetic_ratio vlp/open_clip", "gpu_flops_per_step", "gpu_real_ratio vlp/open_clip"],
