@@ -21,8 +21,8 @@ Per image and trial, the same torch seed is set before each path:
 (b) pixels, in [0, 1] units (Normalize undone): per-image mean |fast - plain|, max |.|, PSNR.
 (c) distributions: per image and channel, the output's mean, std and mean gradient magnitude
     (sharpness). Paired: mean relative difference fast vs plain. Unpaired: two-sample KS of
-    fast (seed A) against plain (seed B) per-image channel means / stds, next to plain (seed A)
-    against plain (seed B), which is what two equal distributions give on these samples.
+    fast (seed A) against plain (seed B) per-image channel means / stds / sharpness, next to
+    plain (seed A) against plain (seed B), which is what two equal distributions give here.
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def main(argv=None) -> None:
     print(f"\n{'group':18s} {'n':>4s} {'scales':>14s} {'box=':>5s} {'rng=':>5s} "
           f"{'mean|d|':>8s} {'p95':>7s} {'max|d|':>7s} {'PSNR med':>8s} {'min':>6s} "
           f"{'other':>7s} {'draft':>7s} {'dmean':>8s} {'dstd%':>6s} {'dsharp%':>7s} {'draft%':>7s} "
-          f"{'|other%|':>8s}")
+          f"{'|other%|':>8s} {'KSp sharp':>9s}")
     all_rows, all_stats = {}, {"fast": [], "plain": [], "other": []}
     for g, (name, images) in enumerate(data.items()):
         res = measure(paths, images, args.trials, seed0=10_000 * g)
@@ -237,6 +237,8 @@ def main(argv=None) -> None:
             all_stats[k] += res["stats"][k]
         scales = {s: r["scale"].count(s) for s in sorted(set(r["scale"]))}
         mad = np.array(r["mad"])
+        _, p_sharp = ks(np.stack([x[2].numpy() for x in res["stats"]["fast"]]).ravel(),
+                        np.stack([x[2].numpy() for x in res["stats"]["other"]]).ravel())
         print(f"{name:18s} {len(mad):4d} {' '.join(f'{s}:{c}' for s, c in scales.items()):>14s} "
               f"{sum(r['box_ok'])/len(mad):5.0%} {sum(r['rng_ok'])/len(mad):5.0%} "
               f"{np.median(mad):8.5f} {np.percentile(mad, 95):7.5f} {max(r['max']):7.4f} "
@@ -244,7 +246,7 @@ def main(argv=None) -> None:
               f"{np.median(r['mad_other']):7.4f} {np.median(r['mad_draft']):7.4f} "
               f"{np.mean(r['dmean']):+8.5f} {100 * np.mean(r['rstd']):+6.2f} "
               f"{100 * np.mean(r['rsharp']):+7.2f} {100 * np.mean(r['rsharp_draft']):+7.2f} "
-              f"{100 * np.mean(r['rsharp_other']):8.2f}", flush=True)
+              f"{100 * np.mean(r['rsharp_other']):8.2f} {p_sharp:9.3f}", flush=True)
     print("\ncolumns: scales = DCT scale s: count; box= / rng= share of identical crop boxes / equal "
           "RNG state after the transform; mean|d| = per-image mean |fast - plain| in [0,1] units "
           "(median, p95); max|d| = largest single-pixel difference; PSNR (dB) median and min; "
@@ -252,7 +254,8 @@ def main(argv=None) -> None:
           "draft = median mean|d| of the old decode_size=224 path vs plain (its boxes differ); "
           "dmean = mean per-channel mean difference; dstd%, dsharp% = mean relative change of "
           "per-channel std and gradient magnitude, fast (draft%: decode_size=224) vs plain; "
-          "|other%| = mean |relative change| of gradient magnitude between two plain crops")
+          "|other%| = mean |relative change| of gradient magnitude between two plain crops; "
+          "KSp sharp = KS p-value, per-image gradient magnitudes, fast (seed A) vs plain (seed B)")
 
     r = all_rows
     n = len(r["mad"])
@@ -269,7 +272,7 @@ def main(argv=None) -> None:
     figure("augment_sharpness_change", 100 * float(np.mean(r["rsharp"])), "%",
            f"decode_size=224 path: {100 * float(np.mean(r['rsharp_draft'])):+.2f} %; two plain crops "
            f"differ by {100 * float(np.mean(r['rsharp_other'])):.2f} % (mean |.|)")
-    for label, idx in (("mean", 0), ("std", 1)):
+    for label, idx in (("mean", 0), ("std", 1), ("sharpness", 2)):
         fast = np.stack([s[idx].numpy() for s in all_stats["fast"]])
         plain = np.stack([s[idx].numpy() for s in all_stats["plain"]])
         other = np.stack([s[idx].numpy() for s in all_stats["other"]])

@@ -1,6 +1,6 @@
 """Images/s of ONE data-loader worker: vlp's stream vs open_clip_train's get_wds_dataset.
 
-    OMP_NUM_THREADS=1 python bench/data_loading.py           # 2000 x 512 px JPEGs, 5 rounds (~4 min)
+    OMP_NUM_THREADS=1 python bench/data_loading.py           # 2000 x 512 px JPEGs, 5 rounds (~6 min)
     OMP_NUM_THREADS=1 python bench/data_loading.py --quick   # 128 JPEGs, 1 round (< 20 s)
 
 Same synthetic JPEG shards (smooth random gradients + noise, 512 px, quality 90; written once
@@ -8,10 +8,16 @@ under .cache/bench/), same transform object (open_clip.image_transform(224, is_t
 RandomResizedCrop 224 + ToTensor + Normalize), same tokenizer (ViT-B-32's), batch 32, one
 DataLoader worker each, shuffled training mode with a 1000-sample shuffle buffer on both sides.
 
-Systems, alternated each round (A B C A B C ...):
-  vlp           data_pipelines.stream.make_loader(mode="split", num_workers=1)
-  vlp_draft224  the same with decode_size=224 (JPEG DCT-domain downscale to >= 224 px before
-                the transform: 512 px sources decode at 256 px)
+Systems, alternated each round (A B C D, then rotated):
+  vlp           data_pipelines.stream.make_loader(mode="split", num_workers=1): the default path,
+                crop-first JPEG decode (data_pipelines/decode.py: the RandomResizedCrop box is
+                drawn from the header size, the JPEG decoded at the smallest DCT scale keeping
+                the box >= 224 px: 512 px sources decode at 256 px; same boxes as the plain path)
+  vlp_full      the same loader on the plain path: the whole JPEG decoded, then the transform
+                (the transform behind an opaque wrapper, so the fast path does not apply; the
+                default before the crop-first decode)
+  vlp_draft224  the same with decode_size=224 (whole-image DCT downscale to >= 224 px, box drawn
+                on the downscaled image)
   open_clip     open_clip_train.data.get_wds_dataset(args, transform, is_train=True) (wds pipeline,
                 WebLoader, 1 worker)
 
@@ -40,6 +46,18 @@ from bench._common import (  # noqa: E402
 )
 
 BATCH = 32
+SYSTEMS = ("vlp", "vlp_full", "vlp_draft224", "open_clip")
+
+
+class Opaque:
+    """The transform behind a wrapper the crop-first fast path does not recognise: forces the
+    plain path (whole-image decode, then the transform) with the same transform object."""
+
+    def __init__(self, transform):
+        self.transform = transform
+
+    def __call__(self, image):
+        return self.transform(image)
 
 
 def _children_cpu() -> dict[int, float]:
@@ -122,7 +140,7 @@ def main(argv=None) -> None:
     tokenizer = open_clip.get_tokenizer("ViT-B-32")
     n = args.samples // BATCH - args.skip - 1  # batches timed per run (inside one epoch)
 
-    per_cpu: dict[str, list[float]] = {"vlp": [], "vlp_draft224": [], "open_clip": []}
+    per_cpu: dict[str, list[float]] = {name: [] for name in SYSTEMS}
 
     def keep(name, fn):
         def f():
@@ -133,19 +151,30 @@ def main(argv=None) -> None:
 
     fns = {
         "vlp": keep("vlp", lambda: vlp_rate(spec, transform, tokenizer, args.skip, n, buffer=args.buffer)),
+        "vlp_full": keep("vlp_full", lambda: vlp_rate(
+            spec, Opaque(transform), tokenizer, args.skip, n, buffer=args.buffer)),
         "vlp_draft224": keep("vlp_draft224", lambda: vlp_rate(
             spec, transform, tokenizer, args.skip, n, decode_size=224, buffer=args.buffer)),
         "open_clip": keep("open_clip", lambda: open_clip_rate(
             spec, transform, tokenizer, args.skip, n, args.samples, buffer=args.buffer)),
     }
+    from data_pipelines.decode import image_decoder
+
+    print(f"# decoders: vlp {type(image_decoder(transform)).__name__}, vlp_full "
+          f"{type(image_decoder(Opaque(transform))).__name__}, vlp_draft224 "
+          f"{type(image_decoder(transform, 224)).__name__}", flush=True)
     rates = alternate(fns, args.rounds)
+    print("\n## per round, images/s (wall); ratio = vlp / open_clip")
+    for r in range(args.rounds):
+        print(f"  round {r + 1}: " + "  ".join(f"{name} {rates[name][r]:.1f}" for name in SYSTEMS)
+              + f"  ratio {rates['vlp'][r] / rates['open_clip'][r]:.3f}")
     print(f"\n## images/s of one worker (wall) and images per worker-CPU-second, median [min..max] "
           f"over {args.rounds} rounds of {n} batches")
     for name, xs in rates.items():
         print(f"  {name:14s} wall {spread(xs)}   per CPU-s {spread(per_cpu[name])}")
         figure(f"data_images_per_s {name}", median(xs), "img/s")
         figure(f"data_images_per_cpu_s {name}", median(per_cpu[name]), "img/CPU-s")
-    for num in ("vlp", "vlp_draft224"):
+    for num in SYSTEMS[:-1]:
         r = paired_ratio(rates[num], rates["open_clip"])
         figure(f"data_ratio {num}/open_clip", median(r), "x", f"[{min(r):.3f}..{max(r):.3f}] wall")
         r = paired_ratio(per_cpu[num], per_cpu["open_clip"])

@@ -46,6 +46,17 @@ def is_remote(spec: str) -> bool:
     return spec.startswith(PIPE) or is_url(spec)
 
 
+def has_backend(url: str) -> bool:
+    """Whether fsspec can open this URL's scheme here (s3fs, gcsfs... installed)."""
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(url.split("://", 1)[0])
+    except (ImportError, ValueError):
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class Retry:
     """How often and how patiently a failed shard read is retried (data.io_retries and
@@ -116,7 +127,7 @@ def _open_url(url: str):
     try:
         fs, path = fsspec.core.url_to_fs(url)
     except ImportError as e:  # backend not installed: say which extra to install
-        raise ImportError(f"{url}: {e} (e.g. pip install 'vlp[s3]' or 'vlp[gcs]')") from None
+        raise ImportError(f"{e} (pip install 'vlp[s3]' / 'vlp[gcs]' installs s3fs / gcsfs)") from None
     if "http" in fs.protocol or "https" in fs.protocol:
         # block_size=0: one streamed GET (says seekable, is not). size=: any value skips
         # fsspec's HEAD probe, a round trip that reports every failure as FileNotFoundError

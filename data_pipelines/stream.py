@@ -600,7 +600,10 @@ def make_loader(
     start_batch: skip this many batches of ``epoch`` (resume); see ``Loader.set_epoch``.
     weights:     resampled mode: per-source weights, e.g. '1::2' (each shard of a source is
                  drawn with its source's weight, like open_clip's upsampling factors).
-    decode_size: decode JPEGs at reduced DCT scale keeping both sides >= this (fast path).
+    decode_size: None (default): a transform that starts with a RandomResizedCrop takes the
+                 crop-first JPEG decode (data_pipelines/decode.py: the same crop boxes, the DCT
+                 scale chosen from the box). An int forces the older whole-image DCT downscale
+                 keeping both sides >= it, the box then drawn on the downscaled image.
     pieces:      split mode: read these (shard index, begin, end) pieces as the epoch instead
                  of all shards (the rest of an epoch begun under another layout; see
                  ``Loader.rest_of_epoch``).

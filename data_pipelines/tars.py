@@ -16,7 +16,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 
 from data_pipelines.shard_io import (
-    PIPE, Retry, ShardReadError, is_remote, is_url, open_shard, read_many, read_small,
+    PIPE, Retry, ShardReadError, has_backend, is_remote, is_url, open_shard, read_many,
+    read_small,
 )
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff")  # first present wins
@@ -86,7 +87,7 @@ def _remote_sizes(directory: str) -> dict[str, int]:
     try:
         data = read_small(f"{directory}/sizes.json")
     except ShardReadError as e:
-        raise ValueError(f"cannot read {directory}/sizes.json: {e}") from None
+        raise ValueError(f"reading shard sizes: {e}") from None
     if data is None:
         return {}
     try:
@@ -101,8 +102,8 @@ def _metadata_location(spec: str) -> tuple[str, str] | None:
     looks in s3://b/). None if a pipe command names no .tar."""
     if spec.startswith(PIPE):
         tars = [t for t in spec[len(PIPE):].split() if t.endswith(".tar")]
-        if not tars:
-            return None
+        if not tars or (is_url(tars[0]) and not has_backend(tars[0])):
+            return None  # e.g. no s3fs beside the aws CLI: sizes from data.num_samples
         spec = tars[0]
     if "/" not in spec:
         return ".", spec
@@ -181,7 +182,7 @@ def _stats_successes(wanted: dict[int, str]) -> dict[int, int]:
         try:
             found.update(read_many(urls))
         except (ShardReadError, ImportError) as e:
-            raise ValueError(f"cannot read img2dataset stats ({urls[0]} ...): {e}") from None
+            raise ValueError(f"reading img2dataset stats: {e}") from None
     out = {}
     for i, url in wanted.items():
         data = found[url] if url in found else read_small(url)
@@ -303,6 +304,7 @@ def _read_shard(path: str, start: int, stop: int | None, skipped: Counter,
                 if seen_exts is not None and len(seen_exts) < 32:
                     seen_exts.add(ext)
                 if prefix != key:
+                    tar.members.clear()  # tarfile indexes every member: bounded memory per shard
                     if keep:
                         yield index, key, members
                     index, key, members = index + 1, prefix, {}

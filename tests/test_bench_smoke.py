@@ -26,6 +26,7 @@ CASES = {  # longest first: they start first
     "gpu_bench.py": ["--cpu", "--tiny"],
     "step_cost.py": ["--quick"],
     "eval_cost.py": ["--quick"],
+    "augment_equivalence.py": ["--quick"],
     "fsdp_cost.py": ["--quick"],
 }
 
@@ -34,7 +35,10 @@ EXPECTED = {
                      "loss_time_ratio_local flatnce/infonce", "loss_mem_saved flatnce local/full",
                      "loss_mem_peak flatnce local/full"],
     "data_loading.py": ["data_images_per_s vlp", "data_images_per_s open_clip",
-                        "data_ratio vlp/open_clip", "data_ratio vlp_draft224/open_clip"],
+                        "data_ratio vlp/open_clip", "data_ratio vlp_full/open_clip",
+                        "data_ratio vlp_draft224/open_clip"],
+    "augment_equivalence.py": ["augment_box_identical", "augment_mean_abs_diff", "augment_psnr_median",
+                               "augment_ks_p_channel_mean"],
     "train_throughput.py": ["train_samples_per_s vlp", "train_samples_per_s open_clip_train",
                             "train_ratio vlp/open_clip_train"],
     "quality.py": ["quality_mean_R@1 vlp", "quality_mean_R@1 open_clip_train",

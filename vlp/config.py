@@ -64,8 +64,8 @@ class DataConfig:
     """Unset (default): the train transform's RandomResizedCrop box is drawn from the JPEG header
     and the JPEG decoded at the smallest DCT scale keeping the box >= the output size (same
     boxes as a full decode; data_pipelines/decode.py). Set: the older whole-image DCT downscale
-    keeping both sides >= this, the box drawn on the downscaled image (no faster for
-    open_clip's default scale=(0.9, 1); see BENCHMARKS.md)."""
+    keeping both sides >= this, the box drawn on the downscaled image (can upsample the crop;
+    as fast as the default for open_clip's scale=(0.9, 1), see BENCHMARKS.md)."""
     num_samples: Optional[int] = None
     """Samples per epoch (all ranks). Needed for remote shards (URL or pipe:) that have no
     sizes.json or img2dataset *_stats.json beside them: their sizes are then assumed equal

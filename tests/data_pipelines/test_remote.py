@@ -142,6 +142,24 @@ def test_stream_reopens_at_the_same_byte(tiny_shards, server):
     assert data == Path(local).read_bytes()
 
 
+@pytest.mark.parametrize("scheme", ["file://", "pipe:cat "])
+def test_stream_memory_is_bounded_and_seeks_forward(tmp_path, scheme):
+    data = os.urandom(5 << 20)
+    (tmp_path / "big.bin").write_bytes(data)
+    with ShardStream(f"{scheme}{tmp_path / 'big.bin'}") as f:
+        most, got = 0, []
+        for _ in range(300):
+            got.append(f.read(4096))
+            most = max(most, len(f._buf))
+        assert b"".join(got) == data[:300 * 4096]
+        f.seek(f.tell() - 512)  # tarfile's short step back
+        assert f.read(512) == data[300 * 4096 - 512:300 * 4096]
+        f.seek(3 << 20)  # skip ahead: seek (file://) or read through (pipe:)
+        assert f.read(1000) == data[3 << 20:(3 << 20) + 1000]
+        assert f.read() == data[(3 << 20) + 1000:]
+    assert most <= ShardStream.CHUNK + ShardStream.KEEP
+
+
 def test_pipe_and_file_specs(tiny_shards):
     local = tiny_shards["train"]
     kw = dict(mode="split", num_workers=2, seed=5)
@@ -211,6 +229,13 @@ def test_remote_without_sizes_is_a_one_line_error(tiny_shards, server, tmp_path)
     assert shard_sizes(expand_sources(spec)[0], 160) == [54, 53, 53]
     per_rank = [_batches(spec, num_samples=160, rank=r, world_size=2, batch_size=8) for r in (0, 1)]
     assert [len(b) for b in per_rank] == [10, 10]
+
+
+def test_remote_directory_stands_for_its_sizes_json(tiny_shards, server):
+    urls = expand_sources(f"{server[0]}/train/")[0]
+    assert urls == expand_sources(_http(tiny_shards["train"], server))[0]
+    with pytest.raises(FileNotFoundError, match="sizes.json"):
+        expand_sources(f"{server[0]}/nowhere/")
 
 
 def test_img2dataset_stats_give_sizes(tiny_shards, server):
