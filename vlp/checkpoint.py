@@ -12,6 +12,7 @@ import os
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -216,16 +217,22 @@ def _tuplify(x):
 # ranks (one filesystem), as for any multi-node checkpoint.
 
 
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def _rank() -> int:
     import torch.distributed as dist
 
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _distributed() else 0
 
 
 def _barrier() -> None:
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         dist.barrier()
 
 
@@ -244,7 +251,8 @@ def save_sharded(state: dict, meta: dict, path: str | Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     try:
-        dcp.save(state, checkpoint_id=tmp)  # returns on every rank once all shards and .metadata are written
+        # returns on every rank once all shards and .metadata are written
+        dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
         if main:
             atomic_save(meta, tmp / META_FILE)
             if path.exists():  # the same step saved again (e.g. the last good state before a stop)
@@ -279,7 +287,9 @@ def load_sharded(state: dict, path: str | Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     try:
-        dcp.load(state, checkpoint_id=Path(path))
+        with warnings.catch_warnings():  # one process on purpose (e.g. a 2-rank checkpoint on 1 rank)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=Path(path), no_dist=not _distributed())
     except (OSError, RuntimeError, KeyError) as e:
         raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {_first_line(e)}") from None
 
