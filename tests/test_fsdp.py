@@ -205,3 +205,15 @@ def _tiny_model_and_optimizer(seed: int):
     torch.manual_seed(seed)
     model = build_model(cfg.model, cfg.loss)[0]
     return model, lambda m: torch.optim.AdamW(param_groups(m, 0.1), lr=1e-3, fused=True)
+
+
+def test_fsdp_refuses_what_it_cannot_do(tiny_shards, tmp_path):
+    from vlp.config import ConfigError
+    from vlp.trainer import Trainer
+
+    with pytest.raises(ConfigError, match=r"train.parallel=fsdp does not support train.precision=fp16 \(use bf16\)"):
+        _config(tiny_shards, tmp_path, "train.parallel=fsdp", "train.precision=fp16")
+    with pytest.raises(ConfigError, match="does not support train.compile=true"):
+        _config(tiny_shards, tmp_path, "train.parallel=fsdp", "train.compile=true")
+    with pytest.raises(ConfigError, match=r"needs >= 2 processes"):
+        Trainer(_config(tiny_shards, tmp_path, "train.parallel=fsdp"))
