@@ -1,7 +1,7 @@
 """One opener for shard bytes: local paths, fsspec URLs and ``pipe:COMMAND`` specs.
 
     with open_shard("s3://bucket/00001.tar", Retry(retries=3, backoff_s=1.0)) as f:
-        tar = tarfile.open(fileobj=f, mode="r:")   # read forward; skips read through the bytes
+        tar = tarfile.open(fileobj=f, mode="r:")   # reads forward; a skip seeks or reads through
 
 * a local path opens as a plain file (the fast path: real seeks, no extra buffer);
 * ``scheme://...`` goes through fsspec (``s3://`` needs s3fs, ``gs://`` gcsfs, ``hf://``
@@ -15,9 +15,10 @@ Remote specs are read through ``ShardStream``: a forward-only, bounded-memory re
 buffer that keeps the last 64 KiB for tarfile's short backward seeks). A failed open or read is
 retried with exponential backoff; a retry reopens the source and continues at the same byte
 offset (seeking where the source can, reading through the consumed bytes where it cannot), so
-the bytes delivered, hence the samples, are exactly those of an uninterrupted read. A source
-that still fails raises ``ShardReadError``; a permanent error (not found, no permission, a
-missing fsspec backend, HTTP 4xx) is not retried.
+the bytes delivered, hence the samples, are exactly those of an uninterrupted read (on HTTP
+and pipe: a retry re-reads the shard up to where it broke: shards of ~1 GB keep that cheap).
+A source that still fails raises ``ShardReadError``; a permanent error (not found, no
+permission, a missing fsspec backend, HTTP 4xx) is not retried.
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ class ShardStream(io.RawIOBase):
     def _skip_to(self, target: int) -> None:
         """Move the source to ``target`` > _end (seek if it can, else read through), dropping
         the buffer; stops early at the end of the source."""
-        if self._raw is not None and self._can_seek:
+        if self._can_seek:  # known from the last open; _attempt reopens if needed
             self._attempt(lambda: self._raw.seek(target))
             self._buf, self._start = b"", target
             return

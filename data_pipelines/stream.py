@@ -245,6 +245,11 @@ class _Stream:
                 self.no_valid_samples([self.plan.paths[s] for s, _, _ in pieces])
 
     def no_valid_samples(self, urls: list[str]):
+        if not self.seen_keys and set(self.skipped) == {"bad_shard"}:  # nothing could be read
+            raise ValueError(
+                f"could not read any of the shards {sorted(set(urls))[:4]}"
+                f"{' ...' if len(set(urls)) > 4 else ''}: {self.skipped['bad_shard']} read(s) "
+                f"failed after data.io_retries={self.plan.retry.retries} (warnings above say why)")
         raise ValueError(
             f"no valid samples in {sorted(set(urls))[:4]}: found keys {self.seen_keys}, "
             f"extensions {sorted(self.seen_exts)}; need one of {IMAGE_EXTS} and one of "

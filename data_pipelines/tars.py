@@ -123,7 +123,8 @@ def shard_sizes(paths: list[str], num_samples: int | None = None) -> list[int]:
        by re-reading its range: a few repeats), and samples past a longer shard's share are
        not used. Layout, determinism, exact resume and equal per-rank batches still hold
        (they depend on the sizes used, not on the true ones). Resampled mode reads whole
-       shards and only uses the total.
+       shards and only uses the total. Sequential (eval) mode is then not "every sample
+       once": a shorter shard gives short batches, a longer one's tail is not read.
     Remote shards never get counted (that would read the whole dataset at start): without
     1, 2 or 4 this raises a one-line ValueError saying which to provide.
     """

@@ -215,6 +215,17 @@ def test_every_shard_failing_is_one_clear_error(server):
                     num_samples=8, io_retries=1, io_backoff_s=0.0)
 
 
+def test_every_shard_failing_during_the_run_is_one_clear_error(tiny_shards, tmp_path):
+    shard = expand_sources(tiny_shards["train"])[0][2]
+    once = tmp_path / "read-once"  # the first read (make_loader's probe) works, later ones fail
+    spec = f"pipe:if [ -e {once} ]; then exit 1; fi; touch {once}; cat {shard} ; "
+    loader = make_loader(spec, batch_size=4, transform=to_tensor, tokenize=tokenize, io_retries=1,
+                         io_backoff_s=0.0)
+    with pytest.raises(ValueError, match=r"could not read any of the shards .* failed after "
+                                         r"data.io_retries=1"):
+        list(loader)
+
+
 def test_remote_without_sizes_is_a_one_line_error(tiny_shards, server, tmp_path):
     bare = server[1].root / "bare"
     shutil.copytree(Path(expand_sources(tiny_shards["train"])[0][0]).parent, bare,
