@@ -90,11 +90,18 @@ def _assert_same(a, b):
 
 @pytest.mark.parametrize("kw", [
     dict(mode="split", num_workers=2, seed=1),
-    dict(mode="resampled", num_workers=2, seed=2, num_samples=96),
+    dict(mode="resampled", num_workers=1, seed=2, num_samples=96),
     dict(mode="sequential", num_workers=0, rank=1, world_size=2),
 ], ids=["split", "resampled", "sequential"])
 def test_http_batches_equal_local(tiny_shards, server, kw):
     _assert_same(_batches(_http(tiny_shards["train"], server), **kw), _batches(tiny_shards["train"], **kw))
+
+
+def test_http_weighted_sources_equal_local(tiny_shards, server):
+    urls = expand_sources(tiny_shards["train"])[0]
+    spec = f"{urls[0]}::{urls[1]}::{urls[2]}"
+    kw = dict(mode="resampled", seed=7, num_samples=64, weights="1::3::0")
+    _assert_same(_batches(_http(spec, server), **kw), _batches(spec, **kw))
 
 
 def test_http_resume_is_exact(tiny_shards, server):
