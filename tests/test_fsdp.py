@@ -217,3 +217,11 @@ def test_fsdp_refuses_what_it_cannot_do(tiny_shards, tmp_path):
         _config(tiny_shards, tmp_path, "train.parallel=fsdp", "train.compile=true")
     with pytest.raises(ConfigError, match=r"needs >= 2 processes"):
         Trainer(_config(tiny_shards, tmp_path, "train.parallel=fsdp"))
+
+
+def test_vlp_eval_reads_a_dcp_checkpoint(runs):
+    from vlp.evaluate import load_model_from_checkpoint
+
+    model, _, _ = load_model_from_checkpoint(str(runs / "fsdp" / "checkpoints" / "step_00000012"))
+    final = _weights(runs / "fsdp")  # the consolidated export at the end of the same run
+    assert all(torch.equal(v, final[k]) for k, v in model.clip.state_dict().items())

@@ -288,8 +288,23 @@ def load_sharded(state: dict, path: str | Path) -> None:
 
     try:
         with warnings.catch_warnings():  # one process on purpose (e.g. a 2-rank checkpoint on 1 rank)
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            warnings.filterwarnings("ignore", message="torch.distributed is ")
             dcp.load(state, checkpoint_id=Path(path), no_dist=not _distributed())
     except (OSError, RuntimeError, KeyError) as e:
         raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {_first_line(e)}") from None
+
+
+def load_sharded_full(path: str | Path) -> dict:
+    """A DCP checkpoint directory read whole by one process, shaped like a .pt checkpoint without
+    the optimizer: its meta plus the full model weights under open_clip's names (`vlp eval`)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    meta = load_sharded_meta(path)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is ")
+            model = _load_state_dict_from_keys({"model"}, checkpoint_id=Path(path))["model"]
+    except (OSError, RuntimeError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {path} cannot be read: {_first_line(e)}") from None
+    return {**meta, "model": {k.removeprefix("clip."): v for k, v in model.items()}}
 

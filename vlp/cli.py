@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="zero-shot retrieval / classification of a checkpoint")
-    p.add_argument("--checkpoint", required=True, help="vlp checkpoint (step_*.pt) or open_clip checkpoint file")
+    p.add_argument("--checkpoint", required=True,
+                   help="vlp checkpoint (step_*.pt, or step_*/ under fsdp) or open_clip checkpoint file")
     p.add_argument("--model", default=None, help="open_clip model name or JSON (default: from the vlp checkpoint)")
     p.add_argument("--suite", default=None, help="eval suite YAML (configs/eval_*.yaml)")
     p.add_argument("--shards", default=None, help="retrieval on these eval shards")

@@ -12,10 +12,11 @@ from vlp.config import ConfigError, LossConfig, ModelConfig, from_dict
 
 
 def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, device: str = "cpu"):
-    """(model, tokenizer, eval_transform) from a vlp `step_*.pt` or an open_clip state-dict file."""
+    """(model, tokenizer, eval_transform) from a vlp `step_*.pt` file or `step_*/` DCP directory
+    (train.parallel=fsdp), or an open_clip state-dict file."""
     from vlp.model import build_model, state_dict_mismatch
 
-    state = ckpt.load(path)
+    state = ckpt.load_sharded_full(path) if Path(path).is_dir() else ckpt.load(path)  # DCP dir or file
     if not isinstance(state, dict):
         raise ckpt.CheckpointError(f"{path} is not a checkpoint: it holds a {type(state).__name__}, not a dict of weights")
     if "model" in state and "config" in state:  # a vlp training checkpoint
