@@ -4,11 +4,16 @@
 
 `train.parallel: ddp` leaves the model to Accelerate (DDP replicas). `fsdp` shards it with FSDP2
 `fully_shard`: one FSDP unit per transformer block of each tower, one per tower, and the root (the
-text embeddings, final norm, projections and logit_scale that live directly on the open_clip CLIP).
+text embeddings, final norm and projections that live directly on the open_clip CLIP).
 Parameters become DTensor shards over a 1-D device mesh of all ranks, so each rank holds about
 1/world of the weights, gradients and AdamW state. The same code runs on CPU (gloo) and GPU (NCCL):
 Accelerate cannot do FSDP on CPU (with ACCELERATE_USE_CPU=1 it silently runs DDP), so the project
 shards the model itself and the tests exercise the path the GPUs run.
+
+FSDP2 cannot shard 0-d parameters (logit_scale, logit_bias): they stay plain tensors replicated on
+every rank (`ignored_params` of the root) and `sync_replicated_grads` averages their gradients, as
+DDP would. Clipping norms the two kinds of gradient together (`clip_grad_norm_`); fused AdamW and the
+in-place logit_scale clamp work on DTensor and plain parameters alike.
 
 Gradient semantics equal DDP's (vlp/distributed.py): FSDP2's reduce-scatter averages over ranks
 exactly as DDP's all-reduce does, so the factor `world` from the summing backward of the gather
@@ -27,14 +32,13 @@ from typing import Iterator
 import torch
 from torch import nn
 
-PARALLEL_MODES = ("ddp", "fsdp")
-
-
 def transformer_blocks(clip: nn.Module) -> list[nn.Module]:
-    """The residual blocks of both towers (open_clip `ResidualAttentionBlock`s), image tower first.
-    HF text towers and timm image towers have no `.resblocks`; their tower is still one unit."""
+    """The residual blocks of both towers (open_clip `ResidualAttentionBlock`s), image tower first:
+    `clip.visual.transformer`, then CLIP's own `clip.transformer` or CustomTextCLIP's
+    `clip.text.transformer`. HF text towers and timm image towers have no `.resblocks`; each is
+    still one unit as a tower."""
     blocks = []
-    for tower in (getattr(clip, "visual", None), clip):
+    for tower in (getattr(clip, "visual", None), getattr(clip, "text", None), clip):
         transformer = getattr(tower, "transformer", None)
         blocks += list(getattr(transformer, "resblocks", []) or [])
     return blocks
@@ -49,7 +53,7 @@ def towers(clip: nn.Module) -> list[nn.Module]:
 
 def mixed_precision_policy(precision: str):
     """bf16 compute with fp32 gradient reduction (and fp32 sharded master weights + AdamW state);
-    None in fp32. fp16 needs a sharded grad scaler and is refused by config validation."""
+    the default (no casts) in fp32. fp16 needs a sharded grad scaler and is refused by config validation."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if precision == "bf16":
@@ -85,12 +89,6 @@ def scalar_params(model: nn.Module) -> list[nn.Parameter]:
     """0-d parameters (logit_scale, logit_bias): FSDP2 cannot shard them, so they stay plain
     replicated tensors on every rank and their gradients are averaged by `sync_replicated_grads`."""
     return [p for p in model.parameters() if p.ndim == 0]
-
-
-def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
 
 
 @contextlib.contextmanager
