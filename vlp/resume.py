@@ -29,7 +29,8 @@ from vlp.config import Config, ConfigError
 
 # config keys that decide the data order (plus the world size), and the ones that never change
 LAYOUT_KEYS = ("data.batch_per_device", "train.accum_steps", "data.num_workers", "train.seed",
-               "data.shuffle_buffer", "data.mode", "data.weights", "loss.name", "loss.temperature")
+               "data.shuffle_buffer", "data.mode", "data.weights", "data.num_samples", "loss.name",
+               "loss.temperature")
 FIXED_KEYS = ("model.name", "model.hf_text_dir", "data.train_shards")
 
 
