@@ -225,3 +225,20 @@ def test_vlp_eval_reads_a_dcp_checkpoint(runs):
     model, _, _ = load_model_from_checkpoint(str(runs / "fsdp" / "checkpoints" / "step_00000012"))
     final = _weights(runs / "fsdp")  # the consolidated export at the end of the same run
     assert all(torch.equal(v, final[k]) for k, v in model.clip.state_dict().items())
+
+
+def test_trainer_resumes_a_two_rank_dcp_checkpoint_in_one_process(runs, tiny_shards, tmp_path):
+    """World size 2 -> 1 through the trainer (train.resume_mode=continue allows the change):
+    DCP reads the 2-rank shards into the 1-process replica, AdamW state included."""
+    from vlp import checkpoint as ckpt
+    from vlp.trainer import Trainer
+
+    src = runs / "fsdp" / "checkpoints" / "step_00000008"
+    _copy_checkpoint(src, tmp_path)
+    trainer = Trainer(_config(tiny_shards, tmp_path, "train.resume=latest", "train.resume_mode=continue"))
+    trainer.maybe_resume()
+    assert trainer.world == 1 and trainer.step == 8 and trainer.samples_seen == 128
+    saved = ckpt.load_sharded_full(src)["model"]
+    assert all(torch.equal(v, saved[k]) for k, v in trainer.unwrapped.clip.state_dict().items())
+    steps = {float(s["step"]) for s in trainer.torch_optimizer.state_dict()["state"].values()}
+    assert steps == {8.0}
