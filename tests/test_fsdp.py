@@ -242,3 +242,19 @@ def test_trainer_resumes_a_two_rank_dcp_checkpoint_in_one_process(runs, tiny_sha
     assert all(torch.equal(v, saved[k]) for k, v in trainer.unwrapped.clip.state_dict().items())
     steps = {float(s["step"]) for s in trainer.torch_optimizer.state_dict()["state"].values()}
     assert steps == {8.0}
+
+
+def test_incomplete_dcp_checkpoints_are_refused_by_name(runs, tmp_path):
+    from vlp import checkpoint as ckpt
+
+    for broken, what in [("__1_0.distcp", "__1_0.distcp should hold"), (".metadata", "no .metadata"),
+                         ("meta.pt", "no meta.pt")]:
+        path = tmp_path / broken / "step_00000008"
+        shutil.copytree(runs / "fsdp" / "checkpoints" / "step_00000008", path)
+        if broken.endswith(".distcp"):  # a rank's shard file cut short
+            data = (path / broken).read_bytes()
+            (path / broken).write_bytes(data[: len(data) // 2])
+        else:
+            (path / broken).unlink()
+        with pytest.raises(ckpt.CheckpointError, match=what):
+            ckpt.load_valid(path)

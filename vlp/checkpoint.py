@@ -277,7 +277,28 @@ def load_sharded_meta(path: str | Path) -> dict:
     missing = [k for k in STATE_KEYS if k not in ("model", "optimizer") and k not in meta]
     if missing:
         raise CheckpointError(f"checkpoint {path} is not a vlp training checkpoint: missing {', '.join(missing)}")
+    _check_shard_files(path)
     return meta
+
+
+def _check_shard_files(path: Path) -> None:
+    """Every shard file DCP's index names exists and is long enough for the bytes it should hold
+    (a lost or truncated rank file fails here, before any rank starts loading)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        # DCP's index is a pickle (its format); it comes from our own save, like the shards it names
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as e:  # truncated or foreign .metadata
+        raise CheckpointError(f"checkpoint {path} has an unreadable .metadata: {_first_line(e)}") from None
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file() or file.stat().st_size < size:
+            have = file.stat().st_size if file.is_file() else "no file"
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} should hold {size} bytes ({have})")
 
 
 def load_sharded(state: dict, path: str | Path) -> None:
