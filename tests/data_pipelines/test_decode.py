@@ -20,19 +20,19 @@ from data_pipelines.stream import make_loader
 TRAIN = open_clip.image_transform(224, is_train=True)
 
 
-def encode(image, fmt="JPEG") -> bytes:
+def encode(image, fmt="JPEG", **options) -> bytes:
     buf = io.BytesIO()
-    image.save(buf, format=fmt, quality=90) if fmt == "JPEG" else image.save(buf, format=fmt)
+    image.save(buf, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}), **options)
     return buf.getvalue()
 
 
-def photo_like(width: int, height: int, seed: int, mode: str = "RGB") -> bytes:
+def photo_like(width: int, height: int, seed: int, mode: str = "RGB", **options) -> bytes:
     """Smooth random colour field + noise (photo-like entropy), JPEG q90."""
     rng = np.random.default_rng(seed)
     low = Image.fromarray(rng.integers(0, 256, (3, 4, 3), dtype=np.uint8))
     smooth = np.asarray(low.resize((width, height), Image.Resampling.BICUBIC), dtype=np.float32)
     noisy = np.clip(smooth + rng.standard_normal(smooth.shape, dtype=np.float32) * 8, 0, 255)
-    return encode(Image.fromarray(noisy.astype(np.uint8)).convert(mode))
+    return encode(Image.fromarray(noisy.astype(np.uint8)).convert(mode), **options)
 
 
 def shapes(size: int, seed: int) -> bytes:
@@ -69,15 +69,16 @@ def test_dct_scale_is_the_largest_that_keeps_the_box_at_or_above_the_output():
     assert dct_scale(300, 700, 64, 160) == 4  # non-square output: each side against its own
 
 
-SIZES = [((256, 256), "RGB"), ((512, 512), "RGB"), ((800, 600), "RGB"), ((600, 1100), "RGB"),
-         ((1000, 1000), "L"), ((700, 500), "CMYK")]
+SIZES = [((256, 256), "RGB", {}), ((512, 512), "RGB", {}), ((800, 600), "RGB", {}),
+         ((600, 1100), "RGB", {}), ((1000, 1000), "L", {}), ((700, 500), "CMYK", {}),
+         ((900, 700), "RGB", {"progressive": True}), ((640, 640), "RGB", {"subsampling": 0})]
 
 
-@pytest.mark.parametrize("size,mode", SIZES)
-def test_same_crop_boxes_and_rng_as_the_plain_transform(size, mode):
+@pytest.mark.parametrize("size,mode,options", SIZES)
+def test_same_crop_boxes_and_rng_as_the_plain_transform(size, mode, options):
     """(a) exact: the box is get_params on the fully decoded image under the same seed, and the
     whole transform leaves the torch RNG in the same state."""
-    data = photo_like(*size, seed=size[0], mode=mode)
+    data = photo_like(*size, seed=size[0], mode=mode, **options)
     crop = TRAIN.transforms[0]
     for seed in range(5):
         torch.manual_seed(seed)
