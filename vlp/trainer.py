@@ -6,6 +6,10 @@ One optimizer step (`train_step`) sees `accum_steps` micro-batches per rank; the
 batch is per_device × world × accum (DESIGN.md §3.3). Features are gathered across ranks with
 autograd (vlp.distributed), every anchor is contrasted with the global batch, and DDP averages
 the per-rank gradients, which equals the gradient of the global mean loss.
+
+`train.parallel=fsdp` shards the model instead (vlp.parallel, FSDP2): the reduce-scatter averages
+like DDP, checkpoints are DCP directories (each rank writes its shards), and evaluation and the
+final export use the full weights gathered on the main process.
 """
 
 from __future__ import annotations
@@ -314,7 +318,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """The replicated checkpoint (step_N.pt): full model and optimizer state plus `meta_state`."""
+        """The replicated checkpoint (step_N.pt, train.parallel=ddp): full model and optimizer state
+        plus `meta_state`. Under FSDP the tensors go to a DCP directory instead (save_checkpoint)."""
         return {"model": self.unwrapped.clip.state_dict(), "optimizer": self.optimizer.state_dict(),
                 **self.meta_state()}
 
