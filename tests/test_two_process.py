@@ -38,6 +38,10 @@ class _TwoRankStream:
 
     def __init__(self, loaders):
         self.loaders = loaders
+        self.num_batches = loaders[0].num_batches
+
+    def rest_of_epoch(self, epoch):  # checkpoints of this reference are never resumed elsewhere
+        return None
 
     def epochs(self, epoch, start_batch):
         for parts in zip(*(loader.epochs(epoch, start_batch) for loader in self.loaders)):
