@@ -30,8 +30,10 @@ what its worker skipped since its previous batch, and ``Loader.stats`` sums them
 image header are dropped before shuffling; an image that fails to decode after the shuffle is
 replaced by the stream's next sample, and skipped batches make the same replacements from a
 cheap check (``image_decodes``: JPEG entropy decoding at 1/8 scale), so a resumed epoch
-yields exactly the batches the uninterrupted one would have. A resumed run must use the
-same num_workers, world_size and batch_size.
+yields exactly the batches the uninterrupted one would have. An exact resume needs the same
+num_workers, world_size and batch_size. To go on under another layout, ``Loader.rest_of_epoch``
+names the pieces of the epoch not consumed yet (each batch carries its worker's), and
+``make_loader(pieces=...)`` reads them as the rest of that epoch (vlp/resume.py).
 """
 
 from __future__ import annotations
