@@ -285,6 +285,14 @@ def test_disk_full_while_saving_is_one_line_and_keeps_earlier(capsys, run_copy):
     assert snapshot(ckpts) == before and not os.path.lexists(tmp)
 
 
+def test_disk_full_while_logging_is_one_line(capsys, tiny_shards, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    os.symlink("/dev/full", out / "log.jsonl")  # every log write hits the kernel's ENOSPC
+    rc, _, err = run(capsys, *train(tiny_shards["train"], out))
+    one_error(rc, err, "cannot write", "No space left on device")
+
+
 def _nan_after(trainer, step):
     real = trainer.loss_fn
 

@@ -7,6 +7,7 @@ Errors a user can fix (bad config, missing path, bad data) print one line
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
@@ -165,6 +166,13 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("VLP_DEBUG"):
             raise
         print(f"vlp: error: {user_message(e)}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        # a full or read-only disk while writing logs, configs or results: the user's to fix
+        if os.environ.get("VLP_DEBUG") or e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise
+        print(f"vlp: error: cannot write {e.filename or 'output'}: {os.strerror(e.errno)} "
+              "(checkpoints already written are unchanged)", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001  (only peer failures are turned into one line)
         if os.environ.get("VLP_DEBUG") or not peer_failure(e):
