@@ -123,16 +123,20 @@ def test_a_dead_or_frozen_node_ends_the_other_within_the_timeout(tiny_shards, tm
     port = _port()
     args = _train_args(tiny_shards, tmp_path, "train.samples=100000", f"train.dist_timeout_s={timeout_s}")
     nodes = [_launch(args, machines=2, rank=r, port=port, wait=False) for r in (0, 1)]
+    frozen = []
     try:
         _wait_for_steps(tmp_path, 2, nodes)
         if fault == "killed":
             os.killpg(nodes[1].pid, signal.SIGKILL)
         else:
-            os.kill(_children(nodes[1].pid)[0], signal.SIGSTOP)
+            frozen = _children(nodes[1].pid)
+            os.kill(frozen[0], signal.SIGSTOP)
         start = time.time()
         _, err = nodes[0].communicate(timeout=timeout_s + 90)
         took = time.time() - start
     finally:
+        for pid in frozen:  # a stopped rank cannot watch its launcher: end it here
+            os.kill(pid, signal.SIGKILL)
         for node in nodes:
             if node.poll() is None:
                 os.killpg(node.pid, signal.SIGKILL)
