@@ -43,6 +43,8 @@ def _trainer_runs(rank, world, shards, root):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+    from accelerate.state import AcceleratorState
+
     from vlp import parallel
     from vlp.trainer import Trainer
 
@@ -55,6 +57,7 @@ def _trainer_runs(rank, world, shards, root):
             _copy_checkpoint(root / resume_from, root / name)
         dist.barrier()
         extra = [f"train.parallel={parallel_mode}", *extra] + (["train.resume=latest"] if resume_from else [])
+        AcceleratorState._reset_state()  # precision may differ from the previous run's (the group stays)
         trainer = Trainer(_config(shards, root / name, *extra))
         trainer.train()
         return trainer
@@ -71,6 +74,9 @@ def _trainer_runs(rank, world, shards, root):
         torch.save(full, root / "fsdp_full_state.pt")
     (root / f"shards_rank{rank}.json").write_text(json.dumps(
         {"kinds": kinds, "local_numel": local, "param_bytes": params, "optim_bytes": optim}))
+    bf16 = run("fsdp_bf16", "fsdp", None, ("train.precision=bf16",))
+    (root / f"bf16_dtypes_rank{rank}.json").write_text(json.dumps(
+        sorted({str(parallel.local(p).dtype) for p in bf16.model.parameters()})))
     run("fsdp_from_ddp", "fsdp", "ddp/checkpoints/step_00000004.pt")
     run("ddp_from_dcp", "ddp", "fsdp/checkpoints/step_00000004")
     run("fsdp_resumed", "fsdp", "fsdp/checkpoints/step_00000004")
@@ -121,6 +127,20 @@ def test_fsdp_equals_ddp_with_accumulation_and_clipping(runs):
     worst = _max_diff(_weights(runs / "fsdp_accum"), _weights(runs / "ddp_accum"))
     print(f"FSDP vs DDP, accum_steps=2 and grad_clip (fp32): max |weight diff| = {worst:.2e}")
     assert worst < 1e-5
+
+
+def test_fsdp_bf16_policy_trains_like_fp32(runs):
+    """precision=bf16: blocks compute in bf16 (MixedPrecisionPolicy), master weights and AdamW
+    state stay fp32, and the run follows the fp32 one within bf16 rounding."""
+    assert json.loads((runs / "bf16_dtypes_rank0.json").read_text()) == ["torch.float32"]
+    log = lambda run: [r["infonce"] for r in map(json.loads, (run / "log.jsonl").read_text().splitlines())
+                       if "infonce" in r]
+    low, full = log(runs / "fsdp_bf16"), log(runs / "fsdp")
+    worst_loss = max(abs(a - b) for a, b in zip(low, full))
+    worst_weight = _max_diff(_weights(runs / "fsdp_bf16"), _weights(runs / "fsdp"))
+    print(f"FSDP bf16 vs fp32 over 12 steps: max |InfoNCE diff| = {worst_loss:.3f}, "
+          f"max |weight diff| = {worst_weight:.2e}")
+    assert len(low) == len(full) == 12 and worst_loss < 0.05 and 0 < worst_weight < 2e-2
 
 
 def _launch(shards, out, *extra, wait=True):
