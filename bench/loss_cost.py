@@ -74,7 +74,7 @@ def make_step(variant: str, img, txt, log_scale, bias, b: int, offset: int):
     if variant in ("infonce", "flatnce", "flatnce_t_infonce", "siglip"):
         fn = {"infonce": infonce_loss, "flatnce": flatnce_loss, "flatnce_t_infonce": flatnce_loss,
               "siglip": siglip_loss}[variant]
-        kw = {"scale_grad": "infonce" if "t_infonce" in variant else "same", "offset": offset}
+        kw = {"scale_grad": "split" if "t_infonce" in variant else "same", "offset": offset}
 
         def step():
             clear()

@@ -23,7 +23,7 @@ import torch
 VARIANTS = {  # name: (loss, temperature)
     "infonce": ("infonce", "learnable"),
     "flatnce": ("flatnce", "learnable"),
-    "flatnce_t_infonce": ("flatnce", "infonce"),
+    "flatnce_t_infonce": ("flatnce", "split"),
     "siglip": ("siglip", "learnable"),
 }
 
@@ -36,11 +36,13 @@ def make_step(variant: str, model_name: str):
     loss_name, temperature = VARIANTS[variant]
     torch.manual_seed(0)
     from vlp.model import build_model
+    from vlp.temperature import temperature_policy
 
-    model, *_ = build_model(ModelConfig(name=model_name), LossConfig(name=loss_name, temperature=temperature))
+    loss_cfg = LossConfig(name=loss_name, temperature=temperature)
+    model, *_ = build_model(ModelConfig(name=model_name), loss_cfg)
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, fused=True)
     loss_fn = get_loss(loss_name)
-    scale_grad = "infonce" if temperature == "infonce" else "same"
+    scale_grad = temperature_policy(loss_cfg).scale_grad
 
     def step(images, text):
         out = model(images, text)

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-for mode in "infonce 0.07" "fixed 0.07"; do
+for mode in "split 0.07" "fixed 0.07"; do
   set -- $mode
   .venv/bin/vlp compare -c configs/compare_small_batch.yaml "grid.losses=[flatnce]" "grid.batch_per_device=[8,32]" \
     loss.name=flatnce loss.temperature=$1 loss.tau=$2 grid.out_dir=runs/flatnce_temperature/$1-tau$2 | tail -8

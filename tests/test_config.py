@@ -20,7 +20,7 @@ def test_demo_config_loads_with_overrides():
     (["data.batch_per_device=abc"], "data.batch_per_device must be int"),
     (["data.batch_per_device=0"], "data.batch_per_device must be > 0"),
     (["loss.name=nce"], "loss.name must be one of"),
-    (["loss.temperature=infonce"], "only applies to loss.name=flatnce"),
+    (["loss.temperature=split"], "only applies to loss.name=flatnce"),
     (["train.resume=/nope/ckpt.pt"], "train.resume must be 'latest' or an existing checkpoint"),
     (["loss"], "must look like key.sub=value"),
 ])
@@ -45,7 +45,7 @@ def test_missing_and_invalid_files(tmp_path):
 
 
 def test_temperature_default_depends_on_loss():
-    assert load_config(DEMO, ["loss.name=flatnce"]).loss.temperature == "infonce"
+    assert load_config(DEMO, ["loss.name=flatnce"]).loss.temperature == "split"
     assert load_config(DEMO, ["loss.name=infonce"]).loss.temperature == "learnable"
     assert load_config(DEMO, ["loss.name=siglip"]).loss.temperature == "learnable"
     assert load_config(DEMO, ["loss.name=flatnce", "loss.temperature=fixed"]).loss.temperature == "fixed"

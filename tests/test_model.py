@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from vlp.config import LossConfig, ModelConfig
+from vlp.losses import siglip_init
 from vlp.model import DualEncoderOutput, build_model
 
 
@@ -18,8 +19,11 @@ def test_forward_is_typed_and_normalised():
 
 def test_siglip_and_fixed_temperature_init():
     model, *_ = build_model(ModelConfig(name="vlp-micro"), LossConfig(name="siglip"))
-    assert model.clip.logit_scale.exp().item() == pytest.approx(10.0, rel=1e-5)
-    assert model.clip.logit_bias.item() == -10.0
+    init = siglip_init()  # production starts SigLIP from the published init, not a copy of it
+    assert model.clip.logit_scale.item() == pytest.approx(init.logit_scale, abs=1e-6)
+    assert model.clip.logit_bias.item() == init.logit_bias
+    model, *_ = build_model(ModelConfig(name="vlp-micro"), LossConfig(name="siglip", tau=0.07))
+    assert model.clip.logit_scale.item() == pytest.approx(math.log(1 / 0.07), abs=1e-6)  # a set tau is 1/tau
     model, *_ = build_model(ModelConfig(name="vlp-micro"), LossConfig(temperature="fixed", tau=0.05))
     assert not model.clip.logit_scale.requires_grad
     assert model.clip.logit_scale.item() == pytest.approx(math.log(20.0))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
 import yaml
+
+from vlp import temperature
 
 
 class ConfigError(ValueError):
@@ -81,14 +84,17 @@ class DataConfig:
 class LossConfig:
     name: Literal["infonce", "flatnce", "siglip"] = "infonce"
     """Contrastive loss over the gathered global batch."""
-    temperature: Optional[Literal["learnable", "fixed", "infonce"]] = None
-    """learnable: logit_scale trained by the loss; fixed: tau below, never trained;
-    infonce: (FlatNCE only) encoders get FlatNCE's gradient, logit_scale InfoNCE's.
-    Unset: 'infonce' for FlatNCE (best of the three on the small-batch grid, and it keeps
-    logit_scale off the clamp; see README "Losses and temperature"), 'learnable' otherwise."""
-    tau: float = 0.07
-    """Initial temperature (learnable/infonce) or the fixed one (fixed), in (0, 1] with
-    1/tau <= max_logit_scale. SigLIP uses 0.1."""
+    temperature: Optional[Literal["learnable", "fixed", "split"]] = None
+    """learnable: logit_scale trained by the loss; fixed: 1/tau, never trained;
+    split: (FlatNCE only) encoders get FlatNCE's gradient, logit_scale InfoNCE's.
+    Unset: 'split' for FlatNCE (best of the three on the small-batch grid, and it keeps
+    logit_scale off the clamp; see README "Losses and temperature"), 'learnable' otherwise.
+    The old name 'infonce' for 'split' is still read (configs and checkpoints of older runs).
+    vlp/temperature.py turns this section into the model's init and the trainer's rules."""
+    tau: Optional[float] = None
+    """Initial temperature (learnable/split) or the fixed one (fixed), in (0, 1] with
+    1/tau <= max_logit_scale. Unset: the loss's published init (CLIP 0.07; SigLIP's
+    siglip_init(), logit_scale 10 and bias -10)."""
     max_logit_scale: float = 100.0
     """logit_scale = 1/tau is clamped to [1, max_logit_scale] after each optimizer step."""
 
@@ -180,17 +186,20 @@ class Config:
         for key, rule in RULES.items():
             rule.check(key, _get(self, key))
         if self.loss.temperature is None:
-            self.loss.temperature = "infonce" if self.loss.name == "flatnce" else "learnable"
-        if self.loss.temperature == "infonce" and self.loss.name != "flatnce":
-            raise ConfigError("config: loss.temperature=infonce only applies to loss.name=flatnce")
+            self.loss.temperature = temperature.default_mode(self.loss.name)
+        try:
+            policy = temperature.temperature_policy(self.loss)
+        except ValueError as e:
+            raise ConfigError(f"config: {e}") from None
         if self.train.parallel == "fsdp" and (self.train.precision == "fp16" or self.train.compile):
             what = "precision=fp16 (use bf16)" if self.train.precision == "fp16" else "compile=true"
             raise ConfigError(f"config: train.parallel=fsdp does not support train.{what}")
-        if 1.0 / self.loss.tau > self.loss.max_logit_scale * (1 + 1e-9):
+        scale = math.exp(policy.init_log_scale)
+        if scale > self.loss.max_logit_scale * (1 + 1e-9):
             raise ConfigError(
-                f"config: loss.tau={self.loss.tau!r} gives logit_scale 1/tau={1 / self.loss.tau:.4g} above "
+                f"config: loss.tau={self.loss.tau!r} gives initial logit_scale {scale:.4g} above "
                 f"loss.max_logit_scale={self.loss.max_logit_scale!r}: the clamp would change it silently; "
-                f"raise loss.max_logit_scale or tau")
+                f"raise loss.max_logit_scale or set tau")
         return self
 
     def to_dict(self) -> dict:
@@ -354,6 +363,10 @@ def _check_type(key: str, value: Any, tp: Any) -> Any:
     return value
 
 
+RENAMED_VALUES: dict[str, dict[str, str]] = {"loss.temperature": temperature.RENAMED_MODES}
+"""Old values still read (older runs' configs and checkpoints), mapped to their new names."""
+
+
 def from_dict(data: dict, cls: type = Config, prefix: str = "") -> Any:
     """Build a dataclass tree from nested dicts, rejecting unknown keys and bad types."""
     if not isinstance(data, dict):
@@ -365,6 +378,10 @@ def from_dict(data: dict, cls: type = Config, prefix: str = "") -> Any:
         if key not in names:
             raise ConfigError(f"config: unknown key '{prefix}{key}' (valid: {', '.join(sorted(names))})")
         tp = hints[key]
+        renamed = RENAMED_VALUES.get(f"{prefix}{key}", {})
+        if isinstance(value, str) and value in renamed:
+            print(f"vlp: note: {prefix}{key}={value} is now called {renamed[value]!r}", file=sys.stderr)
+            value = renamed[value]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = from_dict(value, tp, f"{prefix}{key}.")
         else:

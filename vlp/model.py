@@ -11,17 +11,18 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import open_clip
 import torch
 import torch.nn.functional as F
 from open_clip.transformer import text_global_pool
 from torch import nn
+
+from vlp.temperature import temperature_policy
 
 MODEL_CONFIG_DIR = Path(__file__).parent / "model_configs"
 open_clip.add_model_config(MODEL_CONFIG_DIR)
@@ -48,10 +49,22 @@ class DualEncoder(nn.Module):
 
     TRIM_MULTIPLE = 8  # keep lengths on a few shapes (compile, tensor cores)
 
-    def __init__(self, clip: nn.Module, text_pad_id: Optional[int] = None):
+    def __init__(self, clip: nn.Module, text_pad_id: Optional[int] = None, frozen: Sequence[str] = (),
+                 preprocess: Optional[dict] = None):
         super().__init__()
         self.clip = clip
         self.text_pad_id = text_pad_id if _trimmable_text_tower(clip) else None
+        self.frozen = list(frozen)  # submodules of `clip` locked by model.lock_* (vlp.towers)
+        self.preprocess = dict(preprocess or {})  # image preprocessing of the tower, saved in checkpoints
+
+    def train(self, mode: bool = True) -> "DualEncoder":
+        """Locked submodules stay in eval mode while the rest trains: their BatchNorm statistics
+        (buffers, which requires_grad does not cover) and dropout stay fixed, so a locked tower
+        is bit-identical after training."""
+        super().train(mode)
+        for name in self.frozen:
+            self.clip.get_submodule(name).eval()
+        return self
 
     def encode_image(self, image: torch.Tensor, normalize: bool = True) -> torch.Tensor:
         return self.clip.encode_image(image, normalize=normalize)
@@ -138,19 +151,16 @@ def with_hf_text_tower(name: str, hf_dir: str) -> str:
 def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu"):
     """Return (DualEncoder, tokenizer, train_transform, eval_transform).
 
-    Temperature: logit_scale starts at log(1/tau); for SigLIP at log(10) with bias -10
-    (SigLIP paper / open_clip) unless tau is overridden from its default.
+    Temperature (initial logit_scale / logit_bias, trainability): vlp.temperature's policy
+    for `loss_cfg`.
     """
     name = resolve_model_name(model_cfg.name)
     if model_cfg.hf_text_dir:
         name = with_hf_text_tower(name, model_cfg.hf_text_dir)
-    siglip = loss_cfg.name == "siglip"
-    tau = loss_cfg.tau
-    if siglip and math.isclose(tau, 0.07):
-        tau = 0.1
-    kwargs = dict(init_logit_scale=math.log(1.0 / tau))
-    if siglip:
-        kwargs["init_logit_bias"] = -10.0
+    policy = temperature_policy(loss_cfg)
+    kwargs = dict(init_logit_scale=policy.init_log_scale)
+    if policy.init_logit_bias is not None:
+        kwargs["init_logit_bias"] = policy.init_logit_bias
     with _without_random_init_notice():
         clip, train_tf, eval_tf = open_clip.create_model_and_transforms(name, device=device, **kwargs)
     if model_cfg.pretrained:
@@ -161,9 +171,9 @@ def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu"):
         clip.lock_image_tower(unlocked_groups=model_cfg.lock_image_unlocked_groups)
     if model_cfg.lock_text:
         clip.lock_text_tower(unlocked_layers=model_cfg.lock_text_unlocked_layers)
-    if loss_cfg.temperature == "fixed":
+    if not policy.trainable:  # also over a pretrained checkpoint's value
         with torch.no_grad():
-            clip.logit_scale.fill_(math.log(1.0 / tau))
+            clip.logit_scale.fill_(policy.init_log_scale)
         clip.logit_scale.requires_grad_(False)
     tokenizer = open_clip.get_tokenizer(name)
     pad_id = 0 if isinstance(tokenizer, open_clip.tokenizer.SimpleTokenizer) else None  # pads with 0

@@ -32,8 +32,7 @@ from vlp.config import Config, ConfigError, save_config
 from vlp.distributed import exit_with_launcher, gather_with_grad, positive_offset
 from vlp.losses import get_loss
 from vlp.model import DualEncoder, build_model
-
-LOG_SCALE_MIN = 0.0  # logit_scale >= 1  (tau <= 1)
+from vlp.temperature import temperature_policy
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -103,8 +102,7 @@ class Trainer:
         if self.sharded:  # before the optimizer: FSDP2 replaces the parameters by DTensor shards
             model = self.shard(model)
         self.loss_fn = get_loss(cfg.loss.name)
-        self.scale_grad = "infonce" if cfg.loss.temperature == "infonce" else "same"
-        self.max_log_scale = math.log(cfg.loss.max_logit_scale)
+        self.temperature = temperature_policy(cfg.loss)  # gradient routing and clamp of logit_scale
         # fused AdamW: one kernel over all parameters (1.3x end-to-end on CPU, BENCHMARKS.md)
         optimizer = torch.optim.AdamW(
             param_groups(model, cfg.optim.weight_decay),
@@ -212,7 +210,7 @@ class Trainer:
         offset = positive_offset(img_local.shape[0], img_global.shape[0])
         return self.loss_fn(
             img_local, txt_local, img_global, txt_global, scale, bias,
-            offset=offset, scale_grad=self.scale_grad,
+            offset=offset, scale_grad=self.temperature.scale_grad,
         )
 
     def compute_gradients(self, micro_batches: list[dict]) -> tuple[torch.Tensor, dict]:
@@ -289,8 +287,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.samples_seen += self.global_batch
         self.scheduler.step()
-        with torch.no_grad():  # clamp the temperature: 1 <= logit_scale <= max (open_clip rule)
-            self.unwrapped.log_logit_scale.clamp_(LOG_SCALE_MIN, self.max_log_scale)
+        self.temperature.clamp_(self.unwrapped.log_logit_scale)
         self.step += 1
         metrics = dict(metrics) if finite else {"nonfinite": 1.0}
         metrics["lr"] = self.scheduler.get_last_lr()[0]

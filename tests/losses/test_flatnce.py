@@ -77,7 +77,7 @@ def test_loss_gradient_is_reweighted_infonce(b, big_b, offset, t_value):
     assert metrics["flatnce"] == 1.0
 
 
-@pytest.mark.parametrize("scale_grad", ["same", "infonce"])
+@pytest.mark.parametrize("scale_grad", ["same", "split"])
 @pytest.mark.parametrize("b,big_b,offset", CASES)
 def test_value_equals_infonce(scale_grad, b, big_b, offset):
     leaves = make_case(b, big_b, offset, 20.0, seed=3)
@@ -90,9 +90,9 @@ def test_value_equals_infonce(scale_grad, b, big_b, offset):
 
 @pytest.mark.parametrize("b,big_b,offset", CASES)
 def test_scale_grad_infonce_splits_gradients(b, big_b, offset):
-    """scale_grad="infonce": d/dt is InfoNCE's, d/dfeatures is FlatNCE's ("same" mode)."""
+    """scale_grad="split": d/dt is InfoNCE's, d/dfeatures is FlatNCE's ("same" mode)."""
     leaves = make_case(b, big_b, offset, 12.0, seed=11)
-    split, _ = flatnce_loss(*leaves, offset=offset, scale_grad="infonce")
+    split, _ = flatnce_loss(*leaves, offset=offset, scale_grad="split")
     same, _ = flatnce_loss(*leaves, offset=offset, scale_grad="same")
     info, _ = infonce_loss(*leaves, offset=offset)
     g_split = torch.autograd.grad(split, leaves)
@@ -108,7 +108,7 @@ def test_scale_grad_infonce_with_frozen_features():
     """Only the temperature trains (both towers locked): d/dt is still InfoNCE's."""
     leaves = make_case(3, 9, 6, 12.0, seed=5)
     frozen = [x.detach() for x in leaves[:4]] + [leaves[4]]
-    split, _ = flatnce_loss(*frozen, offset=6, scale_grad="infonce")
+    split, _ = flatnce_loss(*frozen, offset=6, scale_grad="split")
     info, _ = infonce_loss(*frozen, offset=6)
     (g_split,) = torch.autograd.grad(split, [leaves[4]])
     (g_info,) = torch.autograd.grad(info, [leaves[4]])
@@ -121,7 +121,7 @@ def _assert_finite(loss, leaves):
         assert torch.isfinite(g).all()
 
 
-@pytest.mark.parametrize("scale_grad", ["same", "infonce"])
+@pytest.mark.parametrize("scale_grad", ["same", "split"])
 def test_finite_edge_cases(scale_grad):
     t100 = torch.tensor(100.0, requires_grad=True)
     # B = 2
@@ -143,7 +143,7 @@ def test_finite_edge_cases(scale_grad):
     assert g_flat.abs().max() > 1.0 and g_info.abs().max() < 1e-30
 
 
-@pytest.mark.parametrize("scale_grad", ["same", "infonce"])
+@pytest.mark.parametrize("scale_grad", ["same", "split"])
 def test_finite_under_bf16_autocast(scale_grad):
     gen = torch.Generator().manual_seed(0)
     enc = torch.nn.Linear(8, 8)

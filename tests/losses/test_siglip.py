@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import open_clip.loss as oc_loss
 import pytest
@@ -73,16 +74,27 @@ def test_no_bias_means_zero_bias():
     assert metrics["logit_bias"] == 0.0
 
 
-def test_init_constants():
+def test_init_matches_open_clip_and_starts_every_pair_negative():
+    """The bias is the one open_clip ships with its SigLIP models (an independent source), and
+    with t = exp(logit_scale) every logit t * s + bias, |s| <= 1, starts at or below 0: each pair,
+    even an identical one, is first predicted a negative, as the b^2 - b negatives outnumber the
+    b positives (the point of the SigLIP init)."""
+    import json
+
+    import open_clip
+
     init = siglip_init()
-    assert init.logit_scale == pytest.approx(math.log(10.0)) and init.logit_bias == -10.0
+    shipped = json.loads((Path(open_clip.__file__).parent / "model_configs" / "ViT-B-16-SigLIP.json").read_text())
+    assert init.logit_bias == shipped["init_logit_bias"]
+    largest_logit = math.exp(init.logit_scale) * 1.0 + init.logit_bias  # s = 1: identical features
+    assert largest_logit <= 1e-9
 
 
-def test_rejects_scale_grad_infonce():
+def test_rejects_scale_grad_split():
     gen = torch.Generator().manual_seed(0)
     img, txt = unit(2, 3, gen), unit(2, 3, gen)
     with pytest.raises(ValueError, match="scale_grad"):
-        siglip_loss(img, txt, img, txt, scalar(10.0), scalar(-10.0), scale_grad="infonce")
+        siglip_loss(img, txt, img, txt, scalar(10.0), scalar(-10.0), scale_grad="split")
 
 
 def test_fp32_inside_bf16_autocast():

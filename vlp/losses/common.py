@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-SCALE_GRAD_MODES = ("same", "infonce")
+SCALE_GRAD_MODES = ("same", "split")  # vlp.temperature picks one per run
 
 
 def check_inputs(
@@ -146,7 +146,7 @@ class _NegativeLSESplit(torch.autograd.Function):
     second's only t. The matmul is done here so that t's gradient comes from the (b, d) side,
     as a plain matmul's would: with G_i = g_i (w_i - e_p) (w = softmax over the negatives),
     R_i . (G @ C)_i = g_i (sum_j w_ij L_ij - L_ip) = g_i t dv_i/dt. FlatNCE's
-    `temperature: infonce` at the cost of InfoNCE: one matmul and one log_softmax forward, two
+    `temperature: split` at the cost of InfoNCE: one matmul and one log_softmax forward, two
     matmuls backward per direction."""
 
     @staticmethod

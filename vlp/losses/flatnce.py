@@ -15,7 +15,7 @@ FlatNCE's; it is computed by one small autograd Function (``_FlatObjective``: va
 mean_i log(1 + e^{v_i}), gradient 1/n per anchor on v). Both directions averaged, as in InfoNCE.
 
 ``scale_grad``: "same" -- every input (features, logit_scale) gets FlatNCE's gradient;
-"infonce" -- features get FlatNCE's gradient, logit_scale gets InfoNCE's (FlatNCE's gradient
+"split" -- features get FlatNCE's gradient, logit_scale gets InfoNCE's (FlatNCE's gradient
 w.r.t. t, mean_i E_w[s_ij - s_ip], does not calibrate a temperature). Implemented with one matmul
 and one log_softmax per direction: logits on t.detach(), the scale's gradient routed by
 ``negative_lse_split`` from the (b, d) side of the matmul's backward.
@@ -24,7 +24,7 @@ Shapes: img_local, txt_local (b, d); img_global, txt_global (B, d), L2-normalise
 logit_scale t (0-d). Memory O(b * B); math in fp32 under autocast.
 
 Usage: ``loss, metrics = flatnce_loss(img_b, txt_b, img_B, txt_B, logit_scale,
-offset=positive_offset(b), scale_grad="infonce")``
+offset=positive_offset(b), scale_grad="split")``
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def flatnce_loss(
             # (2b,) anchors of both directions; the mean over 2b averages the two directions
             v = torch.cat([p.v for p in parts])
             loss = _FlatObjective.apply(v, v.detach())
-        else:  # "infonce": features <- FlatNCE gradient, logit_scale <- InfoNCE gradient
+        else:  # "split": features <- FlatNCE gradient, logit_scale <- InfoNCE gradient
             t_fixed = t.detach()  # the logits' gradient reaches the features only
             outs = [negative_lse_split(t_fixed * rows, cols, t, pos_idx, pos_mask)
                     for rows, cols in directions]

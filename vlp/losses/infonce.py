@@ -45,7 +45,7 @@ def infonce_loss(
     """Symmetric InfoNCE; returns (loss, metrics) with metrics as in vlp.losses.diagnostics.
 
     ``logit_bias`` is added like open_clip does; softmax is shift-invariant, so it changes nothing.
-    ``scale_grad`` is accepted for the shared signature: "same" and "infonce" coincide here.
+    ``scale_grad`` is accepted for the shared signature: "same" and "split" coincide here.
     """
     b, big_b = check_inputs(img_local, txt_local, img_global, txt_global, offset, scale_grad)
     device = img_local.device

@@ -64,7 +64,7 @@ def siglip_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """Sigmoid loss; returns (loss, metrics): the diagnostics plus "siglip" and "logit_bias".
 
-    ``scale_grad`` must be "same" (the "infonce" split is FlatNCE-specific).
+    ``scale_grad`` must be "same" (the "split" routing is FlatNCE-specific).
     """
     b, big_b = check_inputs(
         img_local, txt_local, img_global, txt_global, offset, scale_grad, ("same",)

@@ -1,0 +1,92 @@
+"""Temperature policy: the one place that decides how logit_scale (and SigLIP's logit_bias)
+start, whether they train, which gradient they get and where they are clamped.
+
+    policy = temperature_policy(cfg.loss)
+    # build_model: init_log_scale, init_logit_bias, trainable
+    # the trainer: scale_grad (passed to every loss call), clamp_() after each optimizer step
+
+The model stores log t (t = logit_scale = 1/tau) and returns t = exp(log t).
+
+Modes (`loss.temperature`):
+  learnable  log t is a parameter trained by the loss's own gradient;
+  fixed      t = 1/tau, never trained (also after loading pretrained weights);
+  split      (FlatNCE only) the encoders get FlatNCE's gradient, log t gets InfoNCE's:
+             FlatNCE's gradient w.r.t. t, mean_i E_w[s_ij - s_ip], does not calibrate a
+             temperature and drives t to the clamp (README "Losses and temperature").
+Unset: `split` for FlatNCE (best of the three on the small-batch grid), `learnable` otherwise.
+
+Initial values when `loss.tau` is unset: CLIP's t = 1/0.07 (open_clip's default
+init_logit_scale) for the softmax losses, `siglip_init()` (t = 10, bias = -10) for SigLIP. A set
+`tau` always means t = 1/tau; SigLIP keeps its bias init either way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+# torch (and the losses, which need it) are imported inside the functions that use them:
+# vlp.config validates with this module, and config errors must come before torch's import.
+CLIP_TAU = 0.07  # CLIP (Radford et al. 2021): logit_scale starts at 1/0.07
+MIN_LOG_SCALE = 0.0  # t >= 1 (tau <= 1): open_clip's clamp keeps the temperature at most 1
+MODES = ("learnable", "fixed", "split")
+RENAMED_MODES = {"infonce": "split"}  # old name -> current one (accepted with a note)
+
+
+def default_mode(loss_name: str) -> str:
+    """The temperature mode used when `loss.temperature` is unset."""
+    return "split" if loss_name == "flatnce" else "learnable"
+
+
+@dataclass(frozen=True)
+class TemperaturePolicy:
+    """Everything about logit_scale / logit_bias a LossConfig decides."""
+
+    mode: str  # one of MODES
+    init_log_scale: float  # log t at initialisation (and the fixed value in mode "fixed")
+    init_logit_bias: Optional[float]  # SigLIP's bias at initialisation; None: the model has none
+    trainable: bool  # whether log t is a trained parameter
+    scale_grad: str  # the losses' `scale_grad`: "same" or "split" (see vlp/losses/flatnce.py)
+    max_log_scale: float  # log t is clamped to [MIN_LOG_SCALE, max_log_scale] after each step
+
+    def clamp_(self, log_scale) -> None:
+        """Clamp the log-scale parameter in place (after the optimizer step, open_clip's rule)."""
+        import torch
+
+        with torch.no_grad():
+            log_scale.clamp_(MIN_LOG_SCALE, self.max_log_scale)
+
+
+def initial_log_scale(loss_name: str, tau: Optional[float]) -> float:
+    """log t at initialisation: log(1/tau) for a set tau, else the loss's published init."""
+    if tau is not None:
+        return math.log(1.0 / tau)
+    if loss_name == "siglip":
+        from vlp.losses.siglip import siglip_init
+
+        return siglip_init().logit_scale
+    return math.log(1.0 / CLIP_TAU)
+
+
+def temperature_policy(loss_cfg) -> TemperaturePolicy:
+    """Map a LossConfig (validated or not: an unset mode gets its default) to its policy."""
+    mode = loss_cfg.temperature or default_mode(loss_cfg.name)
+    mode = RENAMED_MODES.get(mode, mode)
+    if mode not in MODES:
+        raise ValueError(f"loss.temperature must be one of {list(MODES)}, got {mode!r}")
+    if mode == "split" and loss_cfg.name != "flatnce":
+        raise ValueError("loss.temperature=split only applies to loss.name=flatnce")
+    bias = None
+    if loss_cfg.name == "siglip":
+        from vlp.losses.siglip import siglip_init
+
+        bias = siglip_init().logit_bias
+    return TemperaturePolicy(
+        mode=mode,
+        init_log_scale=initial_log_scale(loss_cfg.name, loss_cfg.tau),
+        init_logit_bias=bias,
+        trainable=mode != "fixed",
+        scale_grad="split" if mode == "split" else "same",
+        max_log_scale=math.log(loss_cfg.max_logit_scale),
+    )
