@@ -143,6 +143,16 @@ class _Plan:
             raise ValueError(f"{self.n} samples cannot fill one batch of {batch_size} on each "
                              f"of {world_size} ranks")
 
+    def sample_id(self, shard: int, index: int) -> int:
+        """A stable id in [0, sum(sizes)): the sample's position in the (unshuffled) shard list.
+        The same for any world size, worker count, epoch or mode, so per-sample state (SogCLR's
+        normalisers) follows the sample across layouts."""
+        if not hasattr(self, "_id_base"):
+            self._id_base = [0]
+            for size in self.sizes[:-1]:
+                self._id_base.append(self._id_base[-1] + size)
+        return self._id_base[shard] + index
+
     def rank_range(self) -> tuple[int, int]:
         """Sequential mode: near-equal contiguous ranges covering every sample once."""
         base, extra = divmod(self.n, self.world)
@@ -333,7 +343,7 @@ class _Stream:
         (``probe``: decide with ``image_decodes`` only, for skipped batches)."""
         out, failed, size = [], 0, len(chunk)
         while chunk:
-            key, data, caption, *_ = chunk.pop(0)
+            key, data, caption, *where = chunk.pop(0)  # where: [(shard, index)] in split/resampled
             try:
                 if probe:
                     if not image_decodes(data):
@@ -351,7 +361,7 @@ class _Stream:
                 if spare is not None:  # keep batches full: take the next sample instead
                     chunk.append(next(spare))
                 continue
-            out.append((key, image if probe else self.decoder.finish(image), caption))
+            out.append((key, image if probe else self.decoder.finish(image), caption, *where))
         return out
 
     def sequential(self, mine: list[int]) -> Iterator[dict]:
@@ -393,11 +403,14 @@ class _Stream:
         return out
 
     def collate(self, index: int, decoded: list) -> dict:
-        keys = [k for k, _, _ in decoded]
-        images = torch.stack([img for _, img, _ in decoded])
-        text = self.tokenize([c for _, _, c in decoded])
+        keys = [k for k, *_ in decoded]
+        images = torch.stack([s[1] for s in decoded])
+        text = self.tokenize([s[2] for s in decoded])
+        ids = {}
+        if all(len(s) == 4 for s in decoded):  # per-sample state (SogCLR) is keyed by this id
+            ids["sample_id"] = torch.tensor([self.plan.sample_id(*s[3]) for s in decoded])
         return {"image": images, "text": text, "key": keys, "skipped": self._take_skipped(),
-                "index": index, "epoch": self.epoch, **self.position()}
+                "index": index, "epoch": self.epoch, **ids, **self.position()}
 
 
 class _EpochDataset(torch.utils.data.IterableDataset):

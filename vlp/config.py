@@ -82,7 +82,7 @@ class DataConfig:
 
 @dataclass
 class LossConfig:
-    name: Literal["infonce", "flatnce", "siglip"] = "infonce"
+    name: Literal["infonce", "flatnce", "siglip", "sogclr"] = "infonce"
     """Contrastive loss over the gathered global batch."""
     temperature: Optional[Literal["learnable", "fixed", "split"]] = None
     """learnable: logit_scale trained by the loss; fixed: 1/tau, never trained;
@@ -97,10 +97,25 @@ class LossConfig:
     siglip_init(), logit_scale 10 and bias -10)."""
     max_logit_scale: float = 100.0
     """logit_scale = 1/tau is clamped to [1, max_logit_scale] after each optimizer step."""
+    gamma: float = 0.9
+    """SogCLR: moving-average rate of the per-sample normaliser u <- (1 - gamma) u + gamma g, in
+    (0, 1]; 1 gives FlatNCE's gradient (vlp/losses/sogclr.py). With gamma_schedule=cosine, the start."""
+    gamma_min: float = 0.2
+    """SogCLR, gamma_schedule=cosine: the value gamma decays to at the end of the run (FastCLIP)."""
+    gamma_schedule: Literal["constant", "cosine"] = "constant"
+    """SogCLR: constant gamma, or FastCLIP's cosine decay from gamma to gamma_min over the run."""
 
 
 @dataclass
 class OptimConfig:
+    name: Literal["adamw", "lars", "sgd"] = "adamw"
+    """adamw (fused); lars: SGD with momentum and LARS's layer-wise trust ratio (SimCLR/FlatNCE
+    recipe; biases, norms and logit_scale neither adapted nor decayed; vlp/optim.py); sgd: SGD
+    with momentum. beta1/beta2/eps apply to adamw only."""
+    momentum: float = 0.9
+    """lars/sgd: momentum."""
+    trust_coefficient: float = 0.001
+    """lars: eta in the trust ratio eta * ||w|| / (||grad|| + weight_decay * ||w||)."""
     lr: float = 5e-4
     """Peak learning rate."""
     weight_decay: float = 0.2
@@ -292,6 +307,12 @@ RULES: dict[str, Rule] = {
     "loss.temperature": ANY,
     "loss.tau": number(0, 1, lo_open=True),
     "loss.max_logit_scale": number(1),
+    "loss.gamma": number(0, 1, lo_open=True),
+    "loss.gamma_min": number(0, 1, lo_open=True),
+    "loss.gamma_schedule": ANY,
+    "optim.name": ANY,
+    "optim.momentum": number(0, 1, hi_open=True),
+    "optim.trust_coefficient": number(0, lo_open=True),
     "optim.lr": number(0, lo_open=True),
     "optim.weight_decay": number(0),
     "optim.beta1": number(0, 1, hi_open=True),

@@ -32,6 +32,7 @@ from vlp.config import Config, ConfigError, save_config
 from vlp.distributed import exit_with_launcher, gather_with_grad, positive_offset
 from vlp.losses import get_loss
 from vlp.model import DualEncoder, build_model
+from vlp.optim import build_optimizer
 from vlp.temperature import temperature_policy
 
 
@@ -101,14 +102,10 @@ class Trainer:
                               "launch with a plain multi-GPU config (launch/fsdp.yaml) and set train.parallel=fsdp")
         if self.sharded:  # before the optimizer: FSDP2 replaces the parameters by DTensor shards
             model = self.shard(model)
-        self.loss_fn = get_loss(cfg.loss.name)
+        self.loss_fn = self.make_loss_fn()  # sogclr: stateful (per-sample normalisers)
         self.temperature = temperature_policy(cfg.loss)  # gradient routing and clamp of logit_scale
         # fused AdamW: one kernel over all parameters (1.3x end-to-end on CPU, BENCHMARKS.md)
-        optimizer = torch.optim.AdamW(
-            param_groups(model, cfg.optim.weight_decay),
-            lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), eps=cfg.optim.eps,
-            fused=acc.device.type in ("cpu", "cuda"),
-        )
+        optimizer = build_optimizer(param_groups(model, cfg.optim.weight_decay), cfg.optim, acc.device.type)
         o = cfg.optim
         # the schedule follows samples seen (in steps of the current global batch), so a resume
         # with another global batch (train.resume_mode=continue) keeps it continuous
@@ -147,6 +144,19 @@ class Trainer:
                               "one process trains with train.parallel=ddp")
         device = self.accelerator.device
         return parallel.apply_fsdp(model.to(device), device.type, self.cfg.train.precision)
+
+    def make_loss_fn(self):
+        """The loss callable; SogCLR's keeps one normaliser per training sample and direction,
+        indexed by the stream's sample_id (the shard list's size) and committed after each step."""
+        loss = self.cfg.loss
+        self.loss_state = None  # a stateful loss (checkpointed, committed after each step)
+        if loss.name != "sogclr":
+            return get_loss(loss.name)
+        from vlp.losses.sogclr import SogCLRLoss
+
+        state = self.loss_state = SogCLRLoss(sum(self.train_loader.plan.sizes), loss.gamma, loss.gamma_min,
+                                             loss.gamma_schedule, self.total_steps)
+        return lambda *args, **kwargs: state(*args, ids=self._sample_ids, **kwargs)
 
     def no_sync(self):
         """Keep a non-last micro-step's gradients local: DDP's no_sync, or FSDP2's
@@ -229,6 +239,8 @@ class Trainer:
         trim = self.unwrapped.trim_text
         texts = [trim(b["text"]).to(dev, non_blocking=True) for b in micro_batches]
         k = len(micro_batches)
+        if self.loss_state is not None:  # a stateful loss: the ids of all local anchors
+            self._sample_ids = torch.cat([b["sample_id"] for b in micro_batches])
         if k == 1:
             out = self.model(images[0], texts[0])
             loss, metrics = self._loss(out.image_emb, out.text_emb, out.logit_scale, out.logit_bias)
@@ -280,6 +292,8 @@ class Trainer:
             elif self.cfg.optim.grad_clip:
                 self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
             self.optimizer.step()
+            if self.loss_state is not None:  # SogCLR's u of this step's samples (collective)
+                self.loss_state.commit()
             self.nonfinite_in_row = 0
         else:
             self.nonfinite_in_row += 1
@@ -344,12 +358,16 @@ class Trainer:
         }
         if self.accelerator.scaler is not None:
             state["scaler"] = self.accelerator.scaler.state_dict()
+        if self.loss_state is not None:  # SogCLR's per-sample u (replicated on every rank)
+            state["loss_state"] = self.loss_state.state_dict()
         return state
 
     def load_state_dict(self, state: dict, path: str = "the checkpoint") -> None:
         changed = resume.check_resume(state, self.cfg, self.world, str(path))  # refuses by name
         self.load_weights(state, path)
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.loss_state is not None and "loss_state" in state:
+            self.loss_state.load_state_dict(state["loss_state"])
         if "scaler" in state and self.accelerator.scaler is not None:
             self.accelerator.scaler.load_state_dict(state["scaler"])
         self.step = state["step"]

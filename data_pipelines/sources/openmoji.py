@@ -10,6 +10,13 @@ Usage::
 
     pairs = load_pairs("train")          # list[Pair], ~1.7k
     held_out = load_pairs("eval")        # ~10 %, disjoint by name
+
+For a study that tunes on held-out data (``vlp compare`` with ``grid.sweep``) the same names are
+also split three ways, deterministically and disjointly by the same name hash::
+
+    fit = load_pairs("fit")     # ~80 %: trained on      (fit + val == "train")
+    val = load_pairs("val")     # ~10 %: settings picked on
+    test = load_pairs("test")   # ~10 %: reported on      (test == "eval", unchanged)
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from . import Pair
 
 CACHE_FORMAT = 1
 EVAL_PERCENT = 10
+VAL_PERCENT = 10  # taken from the train names: hash % 100 in [EVAL_PERCENT, EVAL_PERCENT + VAL_PERCENT)
+SPLITS = ("train", "eval", "all", "fit", "val", "test")
 TEMPLATES = (
     "an emoji of {name}",
     "{name} emoji",
@@ -57,6 +66,23 @@ def stable_hash(text: str) -> int:
 def split_of(name: str) -> str:
     """'eval' for ~10 % of names (stable hash of the name), else 'train'."""
     return "eval" if stable_hash(name) % 100 < EVAL_PERCENT else "train"
+
+
+def study_split(name: str) -> str:
+    """'test' (= the 'eval' names), 'val' (~10 % of the 'train' names) or 'fit' (the rest)."""
+    bucket = stable_hash(name) % 100
+    if bucket < EVAL_PERCENT:
+        return "test"
+    return "val" if bucket < EVAL_PERCENT + VAL_PERCENT else "fit"
+
+
+def in_split(name: str, stored: str, split: str) -> bool:
+    """Whether a pair (its name, its stored 'train'/'eval' split) belongs to ``split``."""
+    if split == "all":
+        return True
+    if split in ("train", "eval"):
+        return stored == split
+    return study_split(name) == split
 
 
 def caption_name(alias: str, chars: str) -> str:
@@ -217,18 +243,19 @@ def ensure_rendered(image_size: int = 64, cache_dir: str | os.PathLike | None = 
 def load_pairs(
     split: str = "train", image_size: int = 64, cache_dir: str | os.PathLike | None = None
 ) -> list[Pair]:
-    """OpenMoji pairs for ``split`` in 'train' | 'eval' | 'all', sorted by code points.
+    """OpenMoji pairs for ``split`` in 'train' | 'eval' | 'all' | 'fit' | 'val' | 'test', sorted
+    by code points ('fit' + 'val' = 'train', 'test' = 'eval'; see ``study_split``).
 
     Pair.meta holds name, codepoints, group, split. Deterministic across processes and
     machines with the same package versions (which are part of the cache key).
     """
-    if split not in ("train", "eval", "all"):
-        raise ValueError(f"split must be 'train', 'eval' or 'all', got {split!r}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     directory = ensure_rendered(image_size, cache_dir)
     index = json.loads((directory / "index.json").read_text())
     pairs = []
     for row in index["pairs"]:
-        if split != "all" and row["split"] != split:
+        if not in_split(row["name"], row["split"], split):
             continue
         meta = {k: row[k] for k in ("name", "codepoints", "group", "split")}
         image = (directory / "images" / f"{row['key']}.png").read_bytes()

@@ -29,11 +29,36 @@ def keys_of(batches):
     return [k for b in batches for k in b["key"]]
 
 
+def test_sample_ids_are_stable_across_layouts(uneven):
+    """sample_id (SogCLR's state index) is the position in the shard list: the same id for the
+    same key under any world size, worker count, epoch or mode; unique within a split epoch."""
+    def ids(**kw):
+        world = kw.pop("world_size", 1)
+        out = {}
+        for rank in range(world):
+            ld = loader(uneven, rank=rank, world_size=world, **kw)
+            for epoch in range(2):
+                ld.set_epoch(epoch)
+                for b in ld:
+                    assert b["sample_id"].shape == (len(b["key"]),)
+                    for k, i in zip(b["key"], b["sample_id"].tolist()):
+                        assert out.setdefault(k, i) == i
+        return out
+
+    one = ids()
+    assert sorted(one.values()) == list(range(50))  # two epochs of 48 out of 50 see every sample
+    epoch_ids = [i for b in loader(uneven) for i in b["sample_id"].tolist()]
+    assert len(set(epoch_ids)) == len(epoch_ids)
+    for kw in ({"world_size": 2}, {"num_workers": 2}, {"mode": "resampled"}):
+        other = ids(**kw)
+        assert all(one.get(k, i) == i for k, i in other.items())
+
+
 def test_batch_shapes(uneven):
     batches = list(loader(uneven))
     assert len(batches) == 12  # 50 // 4
     batch = batches[0]
-    assert set(batch) == {"image", "text", "key", "skipped"}
+    assert set(batch) == {"image", "text", "key", "skipped", "sample_id"}
     assert batch["image"].shape == (4, 3, 64, 64) and batch["image"].dtype == torch.float32
     assert batch["text"].shape == (4, 8) and batch["text"].dtype == torch.long
     assert len(batch["key"]) == 4 and batch["skipped"] == {}

@@ -1,0 +1,77 @@
+"""Optimizers for `optim.name`: adamw | lars | sgd.
+
+    optimizer = build_optimizer(param_groups(model, wd), cfg.optim, device_type)
+
+The groups come from vlp.trainer.param_groups: group 0 holds biases, norms, gains and
+logit_scale/bias (no weight decay), group 1 the weight matrices. LARS (You et al. 2017, as used by
+SimCLR and FlatNCE) adapts and decays group 1 only; group 0 gets plain momentum SGD, which is the
+SimCLR recipe's exclusion of biases and batch-norm parameters (here also LayerNorm and the
+temperature).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def trust_ratio(weight_norm: Tensor, grad_norm: Tensor, weight_decay: float, eta: float) -> Tensor:
+    """LARS's layer-wise factor eta * ||w|| / (||g|| + wd * ||w||); 1 when either norm is 0
+    (a fresh zero-initialised layer, or no gradient), as in SimCLR's implementation."""
+    ratio = eta * weight_norm / (grad_norm + weight_decay * weight_norm)
+    return torch.where((weight_norm > 0) & (grad_norm > 0), ratio, torch.ones_like(ratio))
+
+
+class LARS(torch.optim.Optimizer):
+    """SGD with momentum and a per-tensor trust ratio (SimCLR's LARS):
+
+        g' = g + wd * w;  r = trust_ratio(||w||, ||g||, wd, eta)   (groups with adapt=True)
+        v  = momentum * v + lr * r * g';  w = w - v
+
+    Groups with ``adapt=False`` use r = 1 and no weight decay (biases, norms, logit_scale).
+    """
+
+    def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
+                 eta: float = 0.001):
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, eta=eta, adapt=True)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            wd = group["weight_decay"] if group["adapt"] else 0.0
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                scale = group["lr"]
+                if group["adapt"]:
+                    ratio = trust_ratio(torch.linalg.vector_norm(p), torch.linalg.vector_norm(grad),
+                                        wd, group["eta"])
+                    grad = grad.add(p, alpha=wd) if wd else grad
+                    grad = grad * ratio
+                state = self.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    buf = state["momentum_buffer"] = torch.zeros_like(p)
+                buf.mul_(group["momentum"]).add_(grad, alpha=scale)
+                p.sub_(buf)
+        return loss
+
+
+def build_optimizer(groups: list[dict], cfg, device_type: str) -> torch.optim.Optimizer:
+    """The optimizer `cfg.name` names over `groups` (vlp.trainer.param_groups: [no-decay, decay])."""
+    if cfg.name == "adamw":
+        # fused AdamW: one kernel over all parameters (1.3x end-to-end on CPU, BENCHMARKS.md)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                 fused=device_type in ("cpu", "cuda"))
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    if cfg.name == "lars":
+        marked = [{**g, "adapt": g.get("weight_decay", 0.0) > 0 or i > 0} for i, g in enumerate(groups)]
+        return LARS(marked, lr=cfg.lr, momentum=cfg.momentum, eta=cfg.trust_coefficient)
+    raise ValueError(f"optim.name must be adamw, lars or sgd, got {cfg.name!r}")
