@@ -32,11 +32,12 @@ CLIP_TAU = 0.07  # CLIP (Radford et al. 2021): logit_scale starts at 1/0.07
 MIN_LOG_SCALE = 0.0  # t >= 1 (tau <= 1): open_clip's clamp keeps the temperature at most 1
 MODES = ("learnable", "fixed", "split")
 RENAMED_MODES = {"infonce": "split"}  # old name -> current one (accepted with a note)
+SPLIT_LOSSES = ("flatnce", "sogclr")  # FlatNCE-gradient losses: their t-gradient does not calibrate
 
 
 def default_mode(loss_name: str) -> str:
     """The temperature mode used when `loss.temperature` is unset."""
-    return "split" if loss_name == "flatnce" else "learnable"
+    return "split" if loss_name in SPLIT_LOSSES else "learnable"
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,8 @@ def temperature_policy(loss_cfg) -> TemperaturePolicy:
     mode = RENAMED_MODES.get(mode, mode)
     if mode not in MODES:
         raise ValueError(f"loss.temperature must be one of {list(MODES)}, got {mode!r}")
-    if mode == "split" and loss_cfg.name != "flatnce":
-        raise ValueError("loss.temperature=split only applies to loss.name=flatnce")
+    if mode == "split" and loss_cfg.name not in SPLIT_LOSSES:
+        raise ValueError("loss.temperature=split only applies to loss.name=flatnce or sogclr")
     bias = None
     if loss_cfg.name == "siglip":
         from vlp.losses.siglip import siglip_init

@@ -163,3 +163,24 @@ def test_trainer_resume_restores_u_exactly(tiny_shards, tmp_path):
     assert torch.equal(a["log_u"], b["log_u"])
     for (name, p), q in zip(full.unwrapped.state_dict().items(), resumed.unwrapped.state_dict().values()):
         assert torch.equal(p, q), name
+
+
+def test_trainer_gamma_one_trains_like_flatnce(tiny_shards, tmp_path):
+    """Through the trainer (stream sample ids, default 'split' temperature for both), sogclr with
+    gamma = 1 reaches FlatNCE's weights bit for bit."""
+    from vlp_testing import REPO
+    from vlp.config import load_config
+    from vlp.trainer import Trainer
+
+    weights = {}
+    for loss in ("flatnce", "sogclr"):
+        cfg = load_config(REPO / "configs/demo.yaml", [
+            f"data.train_shards={tiny_shards['train']}", "data.eval_shards=", f"train.output_dir={tmp_path / loss}",
+            "model.name=vlp-micro", "data.batch_per_device=16", "data.shuffle_buffer=64", f"loss.name={loss}",
+            "loss.gamma=1.0", "train.samples=160"])
+        assert cfg.loss.temperature == "split"
+        trainer = Trainer(cfg)
+        trainer.train()
+        weights[loss] = trainer.unwrapped.state_dict()
+    for name, p in weights["flatnce"].items():
+        assert torch.equal(p, weights["sogclr"][name]), name
