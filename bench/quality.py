@@ -29,14 +29,12 @@ from bench.train_throughput import open_clip_cmd, vlp_cmd  # noqa: E402
 
 
 def evaluate(weights: Path, model: str, eval_spec: str) -> dict:
-    from data_pipelines.stream import make_loader
     from eval.suite import run_eval_suite
     from vlp.evaluate import load_model_from_checkpoint
 
     net, tokenizer, eval_tf = load_model_from_checkpoint(str(weights), model_name=model)
     suite = {"batch_size": 256, "retrieval": [{"name": "openmoji_eval", "shards": eval_spec}]}
-    res = run_eval_suite(net, tokenizer, eval_tf, suite, "cpu", None, make_loader=make_loader,
-                         show_progress=False)
+    res = run_eval_suite(net, tokenizer, eval_tf, suite, "cpu", None, show_progress=False)
     return res["openmoji_eval"]["metrics"]
 
 

@@ -18,7 +18,9 @@ copies (three independent repositories agree on all 1000 wnids, in order).
 Shards: plain tar files in webdataset layout (members "<key>.<ext>", a sample's members
 adjacent), read with the training stream's reader (data_pipelines.tars). Image ext: any of
 IMAGE_EXTS. Classification label: "cls" (an integer as text, CLIP_benchmark's layout).
-Retrieval captions: "txt", one caption per non-empty line.
+Retrieval captions: "txt" (or the training stream's other caption members), one caption per
+non-empty line (CLIP_benchmark's wds retrieval layout). This is the one retrieval reader: the
+trainer, `vlp eval` and the benchmarks all read eval shards through it.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from data_pipelines.shard_io import is_url, read_small
-from data_pipelines.tars import IMAGE_EXTS, _read_shard, expand_sources
+from data_pipelines.tars import IMAGE_EXTS, TEXT_EXTS, _read_shard, expand_sources
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 SYNSETS_PATH = Path(__file__).with_name("imagenet_synsets.txt")
@@ -273,12 +275,23 @@ class ShardRetrieval(_ShardIterable):
 
     def __iter__(self):
         for sample in self._my_samples():
-            caps = [c.strip() for c in sample.get("txt", b"").decode("utf-8").splitlines() if c.strip()]
+            caps = captions_of(sample)
             if not caps:
-                raise ValueError(f"sample {sample['__key__']} has no caption ('txt')")
+                raise ValueError(f"sample {sample['__key__']} has no caption ({', '.join(TEXT_EXTS)})")
             image = self._image(sample)
             yield image if isinstance(image, Skip) else {"image": image, "text": self.tokenizer(caps),
                                                          "key": sample["__key__"]}
+
+
+def captions_of(sample: dict) -> list[str]:
+    """The captions of a sample: its first caption member (TEXT_EXTS, the training stream's
+    names) split into non-empty lines. A literal backslash-n inside a line is a newline of that
+    caption (CLIP_benchmark escapes captions that way when it joins them with newlines)."""
+    ext = next((e for e in TEXT_EXTS if e in sample), None)
+    if ext is None:
+        return []
+    lines = sample[ext].decode("utf-8").splitlines()
+    return [line.strip().replace("\\n", "\n") for line in lines if line.strip()]
 
 
 def collate_retrieval(items: list) -> dict:
@@ -289,6 +302,18 @@ def collate_retrieval(items: list) -> dict:
             "text": [it["text"] for it in kept],
             "key": [it["key"] for it in kept],
             "skipped": dict(Counter(str(it) for it in items if isinstance(it, Skip)))}
+
+
+def shard_side_file(shards, name: str) -> Optional[str]:
+    """Path of file `name` beside the first (local) shard or one level up, else None."""
+    shard = expand_shards(shards)[0]
+    if is_url(shard):
+        return None
+    first = Path(shard).parent
+    for cand in (first / name, first.parent / name):
+        if cand.is_file():
+            return str(cand)
+    return None
 
 
 def shard_classnames(shards, classnames: Union[None, str, Sequence[str]]) -> list[str]:

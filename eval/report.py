@@ -40,8 +40,9 @@ def _fmt(key: str, value) -> str:
 
 
 def markdown_tables(results: dict[str, Any]) -> str:
-    """One table per task kind; recalls/accuracies in %, ranks as numbers."""
-    out = []
+    """One table per task kind; recalls/accuracies in %, ranks as numbers (said above the tables,
+    since metrics.json and the returned dict hold fractions)."""
+    out = ["Recalls and accuracies in percent (metrics.json: fractions in [0, 1]); ranks are 1-based.", ""]
     for task, columns, size_key in (("retrieval", RETRIEVAL_COLUMNS, "n_images"),
                                     ("classification", CLASSIFICATION_COLUMNS, "n")):
         rows = {name: e for name, e in results.items() if e.get("task") == task}

@@ -19,8 +19,9 @@ from eval.retrieval import clip_benchmark_names, embed_retrieval, retrieval_metr
 from eval.zeroshot import build_classifier, load_templates, zeroshot_classify
 
 SUITE_KEYS = {"retrieval", "classification", "batch_size", "num_workers", "precision", "chunk_size"}
-RETRIEVAL_KEYS = {"name", "shards", "batch_size"}
-CLASSIFICATION_KEYS = {"name", "type", "root", "shards", "classnames", "templates", "batch_size"}
+RETRIEVAL_KEYS = {"name", "shards", "wds", "split", "batch_size"}
+CLASSIFICATION_KEYS = {"name", "type", "root", "shards", "wds", "split", "classnames", "templates", "batch_size"}
+UNITS = "fractions in [0, 1] (recalls, accuracies); ranks are 1-based positions"
 
 
 def _check_keys(d: dict, allowed: set, where: str) -> None:
@@ -47,9 +48,29 @@ def check_suite(suite: dict) -> dict:
             if entry["name"] in names:
                 raise ValueError(f"duplicate eval name {entry['name']!r}")
             names.add(entry["name"])
-            if kind == "retrieval" and not entry.get("shards"):
-                raise ValueError(f"retrieval {entry['name']!r} needs 'shards'")
+            if kind == "retrieval" and not (entry.get("shards") or entry.get("wds")):
+                raise ValueError(f"retrieval {entry['name']!r} needs 'shards' or 'wds'")
+            if entry.get("shards") and entry.get("wds"):
+                raise ValueError(f"{kind} {entry['name']!r}: give 'shards' or 'wds', not both")
     return suite
+
+
+def shards_of(entry: dict) -> str:
+    """An entry's shards: "shards", or for `wds: ROOT` (a CLIP_benchmark webdataset folder:
+    ROOT/classnames.txt, ROOT/zeroshot_classification_templates.txt, ROOT/<split>/*.tar) the
+    split's folder (default split: test)."""
+    if entry.get("wds"):
+        return os.path.join(entry["wds"], entry.get("split", "test"))
+    return entry["shards"]
+
+
+def wds_entry(root: str, split: str = "test", name: Optional[str] = None) -> tuple[str, dict]:
+    """(task, suite entry) for a CLIP_benchmark webdataset folder: classification when it has
+    classnames.txt, else retrieval."""
+    if not os.path.isdir(os.path.join(root, split)):
+        raise FileNotFoundError(f"{root}: no {split}/ folder of shards (CLIP_benchmark wds layout)")
+    entry = {"name": name or os.path.basename(os.path.normpath(root)).removeprefix("wds_"), "wds": root, "split": split}
+    return ("classification" if os.path.isfile(os.path.join(root, "classnames.txt")) else "retrieval"), entry
 
 
 def load_suite(path: str) -> dict:
@@ -96,10 +117,11 @@ def meaningless(task: str, result: dict, ks=(1, 5)) -> list[str]:
 
 def _classification_dataset(entry: dict, transform):
     """(dataset, classnames) for one classification entry."""
-    kind = entry.get("type") or ("shards" if "shards" in entry else
+    kind = entry.get("type") or ("shards" if "shards" in entry or "wds" in entry else
                                  "imagenet" if entry["name"].lower().startswith("imagenet") else "folder")
     if kind == "shards":
-        return D.ShardClassification(entry["shards"], transform), D.shard_classnames(entry["shards"], entry.get("classnames"))
+        shards = shards_of(entry)
+        return D.ShardClassification(shards, transform), D.shard_classnames(shards, entry.get("classnames"))
     if "root" not in entry:
         raise ValueError(f"classification {entry['name']!r} (type {kind}) needs 'root'")
     if kind == "imagenet":
@@ -111,6 +133,14 @@ def _classification_dataset(entry: dict, transform):
     raise ValueError(f"classification type must be imagenet, folder or shards; got {kind!r}")
 
 
+def _shard_templates(entry: dict) -> Optional[str]:
+    """zeroshot_classification_templates.txt of a shard set (beside its shards or one level up,
+    like classnames.txt), when it has one."""
+    if entry.get("type", "shards") != "shards" or not (entry.get("shards") or entry.get("wds")):
+        return None
+    return D.shard_side_file(shards_of(entry), "zeroshot_classification_templates.txt")
+
+
 def run_eval_suite(
     model,
     tokenizer: Callable,
@@ -119,7 +149,6 @@ def run_eval_suite(
     device: torch.device | str,
     out_dir: Optional[str],
     *,
-    make_loader: Optional[Callable] = None,
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """Run every task of `suite`, write out_dir/metrics.json and metrics.md, return the results.
@@ -127,18 +156,23 @@ def run_eval_suite(
     suite (unknown keys are errors):
       batch_size: 64, num_workers: 0, precision: "fp32" | "amp" | "amp_bf16" | "amp_fp16",
       chunk_size: 4096 (retrieval query chunk),
-      retrieval: [{"name": "coco", "shards": "coco/{0..4}.tar", "batch_size": 64?}, ...]
+      retrieval: [{"name": "coco", "shards": "coco/{0..4}.tar", "batch_size": 64?},
+                  {"name": "flickr30k", "wds": "/data/wds_flickr30k", "split": "test"?}, ...]
       classification: [
         {"name": "imagenet", "root": "/data/imagenet/val", "templates": "openai"},
         {"name": "pets", "type": "folder", "root": "/data/pets", "classnames": "names.txt"?},
-        {"name": "cifar10", "shards": "/data/cifar10/test/{0..3}.tar", "classnames": "..."?}, ...]
+        {"name": "cifar10", "shards": "/data/cifar10/test/{0..3}.tar", "classnames": "..."?},
+        {"name": "cars", "wds": "/data/wds_cars"}, ...]
+    `wds`: a CLIP_benchmark webdataset folder (shards_of); its classnames.txt and
+    zeroshot_classification_templates.txt are used unless the entry names others.
     Classification `type` defaults to "shards" if `shards` is given, else "imagenet" when the name
-    starts with "imagenet", else "folder". `templates`: "openai" (default), "simple", a file, or a
-    list. Shard class names default to classnames.txt beside/above the shards.
-    Retrieval shards are read with `make_loader(spec, batch_size=, transform=, tokenize=,
-    mode="sequential")` (data_pipelines.stream.make_loader; spec is the "shards" string, a list is
-    "::"-joined) when given, else with
-    eval.datasets.ShardRetrieval (image + "txt", one caption per line).
+    starts with "imagenet", else "folder". `templates`: "openai" (default; for shards the set's
+    zeroshot_classification_templates.txt when it has one), "simple", a file, or a list. Shard
+    class names default to classnames.txt beside/above the shards.
+    Metrics are fractions in [0, 1] (metrics.json, the returned dict); metrics.md shows percent.
+    Retrieval shards are read by eval's one reader, eval.datasets.ShardRetrieval (an image and a
+    caption member per sample, one caption per line: CLIP_benchmark's wds layout; every sample
+    once, in shard order), the same for `vlp eval`, the trainer and the benchmarks.
 
     Returns {name: {"task", "metrics", "clip_benchmark", sizes...}}; out_dir=None writes nothing.
     """
@@ -158,25 +192,21 @@ def run_eval_suite(
     for entry in suite.get("retrieval") or []:
         _check_keys(entry, RETRIEVAL_KEYS, "retrieval entry")
         name, ebs = _name(entry, "retrieval"), int(entry.get("batch_size", bs))
-        if make_loader is not None:
-            spec = entry["shards"] if isinstance(entry["shards"], str) else "::".join(entry["shards"])
-            loader = make_loader(spec, batch_size=ebs, transform=transform, tokenize=tokenizer, mode="sequential")
-        else:
-            loader = D.make_eval_loader(D.ShardRetrieval(entry["shards"], transform, tokenizer), ebs, nw,
-                                        collate_fn=D.collate_retrieval)
+        loader = D.make_eval_loader(D.ShardRetrieval(shards_of(entry), transform, tokenizer), ebs, nw,
+                                    collate_fn=D.collate_retrieval)
         skipped: Counter[str] = Counter()
         img_emb, txt_emb, txt_to_img = embed_retrieval(model, counting(loader, skipped), device, precision=precision,
                                                        show_progress=show_progress)
         metrics = retrieval_metrics(img_emb.to(device), txt_emb.to(device), txt_to_img.to(device), chunk_size=chunk)
         results[name] = {"task": "retrieval", "metrics": metrics, "clip_benchmark": clip_benchmark_names(metrics),
                          "n_images": int(img_emb.shape[0]), "n_texts": int(txt_emb.shape[0]),
-                         "skipped": dict(sorted(skipped.items()))}
+                         "skipped": dict(sorted(skipped.items())), "units": UNITS}
 
     for entry in suite.get("classification") or []:
         _check_keys(entry, CLASSIFICATION_KEYS, "classification entry")
         name = _name(entry, "classification")
         dataset, classnames = _classification_dataset(entry, transform)
-        templates_spec = entry.get("templates", "openai")
+        templates_spec = entry.get("templates") or _shard_templates(entry) or "openai"
         classifier = build_classifier(model, tokenizer, classnames, load_templates(templates_spec), device,
                                       precision=precision, show_progress=show_progress)
         loader = D.make_eval_loader(dataset, int(entry.get("batch_size", bs)), nw)
@@ -187,7 +217,7 @@ def run_eval_suite(
         results[name] = {"task": "classification", "metrics": metrics, "clip_benchmark": clip_benchmark_names(metrics),
                          "n": n, "num_classes": len(classnames),
                          "templates": templates_spec if isinstance(templates_spec, str) else "custom",
-                         "skipped": dict(sorted(skipped.items()))}
+                         "skipped": dict(sorted(skipped.items())), "units": UNITS}
 
     for name, result in results.items():
         result["warnings"] = meaningless(result["task"], result)

@@ -59,7 +59,8 @@ def cmd_eval(args) -> int:
     results = evaluate_checkpoint(
         checkpoint=args.checkpoint, model_name=args.model, suite=args.suite, shards=args.shards,
         imagenet=args.imagenet, templates=args.templates, out_dir=args.out, batch_size=args.batch_size,
-        precision=args.precision, device=args.device,
+        precision=args.precision, device=args.device, pretrained=args.pretrained, classes=args.classes,
+        wds=args.wds,
     )
     from eval.report import markdown_tables
 
@@ -77,7 +78,8 @@ def cmd_demo(args) -> int:
 def _print_eval(result: dict) -> None:
     keys = [k for k in result if k.startswith("eval/")]
     if keys:
-        print("  ".join(f"{k[5:]}={result[k]:.4g}" for k in keys if isinstance(result[k], (int, float))))
+        print("eval (fractions in [0, 1]): "
+              + "  ".join(f"{k[5:]}={result[k]:.4g}" for k in keys if isinstance(result[k], (int, float))))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,10 +110,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("eval", help="zero-shot retrieval / classification of a checkpoint")
-    p.add_argument("--checkpoint", required=True,
+    p = sub.add_parser("eval", help="zero-shot retrieval / classification of a checkpoint or published model",
+                       description="Metrics are printed and written to metrics.md in percent, to metrics.json "
+                       "as fractions in [0, 1].")
+    p.add_argument("--checkpoint", default=None,
                    help="vlp checkpoint (step_*.pt, or step_*/ under fsdp) or open_clip checkpoint file")
-    p.add_argument("--model", default=None, help="open_clip model name or JSON (default: from the vlp checkpoint)")
+    p.add_argument("--model", default=None, help="open_clip model name, hf-hub:org/name or JSON "
+                   "(default: from the vlp checkpoint)")
+    p.add_argument("--pretrained", default=None, help="with --model: an open_clip pretrained tag (e.g. "
+                   "laion2b_s34b_b79k), hf-hub:org/name or a weights file; tags and hub names come from the "
+                   "Hugging Face cache (HF_HUB_OFFLINE=1 works once cached)")
+    p.add_argument("--classes", action="append", default=[], metavar="DIR",
+                   help="zero-shot classification on a class-folder set DIR/<class name>/*.jpg (repeatable)")
+    p.add_argument("--wds", action="append", default=[], metavar="DIR",
+                   help="a CLIP_benchmark webdataset folder (DIR/test/*.tar; classification when it has "
+                   "classnames.txt, else retrieval; repeatable)")
     p.add_argument("--suite", default=None, help="eval suite YAML (configs/eval_*.yaml)")
     p.add_argument("--shards", default=None, help="retrieval on these eval shards")
     p.add_argument("--imagenet", default=None, help="zero-shot ImageNet from this val folder (one folder per synset)")

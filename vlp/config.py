@@ -31,10 +31,31 @@ class ModelConfig:
     name: str = "vlp-tiny"
     """open_clip model name (built-in or vlp/model_configs/*.json) or a path to a model JSON."""
     pretrained: Optional[str] = None
-    """Local open_clip checkpoint file to initialise from (never downloaded)."""
+    """Whole-model weights: a local open_clip checkpoint file, an open_clip pretrained tag of
+    `name` (e.g. laion2b_s34b_b79k) or hf-hub:org/repo; tags and hub names are read from the
+    Hugging Face cache (offline once cached). A `name` of hf-hub:org/repo loads its own weights."""
+    image_pretrained: Optional[str] = None
+    """Weights for the image tower only (after `pretrained`): a timm/torchvision state dict of a
+    timm trunk (classifier keys dropped), an open_clip checkpoint (its visual.* keys), a tag or
+    hf-hub:org/repo. Strict: any missing/unexpected key is an error. A timm trunk file also brings
+    timm's preprocessing (mean, std, resize) for that model."""
+    text_pretrained: Optional[str] = None
+    """Weights for the text tower only: an open_clip checkpoint (all but visual.* and the logit
+    scale/bias), a tag or hf-hub:org/repo. A Hugging Face text tower comes from hf_text_dir."""
     hf_text_dir: Optional[str] = None
     """Local Hugging Face model directory (config, weights, tokenizer) used as the text tower,
     initialised from its weights; replaces the text_cfg of `name`."""
+    text_pooler: Optional[Literal["cls", "cls_pooler", "mean", "last"]] = None
+    """hf_text_dir: how token states become one vector. cls: the CLS token's last hidden state;
+    cls_pooler: BERT's pooler output (dense + tanh over CLS); mean: mean over non-padding tokens
+    (sentence-transformers); last: the last non-padding token (EOS). Unset: the folder's
+    sentence-transformers pooling (1_Pooling/config.json), else cls_pooler."""
+    text_proj: Literal["linear", "mlp", "none"] = "linear"
+    """hf_text_dir: projection from the HF width to the embedding (none: widths must be equal)."""
+    text_context_length: Optional[int] = None
+    """Tokens per caption (the tokenizer pads/truncates to it). Unset: the model config's. For an
+    HF tower at most its max_position_embeddings; for open_clip's text tower it resizes the
+    positional embedding."""
     grad_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     lock_image: bool = False
@@ -266,6 +287,16 @@ def number(lo: float | None = None, hi: float | None = None, *, lo_open: bool = 
     return Rule(allowed, ok, tuple(int(b) if integer else b for b in bad))
 
 
+def _weights_source_ok(value: str) -> bool:
+    """A file, hf-hub:org/repo, or a word that can be a pretrained tag (no path separator, no
+    weights-file suffix: a mistyped path is refused here, a tag is checked against the model
+    when it is built)."""
+    if Path(value).is_file() or (value.startswith("hf-hub:") and len(value) > len("hf-hub:")):
+        return True
+    return (bool(value.strip()) and not any(c in value for c in "/\\:")
+            and not value.endswith((".pt", ".pth", ".bin", ".safetensors")))
+
+
 def _weights_ok(text: str) -> bool:
     try:
         values = [float(w) for w in text.split("::")]
@@ -278,12 +309,19 @@ ANY = Rule("a value of its type", lambda v: True)  # bools and choices: the type
 TEXT = Rule("a non-empty string", lambda v: bool(v.strip()), ("", "  "))
 FILE = Rule("an existing file", lambda v: Path(v).is_file(), ("/nonexistent/vlp-file",))
 POSITIVE_INT = number(0, lo_open=True, integer=True)
+WEIGHTS = Rule("an existing file, hf-hub:org/name or an open_clip pretrained tag",
+               lambda v: _weights_source_ok(v), ("/nonexistent/vlp-file", "hf-hub:", "missing.pt"))
 COUNT = number(0, integer=True)
 
 RULES: dict[str, Rule] = {
     # one line per field of every config dataclass (tests/test_config_rules.py checks coverage)
     "model.name": TEXT,
-    "model.pretrained": FILE,
+    "model.pretrained": WEIGHTS,
+    "model.image_pretrained": WEIGHTS,
+    "model.text_pretrained": WEIGHTS,
+    "model.text_pooler": ANY,
+    "model.text_proj": ANY,
+    "model.text_context_length": number(1, 4096, integer=True),
     "model.hf_text_dir": Rule("a Hugging Face model folder (with config.json)",
                               lambda v: Path(v, "config.json").is_file(), ("/nonexistent/hf",)),
     "model.grad_checkpointing": ANY,

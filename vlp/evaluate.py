@@ -1,9 +1,10 @@
-"""`vlp eval`: load a checkpoint (ours or an open_clip file), run an eval suite, write reports."""
+"""`vlp eval`: load a checkpoint (ours or an open_clip file) or published open_clip weights (a
+pretrained tag or hf-hub name), run an eval suite, write reports."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -36,10 +37,15 @@ def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, devi
         raise ckpt.CheckpointError(f"checkpoint {path} has non-finite weights in {len(bad)} tensors (e.g. {bad[0]})")
     if model_name is not None:
         model_cfg.name = model_name
-    model_cfg.pretrained = None
     if "logit_bias" in weights:
         loss_cfg.name = "siglip"
-    model, tokenizer, _, eval_tf = build_model(model_cfg, loss_cfg, device=device)
+    model, tokenizer, _, eval_tf = build_model(model_cfg, loss_cfg, device=device, init_weights=False)
+    preprocess = state.get("preprocess") or state.get("preprocess_cfg")
+    if preprocess:  # the tower's preprocessing as trained, not the config's default
+        from vlp.towers import transforms
+
+        model.preprocess = dict(preprocess)
+        eval_tf = transforms(model.preprocess)[1]
     try:
         model.clip.load_state_dict(weights)
     except (RuntimeError, TypeError, AttributeError) as e:
@@ -50,9 +56,26 @@ def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, devi
     return model, tokenizer, eval_tf
 
 
+def load_published(model_name: str, pretrained: Optional[str], device: str = "cpu"):
+    """(model, tokenizer, eval_transform) of an open_clip model with published weights: a
+    pretrained tag of `model_name` or hf-hub:org/repo (from the Hugging Face cache; offline once
+    cached), or `model_name` hf-hub:org/repo with its own weights. Preprocessing: the tag's or
+    the repository's (vlp.model.build_model)."""
+    from vlp.model import build_model
+
+    if not pretrained and not model_name.startswith("hf-hub:"):
+        raise ConfigError("vlp eval: --model needs --pretrained (a tag, hf-hub:org/name or a file), "
+                          "unless it is hf-hub:org/name")
+    model, tokenizer, _, eval_tf = build_model(ModelConfig(name=model_name, pretrained=pretrained), LossConfig(),
+                                               device=device)
+    return model.eval(), tokenizer, eval_tf
+
+
 def build_suite(suite: Optional[str], shards: Optional[str], imagenet: Optional[str], templates: str,
-                batch_size: int, precision: str) -> dict:
-    from eval.suite import check_suite, load_suite
+                batch_size: int, precision: str, classes: Sequence[str] = (), wds: Sequence[str] = ()) -> dict:
+    """The suite `vlp eval` runs: --suite's file plus one entry per --shards, --imagenet, --classes
+    (a class-folder set) and --wds (a CLIP_benchmark webdataset folder) given."""
+    from eval.suite import check_suite, load_suite, wds_entry
 
     spec = load_suite(suite) if suite else {}
     spec.setdefault("batch_size", batch_size)
@@ -63,20 +86,41 @@ def build_suite(suite: Optional[str], shards: Optional[str], imagenet: Optional[
         if not Path(imagenet).is_dir():
             raise FileNotFoundError(f"ImageNet val folder not found: {imagenet}")
         spec.setdefault("classification", []).append({"name": "imagenet", "root": imagenet, "templates": templates})
+    for folder in classes:
+        if not Path(folder).is_dir():
+            raise FileNotFoundError(f"--classes: no such folder: {folder}")
+        spec.setdefault("classification", []).append(
+            {"name": Path(folder).resolve().name, "type": "folder", "root": folder, "templates": templates})
+    for root in wds:
+        task, entry = wds_entry(root)
+        spec.setdefault(task, []).append(entry)
     if not spec.get("retrieval") and not spec.get("classification"):
-        raise ConfigError("vlp eval: nothing to evaluate: give --shards, --imagenet or --suite")
+        raise ConfigError("vlp eval: nothing to evaluate: give --shards, --imagenet, --classes, --wds or --suite")
     return check_suite(spec)
 
 
-def evaluate_checkpoint(checkpoint: str, model_name: Optional[str] = None, suite: Optional[str] = None,
-                        shards: Optional[str] = None, imagenet: Optional[str] = None, templates: str = "openai",
-                        out_dir: Optional[str] = None, batch_size: int = 256, precision: str = "fp32",
-                        device: Optional[str] = None) -> dict:
-    from data_pipelines.stream import make_loader
+def evaluate_checkpoint(checkpoint: Optional[str] = None, model_name: Optional[str] = None,
+                        suite: Optional[str] = None, shards: Optional[str] = None, imagenet: Optional[str] = None,
+                        templates: str = "openai", out_dir: Optional[str] = None, batch_size: int = 256,
+                        precision: str = "fp32", device: Optional[str] = None, pretrained: Optional[str] = None,
+                        classes: Sequence[str] = (), wds: Sequence[str] = ()) -> dict:
+    """Run the suite on a vlp / open_clip checkpoint file (`checkpoint`, or `pretrained` as a
+    file) or on published weights (`model_name` + `pretrained` tag / hf-hub name). Results go to
+    out_dir (default: eval/ beside the checkpoint, else runs/eval/<model>)."""
     from eval.suite import run_eval_suite
 
-    spec = build_suite(suite, shards, imagenet, templates, batch_size, precision)
+    spec = build_suite(suite, shards, imagenet, templates, batch_size, precision, classes, wds)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer, eval_tf = load_model_from_checkpoint(checkpoint, model_name, device)
-    out_dir = out_dir or str(Path(checkpoint).resolve().parent / "eval")
-    return run_eval_suite(model, tokenizer, eval_tf, spec, device, out_dir, make_loader=make_loader)
+    if checkpoint and pretrained:
+        raise ConfigError("vlp eval: give --checkpoint or --pretrained, not both")
+    if pretrained and Path(pretrained).exists():
+        checkpoint, pretrained = pretrained, None
+    if checkpoint:
+        model, tokenizer, eval_tf = load_model_from_checkpoint(checkpoint, model_name, device)
+        out_dir = out_dir or str(Path(checkpoint).resolve().parent / "eval")
+    elif model_name:
+        model, tokenizer, eval_tf = load_published(model_name, pretrained, device)
+        out_dir = out_dir or str(Path("runs", "eval", f"{model_name}-{pretrained or 'hub'}".replace("/", "_")))
+    else:
+        raise ConfigError("vlp eval: give --checkpoint FILE, or --model NAME with --pretrained TAG|hf-hub:...|FILE")
+    return run_eval_suite(model, tokenizer, eval_tf, spec, device, out_dir)

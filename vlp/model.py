@@ -9,6 +9,7 @@ The model knows nothing about ranks or losses: `forward(image, text)` returns on
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import re
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from open_clip.transformer import text_global_pool
 from torch import nn
 
+from vlp import towers
 from vlp.temperature import temperature_policy
 
 MODEL_CONFIG_DIR = Path(__file__).parent / "model_configs"
@@ -115,7 +117,10 @@ def _trimmable_text_tower(clip: nn.Module) -> bool:
 
 
 def resolve_model_name(name: str) -> str:
-    """A built-in / packaged open_clip name, or a JSON file path registered on the fly."""
+    """A built-in / packaged open_clip name, `hf-hub:org/repo` (its open_clip_config.json, from
+    the Hugging Face cache), or a JSON file path registered on the fly."""
+    if name.startswith(towers.HF_HUB):
+        return towers.register_config(name, hub_config(name)["model_cfg"], name)
     if name.endswith(".json"):
         path = Path(name)
         if not path.is_file():
@@ -123,61 +128,112 @@ def resolve_model_name(name: str) -> str:
         open_clip.add_model_config(path)
         return path.stem
     if name not in open_clip.list_models():
-        raise ValueError(f"unknown model '{name}': not an open_clip model or a .json config path")
+        raise ValueError(f"unknown model '{name}': not an open_clip model, hf-hub:org/name or a .json config path")
     return name
+
+
+def hub_config(name: str) -> dict:
+    """open_clip_config.json of `hf-hub:org/repo` ({"model_cfg", "preprocess_cfg"}), read through
+    the Hugging Face cache (offline once cached)."""
+    from open_clip.pretrained import download_pretrained_from_hf
+
+    try:
+        path = download_pretrained_from_hf(name[len(towers.HF_HUB):].strip("/"), filename="open_clip_config.json")
+        cfg = json.loads(Path(path).read_text())
+    except Exception as e:  # noqa: BLE001  (hub / cache / JSON errors)
+        raise FileNotFoundError(f"model {name}: no open_clip_config.json in the Hugging Face cache or hub "
+                                f"({type(e).__name__}; offline runs need it cached)") from None
+    if not isinstance(cfg, dict) or "model_cfg" not in cfg:
+        raise ValueError(f"model {name}: its open_clip_config.json has no model_cfg")
+    return cfg
 
 
 def model_config_dict(name: str) -> dict:
     return open_clip.get_model_config(resolve_model_name(name))
 
 
-def with_hf_text_tower(name: str, hf_dir: str) -> str:
-    """Register `name` with its text tower replaced by the local HF model in `hf_dir`."""
-    import hashlib
-    import tempfile
-
+def with_hf_text_tower(name: str, model_cfg) -> str:
+    """Register (in memory) `name` with its text tower replaced by the local HF model in
+    model_cfg.hf_text_dir, pooled and projected as model_cfg says (vlp.towers.hf_text_cfg)."""
     cfg = json.loads(json.dumps(model_config_dict(name)))
-    context = cfg["text_cfg"].get("context_length", 77)
-    cfg["text_cfg"] = {"hf_model_name": str(Path(hf_dir).resolve()), "hf_tokenizer_name": str(Path(hf_dir).resolve()),
-                       "hf_proj_type": "linear", "hf_pooler_type": "cls_pooler", "context_length": context}
-    tag = hashlib.sha1(f"{name}|{Path(hf_dir).resolve()}".encode()).hexdigest()[:10]
-    path = Path(tempfile.gettempdir()) / "vlp_model_configs" / f"{Path(name).stem}-hf-{tag}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(cfg, indent=2))
-    open_clip.add_model_config(path)
-    return path.stem
+    text_cfg = towers.hf_text_cfg(model_cfg.hf_text_dir, cfg["text_cfg"].get("context_length", 77),
+                                  model_cfg.text_pooler, model_cfg.text_proj, model_cfg.text_context_length)
+    cfg["text_cfg"] = text_cfg
+    return towers.register_config(name, cfg, f"{name}|{json.dumps(text_cfg, sort_keys=True)}")
 
 
-def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu"):
+def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu", init_weights: bool = True):
     """Return (DualEncoder, tokenizer, train_transform, eval_transform).
+
+    Weights: model.pretrained, then model.image_pretrained / text_pretrained (vlp.towers), then
+    the locks. init_weights=False builds the architecture only (a checkpoint's weights follow:
+    the pretrained files need not exist any more). hf_text_dir is read either way (its config
+    and tokenizer are part of the architecture).
 
     Temperature (initial logit_scale / logit_bias, trainability): vlp.temperature's policy
     for `loss_cfg`.
     """
     name = resolve_model_name(model_cfg.name)
     if model_cfg.hf_text_dir:
-        name = with_hf_text_tower(name, model_cfg.hf_text_dir)
+        name = with_hf_text_tower(name, model_cfg)
     policy = temperature_policy(loss_cfg)
     kwargs = dict(init_logit_scale=policy.init_log_scale)
     if policy.init_logit_bias is not None:
         kwargs["init_logit_bias"] = policy.init_logit_bias
-    with _without_random_init_notice():
-        clip, train_tf, eval_tf = open_clip.create_model_and_transforms(name, device=device, **kwargs)
-    if model_cfg.pretrained:
-        load_pretrained(clip, model_cfg.pretrained)
+    if model_cfg.text_context_length and not model_cfg.hf_text_dir:
+        kwargs["force_context_length"] = model_cfg.text_context_length
+    if not init_weights:
+        model_cfg = dataclasses.replace(model_cfg, pretrained=None, image_pretrained=None, text_pretrained=None)
+    clip, image_from_timm = _create(name, model_cfg, device, kwargs, init_weights)
+    pretrained = model_cfg.pretrained
+    overlay = {}
+    if model_cfg.name.startswith(towers.HF_HUB):  # the repository's preprocessing, and its weights by default
+        overlay = hub_config(model_cfg.name).get("preprocess_cfg") or {}
+        pretrained = pretrained or (model_cfg.name if init_weights else None)
+    if pretrained:
+        load_pretrained(clip, pretrained, model_cfg.name)
+        overlay.update(towers.tag_preprocess(pretrained, model_cfg.name))
+    for tower, source in (("image", model_cfg.image_pretrained), ("text", model_cfg.text_pretrained)):
+        if source:
+            from_open_clip = towers.load_tower(clip, tower, source, model_cfg.name, f"model.{tower}_pretrained")
+            if tower == "image":  # a timm trunk file brings timm's preprocessing, open_clip weights the model's
+                image_from_timm = not from_open_clip
+                overlay.update(towers.tag_preprocess(source, model_cfg.name))
     if model_cfg.grad_checkpointing:
         clip.set_grad_checkpointing(True)
-    if model_cfg.lock_image:  # LiT (Zhai et al. 2022)
-        clip.lock_image_tower(unlocked_groups=model_cfg.lock_image_unlocked_groups)
-    if model_cfg.lock_text:
-        clip.lock_text_tower(unlocked_layers=model_cfg.lock_text_unlocked_layers)
+    frozen = towers.lock_towers(clip, model_cfg)
+    preprocess = towers.tower_preprocess(clip, image_from_timm, overlay)
+    train_tf, eval_tf = towers.transforms(preprocess)
     if not policy.trainable:  # also over a pretrained checkpoint's value
         with torch.no_grad():
             clip.logit_scale.fill_(policy.init_log_scale)
         clip.logit_scale.requires_grad_(False)
     tokenizer = open_clip.get_tokenizer(name)
     pad_id = 0 if isinstance(tokenizer, open_clip.tokenizer.SimpleTokenizer) else None  # pads with 0
-    return DualEncoder(clip, text_pad_id=pad_id), tokenizer, train_tf, eval_tf
+    if model_cfg.hf_text_dir:
+        towers.check_hf_projection(clip, model_cfg.text_proj)
+    model = DualEncoder(clip, text_pad_id=pad_id, frozen=frozen, preprocess=preprocess)
+    return model, tokenizer, train_tf, eval_tf
+
+
+def _create(name: str, model_cfg, device, kwargs: dict, init_weights: bool = True) -> tuple[nn.Module, bool]:
+    """(open_clip model, whether its image tower holds timm weights). A model JSON asking for
+    timm's pretrained trunk (`timm_model_pretrained: true`) gets it through timm, from the Hugging
+    Face cache, unless model.image_pretrained gives the weights; when timm cannot load them the
+    build stops with one line instead of leaving the tower random."""
+    vision = open_clip.get_model_config(name).get("vision_cfg", {})
+    want_timm = bool(init_weights and vision.get("timm_model_name") and vision.get("timm_model_pretrained")
+                     and not model_cfg.image_pretrained and not model_cfg.pretrained)
+    try:
+        with _without_random_init_notice():
+            clip = open_clip.create_model(name, device=device, pretrained_image=want_timm, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        if not want_timm:
+            raise
+        raise ValueError(f"model {model_cfg.name} sets timm_model_pretrained: true, but timm could not load "
+                         f"{vision['timm_model_name']}'s weights ({type(e).__name__}: offline and not in the Hugging "
+                         "Face cache?): set model.image_pretrained to a local weights file") from None
+    return clip, want_timm
 
 
 @contextlib.contextmanager
@@ -196,19 +252,22 @@ def _without_random_init_notice():
         root.removeFilter(drop)
 
 
-def load_pretrained(clip: nn.Module, path: str) -> None:
-    """Initialise from a local open_clip checkpoint (open_clip.load_checkpoint: weights_only
-    unpickling, key conversions). Anything that is not one, or not for this model (a pickle with
-    code, another architecture, a text file), is one ValueError line naming model.pretrained."""
+def load_pretrained(clip: nn.Module, source: str, model_name: str = "") -> None:
+    """Initialise the whole model from an open_clip checkpoint: a local file, a pretrained tag of
+    `model_name` or hf-hub:org/repo (vlp.towers.resolve_weights; open_clip.load_checkpoint:
+    weights_only unpickling, key conversions, strict). Anything that is not one, or not for this
+    model (a pickle with code, another architecture, a text file), is one ValueError line."""
     from vlp.checkpoint import _first_line
 
+    path = towers.resolve_weights(source, model_name) if model_name else source
     if not Path(path).is_file():
         raise FileNotFoundError(f"model.pretrained: no such file: {path}")
     try:
         open_clip.load_checkpoint(clip, path)
     except Exception as e:  # UnpicklingError, RuntimeError (size mismatch), KeyError, StopIteration, ...
         why = state_dict_mismatch(e) if isinstance(e, RuntimeError) else _first_line(e)[:200]
-        raise ValueError(f"model.pretrained {path} cannot be loaded into this model: {why}") from None
+        raise ValueError(f"model.pretrained {path} cannot be loaded into this model: {why} (weights of one "
+                         "tower go in model.image_pretrained / model.text_pretrained)") from None
 
 
 def state_dict_mismatch(error: BaseException) -> str:
@@ -231,9 +290,11 @@ def state_dict_mismatch(error: BaseException) -> str:
 
 
 def export_open_clip(model: DualEncoder, path: str | Path) -> None:
-    """Write the open_clip state dict so `open_clip.create_model(name, pretrained=path)` loads it."""
+    """Write the open_clip state dict so `open_clip.create_model(name, pretrained=path)` loads it;
+    "preprocess_cfg" (open_clip's hub-config name) keeps the tower's image preprocessing for
+    `vlp eval`."""
     state = {k: v.detach().cpu() for k, v in model.clip.state_dict().items()}
-    torch.save({"state_dict": state}, path)
+    torch.save({"state_dict": state, "preprocess_cfg": dict(model.preprocess)}, path)
 
 
 def save_model_config(name: str, path: str | Path) -> None:

@@ -352,6 +352,7 @@ class Trainer:
             "skipped_per_rank": gather_object([dict(self.skipped)]) if self.world > 1 else [dict(self.skipped)],
             "rng": rng,
             "config": self.cfg.to_dict(),
+            "preprocess": dict(self.unwrapped.preprocess),  # the tower's image preprocessing, for vlp eval
             "epoch_pieces": self.epoch_pieces,
             "epoch_batches": self.data_loader.num_batches,
             "data_rest": gather_object([rest]) if self.world > 1 else [rest],
@@ -535,13 +536,12 @@ class Trainer:
         flat: dict = {}
         model = self.eval_model()  # collective under FSDP
         if self.accelerator.is_main_process:
-            from data_pipelines.stream import make_loader
             from eval.suite import run_eval_suite
 
             self.model.eval()
             results = run_eval_suite(model, self.tokenizer, self.eval_transform, suite,
                                      self.accelerator.device, out_dir=str(self.out_dir / f"eval_step{self.step}"),
-                                     make_loader=make_loader, show_progress=False)
+                                     show_progress=False)
             self.model.train()
             for name, res in results.items():
                 prefix = "" if name == "heldout" else f"{name}/"

@@ -1,10 +1,9 @@
 """run_eval_suite end to end on the tiny open_clip model: ImageNet-layout folder, class folder,
-classification shards, retrieval shards (own reader and an injected make_loader), reports."""
+classification shards, retrieval shards (eval's own reader), reports."""
 import json
 
 import numpy as np
 import pytest
-import torch
 
 from eval import datasets as D
 from eval import run_eval_suite
@@ -63,24 +62,6 @@ def test_suite_end_to_end(tiny_clip, data, tmp_path):
     assert on_disk == json.loads(json.dumps(results))
     md = (tmp_path / "metrics.md").read_text()
     assert "### retrieval" in md and "### classification" in md and "| imagenet |" in md
-
-
-def test_suite_uses_make_loader(tiny_clip, data):
-    model, tokenizer, transform = tiny_clip
-    calls = []
-
-    def make_loader(urls, *, batch_size, transform, tokenize, mode):
-        calls.append((urls, batch_size, mode))
-        g = torch.Generator().manual_seed(0)
-        # the stream's shape: one caption per row, images repeated under the same key
-        return [{"image": torch.randn(3, 3, 32, 32, generator=g)[[0, 1, 1]], "key": ["a", "b", "b"],
-                 "text": tokenize(["one", "two", "three"])}]
-
-    suite = {"retrieval": [{"name": "stream", "shards": str(data / "ret-0.tar"), "batch_size": 7}]}
-    res = run_eval_suite(model, tokenizer, transform, suite, "cpu", None, make_loader=make_loader,
-                         show_progress=False)
-    assert calls == [(str(data / "ret-0.tar"), 7, "sequential")]
-    assert (res["stream"]["n_images"], res["stream"]["n_texts"]) == (2, 3)
 
 
 @pytest.mark.parametrize("suite, match", [
