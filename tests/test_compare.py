@@ -9,7 +9,7 @@ import yaml
 
 from vlp_testing import REPO
 from vlp import compare, compare_report
-from vlp.compare import GridSpec, expand_grid, load_compare_config, parse_grid, run_config, run_grid, steps_for
+from vlp.compare import expand_grid, load_compare_config, parse_grid, run_config, run_grid, steps_for
 from vlp.compare_report import aggregate, markdown_table, mean_curve, plot_curves, plot_metric_vs_batch, read_log
 from vlp.config import ConfigError
 
@@ -62,6 +62,8 @@ def test_tiny_grid_end_to_end_then_rerun_skips_everything(tiny_shards, tmp_path,
     assert [rec["samples_seen"] for rec in log] == [8, 16, 24, 32]
     md = (out / "results.md").read_text()
     assert md.count("| infonce |") == 2 and md.count("| flatnce |") == 2 and "**" in md
+    # grid.keep_checkpoints unset: a finished run keeps its checkpoints (to resume or evaluate)
+    assert all(list((out / r["run"] / "checkpoints").glob("step_*")) for r in csv_rows)
     for name in ("metric_vs_batch.png", "curves.png"):
         _check_png(out / name)
 
@@ -104,7 +106,7 @@ def test_crashed_run_is_retried_once_then_recorded_and_grid_continues(tiny_shard
     calls = []
     monkeypatch.setattr(compare, "_train_once", _fake_train(
         calls, fail=lambda cfg: cfg.loss.name == "flatnce" and cfg.data.batch_per_device == 8))
-    grid = _grid(tmp_path / "cmp")
+    grid = _grid(tmp_path / "cmp")  # grid.retries unset: one retry
     rows = run_grid(_base(tiny_shards), grid)
     assert len(calls) == 8 + 2  # two failing runs, each tried twice
     assert calls.count("flatnce_b8_s0") == calls.count("flatnce_b8_s1") == 2
@@ -151,10 +153,10 @@ def test_equal_budget_arithmetic(tiny_shards, tmp_path):
 
 def test_loss_overrides_and_grid_validation(tmp_path):
     grid = parse_grid({"losses": ["infonce", "flatnce"], "batch_per_device": [8], "seeds": [0],
-                       "loss_overrides": {"flatnce": {"loss": {"temperature": "infonce"}, "optim.lr": 1e-4}}})
+                       "loss_overrides": {"flatnce": {"loss": {"temperature": "split"}, "optim.lr": 1e-4}}})
     runs = {r.loss: r for r in expand_grid(grid)}
     base = {"train": {"samples": 64}}
-    assert run_config(base, grid, runs["flatnce"]).loss.temperature == "infonce"
+    assert run_config(base, grid, runs["flatnce"]).loss.temperature == "split"
     assert run_config(base, grid, runs["flatnce"]).optim.lr == 1e-4
     assert run_config(base, grid, runs["infonce"]).loss.temperature == "learnable"
     good = {"losses": ["infonce"], "batch_per_device": [8], "seeds": [0]}
@@ -256,11 +258,6 @@ def test_read_log_keeps_training_records_last_one_per_step(tmp_path):
         {"step": 2, "eval/image_to_text_R@1": 0.1}, {"step": 2, "samples_seen": 16, "train_time_s": 1.0},
     ]) + '\n{"step": 3, "samp')
     assert [(r["step"], r["infonce"]) for r in read_log(path)] == [(1, 3.0), (2, 2.5)]
-
-
-def test_grid_spec_defaults():
-    spec = GridSpec(losses=["infonce"], batch_per_device=[8], seeds=[0])
-    assert spec.retries == 1 and spec.metric == "mean_R@1" and spec.keep_checkpoints
 
 
 def test_stale_check_ignores_harmless_and_newly_added_keys():

@@ -1,8 +1,10 @@
+from pathlib import Path
+
 import pytest
 
 from vlp.config import Config, ConfigError, load_config
 
-DEMO = "configs/demo.yaml"
+DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"  # not cwd-relative
 
 
 def test_demo_config_loads_with_overrides():

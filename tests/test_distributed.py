@@ -1,4 +1,5 @@
-"""The gather contract (DESIGN 3.1): 2 gloo ranks x batch b == 1 process x batch 2b, through DDP.
+"""The gather contract: 2 gloo ranks x batch b == 1 process x batch 2b, through DDP (the
+gradient-scale argument is in vlp/distributed.py's docstring).
 
 One module-scoped spawn runs every distributed check; the tests below assert on its results
 against single-process references computed here (float64, so agreement is to ~1e-12).
@@ -21,8 +22,10 @@ from vlp.losses import get_loss, infonce_loss, siglip_loss
 
 try:  # tests/ as a package or as a plain directory on sys.path
     from tests._dist_utils import run_distributed
+    from tests.naive_losses import naive_loss
 except ImportError:
     from _dist_utils import run_distributed
+    from naive_losses import naive_loss
 
 
 
@@ -199,6 +202,21 @@ def test_two_ranks_equal_one_rank_with_double_batch(ranks, problem, name, scale_
         for key, g in grads.items():  # after DDP averaging, no extra scale factor
             torch.testing.assert_close(g, ref_grads[key], atol=ATOL, rtol=0, msg=f"{name} {key}")
     assert ref_metrics["loss"] == pytest.approx(ref_loss.item(), abs=1e-12)
+
+
+@pytest.mark.parametrize("name,scale_grad", CONFIGS)
+def test_two_ranks_equal_a_naive_one_process_reference(ranks, problem, name, scale_grad):
+    """The same 2-rank results against tests/naive_losses.py (per-anchor loops, no vlp code)."""
+    model = TinyDualEncoder().to(F64)
+    model.load_state_dict(problem["state"])
+    value, surrogate = naive_loss(name, scale_grad, *model(problem["x_img"], problem["x_txt"]))
+    names, params = zip(*model.named_parameters())
+    expected = dict(zip(names, torch.autograd.grad(surrogate, params, allow_unused=True, materialize_grads=True)))
+    torch.testing.assert_close(torch.stack([r[name, scale_grad][0] for r in ranks]).mean(), value.detach(),
+                               atol=ATOL, rtol=0)
+    for r in ranks:
+        for key, g in r[name, scale_grad][2].items():
+            torch.testing.assert_close(g, expected[key], atol=ATOL, rtol=0, msg=f"{name} {key}")
 
 
 @pytest.mark.parametrize("name", ["infonce", "siglip"])

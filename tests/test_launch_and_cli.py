@@ -33,12 +33,14 @@ def test_cli_surface():
     sub = next(a for a in parser._actions if a.dest == "command")
     assert set(sub.choices) == {"shards", "train", "eval", "compare", "demo"}
     opts = {name: {o for a in p._actions for o in a.option_strings} for name, p in sub.choices.items()}
-    assert {"--config", "--samples-per-shard", "--checkpoint"} & set().union(*opts.values())
+    positionals = {name: {a.dest for a in p._actions if not a.option_strings} for name, p in sub.choices.items()}
+    for name in ("train", "compare", "demo"):  # the config-driven commands: a YAML file + dotted overrides
+        assert {"--config", "-c"} <= opts[name] and "overrides" in positionals[name], name
     assert {"--checkpoint", "--model", "--suite", "--shards", "--imagenet", "--templates", "--out",
             "--batch-size", "--precision", "--device"} <= opts["eval"]
     assert {"--samples-per-shard", "--image-format", "--jpeg-quality", "--resize-longest", "--workers",
             "--split"} <= opts["shards"]
-    assert "--config" in opts["train"] and "--report-only" in opts["compare"]
+    assert "--report-only" in opts["compare"] and "--out" in opts["demo"]
 
 
 def test_readme_starts_with_the_two_commands():

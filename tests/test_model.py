@@ -88,3 +88,23 @@ def test_text_trim_only_where_exact():
     rebuilt = DualEncoder(model.clip, text_pad_id=0)
     text = tok(["a cat"])
     assert rebuilt.text_pad_id is None and rebuilt.trim_text(text) is text
+
+
+@pytest.mark.parametrize("eot_at", [7, 8, 15, 16, 23, 24])
+def test_text_trim_boundary_when_the_end_token_sits_on_a_multiple_of_8(eot_at):
+    """The longest caption's end token at column 8, 16 or 24 (and one before): the kept width is
+    the next multiple of 8 above that column, so the end token (where the tower pools) is kept and
+    features equal open_clip's full-context encode_text."""
+    torch.manual_seed(0)
+    model, tok, _, _ = build_model(ModelConfig(name="vlp-tiny"), LossConfig())  # context 32
+    sot, eot = tok.sot_token_id, tok.eot_token_id
+    text = torch.zeros(2, model.clip.context_length, dtype=torch.long)
+    for row, end in enumerate((eot_at, 3)):  # the longest caption and a short one
+        text[row, 0], text[row, end] = sot, eot
+        text[row, 1:end] = torch.randint(300, 40000, (end - 1,))
+    trimmed = model.trim_text(text)
+    assert trimmed.shape[1] == (eot_at // 8 + 1) * 8
+    with torch.no_grad():
+        ours = model.encode_text(trimmed)
+        ref = model.clip.encode_text(text, normalize=True)
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-6)

@@ -1,6 +1,8 @@
-"""Contrastive gradient accumulation (DESIGN.md §3.3): k=2 x b equals k=1 x 2b."""
+"""Contrastive gradient accumulation: k=2 micro-batches x b equal k=1 x 2b (the contrastive
+batch is per_device x world x accum), and both equal a naive reference."""
 import pytest
 import torch
+from naive_losses import naive_loss
 
 from vlp.config import load_config
 from vlp.trainer import Trainer, lr_multiplier, param_groups
@@ -38,6 +40,18 @@ def test_accum_2_equals_double_batch(tiny_shards, loss, temperature):
     assert g1.keys() == g2.keys() and len(g1) > 10
     for name in g1:
         torch.testing.assert_close(g2[name], g1[name], atol=1e-10, rtol=1e-7, msg=name)
+    # and against tests/naive_losses.py: one forward of all 8 pairs, the loss by per-anchor loops
+    model = big.unwrapped
+    model.zero_grad(set_to_none=True)
+    out = model(images, text)
+    value, surrogate = naive_loss(loss, big.temperature.scale_grad, out.image_emb, out.text_emb,
+                                  out.logit_scale, out.logit_bias)
+    surrogate.backward()
+    assert l2 == pytest.approx(value.item(), abs=1e-10)
+    naive = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert naive.keys() == g2.keys()
+    for name in naive:
+        torch.testing.assert_close(g2[name], naive[name], atol=1e-10, rtol=1e-7, msg=name)
 
 
 def test_param_groups_no_decay_on_gains_biases_and_scale(tiny_shards):

@@ -66,7 +66,7 @@ class GridSpec:
     out_dir: str = "runs/compare"
     """Results folder: one subfolder per run plus runs.csv, results.md and the plots."""
     loss_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Per-loss dotted overrides, e.g. {flatnce: {loss.temperature: infonce}}."""
+    """Per-loss dotted overrides, e.g. {flatnce: {loss.temperature: split}}."""
     warmup_samples: Optional[int] = None
     """If set, optim.warmup_steps = warmup_samples // global batch (equal warmup in samples)."""
     log_every_samples: Optional[int] = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 
 import numpy as np
 from PIL import Image
@@ -49,9 +50,25 @@ def test_deterministic_and_cached(openmoji_cache, openmoji_all, tmp_path):
 def test_caption_names():
     assert openmoji.caption_name(":red_heart:", "\u2764\ufe0f") == "red heart"
     assert openmoji.caption_name(":France:", "\U0001F1EB\U0001F1F7") == "flag of France"
-    assert openmoji.split_of("red heart") == openmoji.split_of("red heart")
     assert openmoji.caption_for("emoji_2764-fe0f", "red heart") in \
         [t.format(name="red heart") for t in openmoji.TEMPLATES]
+
+
+def test_split_of_is_a_fixed_function_of_the_name():
+    """The held-out names are a contract (results compare across machines and releases): golden
+    values, the same in a process with another hash salt, and ~10 % of names held out."""
+    import subprocess
+    import sys
+
+    golden = {"red heart": "train", "flag of France": "train", "grinning face": "eval", "cat": "train"}
+    assert {n: openmoji.split_of(n) for n in golden} == golden
+    code = f"from data_pipelines.sources.openmoji import split_of; print([split_of(n) for n in {list(golden)!r}])"
+    for salt in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": salt}).stdout
+        assert out.strip() == repr(list(golden.values()))
+    held = sum(openmoji.split_of(f"name {i}") == "eval" for i in range(1000))
+    assert 70 <= held <= 130  # binomial(1000, 0.1): mean 100, sd 9.5
 
 
 def test_unrenderable_is_rejected(openmoji_cache):
