@@ -76,7 +76,18 @@ class GridSpec:
     retries: int = 1
     """Extra attempts for a run that raises, before it is recorded as failed."""
     metric: str = "mean_R@1"
-    """Eval metric of metric_vs_batch.png (one of EVAL_KEYS)."""
+    """Eval metric of metric_vs_batch.png (one of EVAL_KEYS); a study's verdict and final plot."""
+    sweep: dict[str, Any] = field(default_factory=dict)
+    """Non-empty: a tuned study (vlp/compare_study.py). Dotted key -> values, the same for every
+    arm, e.g. {optim.lr: [3e-4, 1e-3]}; or optimizer name -> such a map (per-optimizer ranges)."""
+    optimizers: list[str] = field(default_factory=list)
+    """Study: optim.name values, an axis of the arms (default: the base config's optim.name)."""
+    final_seeds: list[int] = field(default_factory=list)
+    """Study: seeds of the final runs of each arm's selected setting (default: seeds)."""
+    select_metric: str = "mean_R@10"
+    """Study: the val metric (mean over grid.seeds) that selects each arm's setting."""
+    test_shards: Optional[str] = None
+    """Study on your own shards: the test set (data.eval_shards is the val set). OpenMoji: unset."""
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -141,8 +152,9 @@ def parse_grid(raw: Any) -> GridSpec:
         seeds=_int_list(raw, "seeds", 0),
         loss_overrides=flat,
         **{k: raw[k] for k in ("out_dir", "warmup_samples", "log_every_samples", "keep_checkpoints",
-                               "retries", "metric") if k in raw},
+                               "retries", "metric", "select_metric", "test_shards") if k in raw},
     )
+    _parse_study(raw, spec)
     if not isinstance(spec.out_dir, str) or not spec.out_dir:
         raise ConfigError(f"config: grid.out_dir must be a folder path, got {spec.out_dir!r}")
     for key in ("warmup_samples", "log_every_samples", "retries"):
@@ -156,15 +168,69 @@ def parse_grid(raw: Any) -> GridSpec:
     return spec
 
 
-def load_compare_config(path: str | Path, overrides: Sequence[str] = ()) -> tuple[dict, GridSpec]:
-    """YAML + dotted overrides (grid.* included) → (base vlp config dict, GridSpec), both validated."""
+OPTIMIZERS = ("adamw", "lars", "sgd")
+
+
+def _check_sweep_map(table: Any, where: str) -> None:
+    if not isinstance(table, dict):
+        raise ConfigError(f"config: {where} must map dotted keys to lists of values, got {table!r}")
+    for key, values in table.items():
+        if key in GRID_KEYS or key == "optim.name" or "." not in str(key):
+            raise ConfigError(f"config: {where}.{key}: not a sweepable key (set by the grid, or not dotted)")
+        if not isinstance(values, list) or not values or len(values) != len(set(map(repr, values))):
+            raise ConfigError(f"config: {where}.{key} must be a non-empty list without duplicates, got {values!r}")
+
+
+def _parse_study(raw: dict, spec: GridSpec) -> None:
+    """The study fields of grid: (sweep, optimizers, final_seeds, select_metric, test_shards)."""
+    sweep = raw.get("sweep") or {}
+    if not isinstance(sweep, dict):
+        raise ConfigError(f"config: grid.sweep must be a mapping, got {sweep!r}")
+    per_optim = any(isinstance(v, dict) for v in sweep.values())
+    if per_optim:
+        for name, table in sweep.items():
+            if name not in OPTIMIZERS:
+                raise ConfigError(f"config: grid.sweep.{name}: not an optimizer {list(OPTIMIZERS)}")
+            _check_sweep_map(table, f"grid.sweep.{name}")
+    elif sweep:
+        _check_sweep_map(sweep, "grid.sweep")
+    spec.sweep = sweep
+    optimizers = raw.get("optimizers") or []
+    if isinstance(optimizers, str):
+        optimizers = [optimizers]
+    if not isinstance(optimizers, list) or any(o not in OPTIMIZERS for o in optimizers) \
+            or len(set(optimizers)) != len(optimizers):
+        raise ConfigError(f"config: grid.optimizers must be distinct names from {list(OPTIMIZERS)}, got {optimizers!r}")
+    spec.optimizers = list(optimizers)
+    if per_optim and spec.optimizers and set(spec.optimizers) - set(sweep):
+        raise ConfigError(f"config: grid.sweep has no settings for optimizer(s) "
+                          f"{sorted(set(spec.optimizers) - set(sweep))}")
+    spec.final_seeds = _int_list(raw, "final_seeds", 0) if raw.get("final_seeds") is not None else list(spec.seeds)
+    if spec.select_metric not in EVAL_KEYS:
+        raise ConfigError(f"config: grid.select_metric must be one of {list(EVAL_KEYS)}, got {spec.select_metric!r}")
+    if spec.test_shards is not None and (not isinstance(spec.test_shards, str) or not spec.test_shards):
+        raise ConfigError(f"config: grid.test_shards must be a shard spec, got {spec.test_shards!r}")
+
+
+def load_compare_config(path: str | Path, overrides: Sequence[str] = (), quick: bool = False) -> tuple[dict, GridSpec]:
+    """YAML + dotted overrides (grid.* included) → (base vlp config dict, GridSpec), both validated.
+    quick: the YAML's top-level `quick:` map of dotted overrides is applied first (a few-minute
+    version of the same study); otherwise that section is ignored."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config: no such file: {path}")
     data = yaml.safe_load(path.read_text()) or {}
+    quick_sets = data.pop("quick", None)
+    if quick:
+        if not isinstance(quick_sets, dict) or not quick_sets:
+            raise ConfigError(f"config: --quick needs a top-level 'quick:' map of dotted overrides in {path}")
+        for key, value in quick_sets.items():
+            _set_dotted(data, key, value)
     data = apply_overrides(data, list(overrides))
     grid = parse_grid(data.pop("grid", None))
-    from_dict(copy.deepcopy(data)).validate()  # fail on a bad base config before any run
+    cfg = from_dict(copy.deepcopy(data)).validate()  # fail on a bad base config before any run
+    if grid.sweep and not grid.optimizers:
+        grid.optimizers = [cfg.optim.name]
     return data, grid
 
 
@@ -234,9 +300,10 @@ def _stale_key(saved: dict, current: dict) -> Optional[str]:
     return None
 
 
-def _plan(runs: list[RunSpec], cfgs: dict[str, Config], out: Path) -> tuple[list[bool], str]:
+def _plan(runs: list, cfgs: dict[str, Config], out: Path, items: bool = False) -> tuple[list[bool], str]:
     """(done flag per run, error); a run folder written under another config is an error, so
-    results of two configs are never mixed in one table."""
+    results of two configs are never mixed in one table. items: done also needs eval_items.json
+    (a study run's per-query ranks)."""
     done = []
     for run in runs:
         run_dir = out / run.name
@@ -246,7 +313,7 @@ def _plan(runs: list[RunSpec], cfgs: dict[str, Config], out: Path) -> tuple[list
             if why:
                 return [], (f"compare: {run_dir} was run with another config ({why}); "
                             "use a new grid.out_dir or delete that folder")
-        done.append((run_dir / "result.json").is_file())
+        done.append((run_dir / "result.json").is_file() and (not items or (run_dir / "eval_items.json").is_file()))
     return done, ""
 
 
@@ -259,13 +326,15 @@ def _train_once(cfg: Config, accelerator) -> dict:
         accelerator.free_memory()  # drop the prepared model/optimizer before the next run
 
 
-def run_one(run: RunSpec, cfg: Config, accelerator, retries: int = 1, keep_checkpoints: bool = True) -> dict:
-    """Train + eval one run, retrying on exceptions; writes compare.json (main). Returns its record."""
+def run_one(run: RunSpec, cfg: Config, accelerator, retries: int = 1, keep_checkpoints: bool = True,
+            train=None) -> dict:
+    """Train + eval one run (``train(cfg, accelerator)``, default a Trainer run), retrying on
+    exceptions; writes compare.json (main). Returns its record."""
     t0 = time.time()
     status, error, attempts = "failed", "", 0
     for attempts in range(1, retries + 2):
         try:
-            _train_once(cfg, accelerator)
+            (train or _train_once)(cfg, accelerator)
             status, error = "ok", ""
             break
         except Exception as e:  # noqa: BLE001 - a crashed run must not stop the grid
@@ -317,6 +386,10 @@ def run_grid(base: dict, grid: GridSpec, report_only: bool = False, accelerator=
         precision = from_dict(copy.deepcopy(base)).train.precision
         accelerator = Accelerator(mixed_precision="no" if precision == "fp32" else precision)
     acc = accelerator
+    if grid.sweep:  # a tuned study: sweep on val, seeds on test (vlp/compare_study.py)
+        from vlp.compare_study import run_study
+
+        return run_study(base, grid, acc, report_only)
     base = resolve_data(copy.deepcopy(base), acc)
     runs = expand_grid(grid)
     cfgs = {r.name: run_config(base, grid, r, acc.num_processes) for r in runs}
@@ -386,11 +459,13 @@ def add_compare_parser(sub) -> None:
                    help="compare YAML: a vlp config plus a 'grid:' section (default: %(default)s)")
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: rebuild runs.csv, results.md and the plots from the run folders")
+    p.add_argument("--quick", action="store_true",
+                   help="apply the config's 'quick:' overrides first (the same study in a few minutes)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.samples=4096 grid.seeds=[0]")
     p.set_defaults(func=cmd_compare)
 
 
 def cmd_compare(args) -> int:
-    base, grid = load_compare_config(args.config, args.overrides)
+    base, grid = load_compare_config(args.config, args.overrides, quick=getattr(args, "quick", False))
     run_grid(base, grid, report_only=args.report_only)
     return 0
