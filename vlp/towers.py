@@ -294,3 +294,21 @@ def transforms(pp: dict):
 
 def _rgb(image):
     return image.convert("RGB")
+
+
+# ----------------------------------------------------------------------------- weight formats
+
+def convert_by_order(source: dict, target: dict, what: str = "weights") -> dict:
+    """`source`'s tensors under `target`'s names, matched by position: for a checkpoint of the
+    same architecture saved by another implementation (EfficientNet-Lite0 of the
+    efficientnet_pytorch layout -> timm's tf_efficientnet_lite0). Refused (one ValueError line)
+    unless both have the same number of tensors and every pair has the same shape and the same
+    kind (the last name part: weight, bias, running_mean, ...); classifier tensors included."""
+    if len(source) != len(target):
+        raise ValueError(f"{what}: {len(source)} tensors, the model has {len(target)}")
+    out = {}
+    for (src_key, value), (dst_key, ref) in zip(source.items(), target.items()):
+        if tuple(value.shape) != tuple(ref.shape) or src_key.rsplit(".", 1)[-1] != dst_key.rsplit(".", 1)[-1]:
+            raise ValueError(f"{what}: {src_key} {tuple(value.shape)} does not match {dst_key} {tuple(ref.shape)}")
+        out[dst_key] = value
+    return out
