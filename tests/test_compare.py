@@ -179,14 +179,18 @@ def test_loss_overrides_and_grid_validation(tmp_path):
         run_config(base, typo, expand_grid(typo)[0])
 
 
-@pytest.mark.parametrize("name,runs,model", [("compare_small_batch.yaml", 27, "vlp-micro"),
-                                             ("compare_gpu_vitb32.yaml", 27, "ViT-B-32")])
+@pytest.mark.parametrize("name,runs,model", [("compare_small_batch.yaml", 18, "vlp-micro"),
+                                             ("compare_gpu_vitb32.yaml", 54, "ViT-B-32")])
 def test_shipped_configs_load(name, runs, model):
+    """Both shipped configs are the tuned study (vlp/compare_study.py): 3 losses x 2 optimizers."""
+    from vlp.compare_study import sweep_runs
+
     base, grid = load_compare_config(REPO / "configs" / name)
-    assert len(expand_grid(grid)) == runs and len(grid.seeds) >= 3
-    assert set(grid.losses) == {"infonce", "flatnce", "siglip"}
-    for run in expand_grid(grid):
-        assert run_config(base, grid, run).model.name == model
+    assert len(sweep_runs(grid)) == runs and len(grid.final_seeds) >= 3
+    assert set(grid.losses) == {"infonce", "flatnce", "sogclr"} and grid.optimizers == ["adamw", "lars"]
+    for run in sweep_runs(grid):
+        cfg = run_config(base, grid, run)
+        assert cfg.model.name == model and cfg.optim.name == run.optim
     base, grid = load_compare_config(REPO / "configs" / name, ["grid.seeds=[5]", "train.samples=4096"])
     assert grid.seeds == [5] and base["train"]["samples"] == 4096
 
