@@ -107,8 +107,8 @@ class LossConfig:
     """Contrastive loss over the gathered global batch."""
     temperature: Optional[Literal["learnable", "fixed", "split"]] = None
     """learnable: logit_scale trained by the loss; fixed: 1/tau, never trained;
-    split: (FlatNCE only) encoders get FlatNCE's gradient, logit_scale InfoNCE's.
-    Unset: 'split' for FlatNCE (best of the three on the small-batch grid, and it keeps
+    split: (FlatNCE, SogCLR) encoders get the loss's gradient, logit_scale InfoNCE's.
+    Unset: 'split' for FlatNCE and SogCLR (best of the three on the small-batch grid, and it keeps
     logit_scale off the clamp; see README "Losses and temperature"), 'learnable' otherwise.
     The old name 'infonce' for 'split' is still read (configs and checkpoints of older runs).
     vlp/temperature.py turns this section into the model's init and the trainer's rules."""
