@@ -101,6 +101,13 @@ def test_cli_reports_a_tower_mismatch_in_one_line(tmp_path):
     assert "missing (visual." in lines[0] and "unexpected (visual.layer1.0.conv1.weight)" in lines[0]
 
 
+def test_a_tower_file_as_model_pretrained_is_one_line(trunk_file, timm_json):
+    with pytest.raises(ValueError) as e:
+        build_model(ModelConfig(name=timm_json, pretrained=trunk_file[0]), LossConfig())
+    msg = str(e.value)
+    assert "\n" not in msg and "missing keys" in msg and "model.image_pretrained" in msg, msg
+
+
 def test_open_clip_checkpoint_into_one_tower(tmp_path):
     donor, *_ = _micro(seed=1)
     export_open_clip(donor, tmp_path / "donor.pt")
@@ -377,3 +384,12 @@ def test_efficientnet_lite0_package_weights_convert_to_timm():
     swapped = {k: source[k] for k in [keys[1], keys[0], *keys[2:]]}
     with pytest.raises(ValueError, match="does not match"):
         convert_by_order(swapped, model.state_dict())
+
+
+def test_building_towers_is_quiet(bert_dir, timm_json, trunk_file, capfd):
+    """No creation notice that vlp's own loading makes wrong ('initialized randomly/partially',
+    the BERT pooler keys transformers calls unexpected under mean pooling) reaches stderr."""
+    build_model(ModelConfig(name=timm_json, image_pretrained=trunk_file[0], hf_text_dir=bert_dir,
+                            text_pooler="mean"), LossConfig())
+    err = capfd.readouterr().err
+    assert "initialized" not in err and "LOAD REPORT" not in err and "UNEXPECTED" not in err, err

@@ -238,18 +238,31 @@ def _create(name: str, model_cfg, device, kwargs: dict, init_weights: bool = Tru
 
 @contextlib.contextmanager
 def _without_random_init_notice():
-    """open_clip logs 'No pretrained weights loaded ... initialized randomly' for every model built
-    without `pretrained`: vlp never downloads weights (load_pretrained reads model.pretrained), so
-    the line is noise on stderr, where a user error must be the only line."""
+    """Quiet the notices of model creation that vlp's own loading makes wrong: open_clip's 'No
+    pretrained weights loaded ... initialized randomly' and '... initialized partially' (vlp loads
+    model.pretrained / image_pretrained / text_pretrained after creation, and a checkpoint's
+    weights after that), and transformers' load report of a HF text tower (the BERT pooler's
+    weights are 'unexpected' whenever another pooler is used). stderr stays for user errors."""
     def drop(record: logging.LogRecord) -> bool:
-        return "No pretrained weights loaded" not in record.getMessage()
+        message = record.getMessage()
+        return "No pretrained weights loaded" not in message and "initialized partially" not in message
 
     root = logging.getLogger()
     root.addFilter(drop)
+    hf_logging = None
+    try:
+        from transformers.utils import logging as hf_logging
+
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+    except ImportError:  # transformers is only needed for HF text towers
+        pass
     try:
         yield
     finally:
         root.removeFilter(drop)
+        if hf_logging is not None:
+            hf_logging.set_verbosity(verbosity)
 
 
 def load_pretrained(clip: nn.Module, source: str, model_name: str = "") -> None:
