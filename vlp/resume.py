@@ -50,6 +50,8 @@ def layout_changes(saved: dict, cfg: Config, world_size: Optional[int],
         out.append(f"world size: {saved.get('world_size')} -> {world_size}")
     for key in keys:
         old, new = _dotted(saved.get("config", {}), key), _dotted(current, key)
+        if key == "loss.temperature" and old == "infonce":  # the mode's old name
+            old = "split"
         if old != new:
             out.append(f"{key}: {old!r} -> {new!r}")
     return out
