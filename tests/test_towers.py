@@ -191,6 +191,23 @@ def test_tag_and_hub_name_resolve_offline(offline_hub):
         _micro(pretrained="no_such_tag")
 
 
+def test_published_sigmoid_model_keeps_its_logit_bias(offline_hub, tmp_path):
+    """A hub model whose config has init_logit_bias (SigLIP-style) loads strictly, bias included."""
+    from vlp.evaluate import load_published
+
+    cache, _ = offline_hub
+    torch.manual_seed(3)
+    ref, *_ = build_model(ModelConfig(name="vlp-micro"), LossConfig(name="siglip"))
+    with torch.no_grad():
+        ref.clip.logit_bias.fill_(-7.5)
+    state = {k: v.clone() for k, v in ref.clip.state_dict().items()}
+    _hub_cache(cache, "vlp-test/tinysig", {
+        "open_clip_pytorch_model.bin": lambda p: torch.save(state, p),
+        "open_clip_config.json": lambda p: p.write_text(json.dumps({"model_cfg": {**MICRO, "init_logit_bias": -10}}))})
+    model, *_ = load_published("hf-hub:vlp-test/tinysig", None)
+    assert _same(model, state) and model.clip.logit_bias.item() == -7.5
+
+
 def test_vlp_eval_of_a_published_model_by_tag_offline(offline_hub, tmp_path):
     """`vlp eval --model vlp-micro --pretrained tinytag --classes DIR` in a fresh process with
     HF_HUB_OFFLINE=1: weights from the cache, metrics written, units said, no random-init notice."""

@@ -37,9 +37,11 @@ def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, devi
         raise ckpt.CheckpointError(f"checkpoint {path} has non-finite weights in {len(bad)} tensors (e.g. {bad[0]})")
     if model_name is not None:
         model_cfg.name = model_name
-    if "logit_bias" in weights:
-        loss_cfg.name = "siglip"
     model, tokenizer, _, eval_tf = build_model(model_cfg, loss_cfg, device=device, init_weights=False)
+    if "config" not in state and getattr(model.clip, "logit_bias", None) is None:
+        # an open_clip file says nothing of its loss; a sigmoid-loss model's bias adds the same
+        # constant to every logit, so no rank (retrieval, zero-shot) depends on it: not loaded
+        weights = {k: v for k, v in weights.items() if k != "logit_bias"}
     preprocess = state.get("preprocess") or state.get("preprocess_cfg")
     if preprocess:  # the tower's preprocessing as trained, not the config's default
         from vlp.towers import transforms
@@ -66,7 +68,11 @@ def load_published(model_name: str, pretrained: Optional[str], device: str = "cp
     if not pretrained and not model_name.startswith("hf-hub:"):
         raise ConfigError("vlp eval: --model needs --pretrained (a tag, hf-hub:org/name or a file), "
                           "unless it is hf-hub:org/name")
-    model, tokenizer, _, eval_tf = build_model(ModelConfig(name=model_name, pretrained=pretrained), LossConfig(),
+    from vlp.model import model_config_dict
+
+    # a sigmoid-loss model (SigLIP) carries a logit bias: its config says so with init_logit_bias
+    loss = LossConfig(name="siglip") if "init_logit_bias" in model_config_dict(model_name) else LossConfig()
+    model, tokenizer, _, eval_tf = build_model(ModelConfig(name=model_name, pretrained=pretrained), loss,
                                                device=device)
     return model.eval(), tokenizer, eval_tf
 
