@@ -29,6 +29,8 @@ from typing import Iterable, Sequence
 import torch
 from tqdm import tqdm
 
+from eval import keys
+
 # ----------------------------------------------------------------------------- metrics (pure)
 
 def ranks_of_best_positive(
@@ -88,11 +90,11 @@ def summarize_ranks(ranks: torch.Tensor, prefix: str, ks: Sequence[int] = (1, 5,
     """R@k (fraction of queries with rank <= k), mean rank, median rank (average of the two
     middle ranks when the count is even, like numpy.median) for one direction."""
     ranks_f = ranks.double().cpu()
-    out = {f"{prefix}_R@{k}": float((ranks_f <= k).double().mean()) for k in ks}
-    out[f"{prefix}_mean_rank"] = float(ranks_f.mean())
+    out = {keys.recall(prefix, k): float((ranks_f <= k).double().mean()) for k in ks}
+    out[keys.mean_rank(prefix)] = float(ranks_f.mean())
     srt = ranks_f.sort().values
     n = srt.numel()
-    out[f"{prefix}_median_rank"] = float(srt[(n - 1) // 2] + srt[n // 2]) / 2.0
+    out[keys.median_rank(prefix)] = float(srt[(n - 1) // 2] + srt[n // 2]) / 2.0
     return out
 
 
@@ -120,7 +122,7 @@ def retrieval_metrics(
     order_m = torch.sort(txt_to_img, stable=True).indices
     i2t_ranks = ranks_of_best_positive(img_emb, txt_emb, txt_to_img[order_m], caption_idx_m[order_m], chunk_size)
     t2i_ranks = ranks_of_best_positive(txt_emb, img_emb, caption_idx_m, txt_to_img, chunk_size)
-    return {**summarize_ranks(i2t_ranks, "image_to_text", ks), **summarize_ranks(t2i_ranks, "text_to_image", ks)}
+    return {**summarize_ranks(i2t_ranks, keys.IMAGE_TO_TEXT, ks), **summarize_ranks(t2i_ranks, keys.TEXT_TO_IMAGE, ks)}
 
 
 def clip_benchmark_names(metrics: dict[str, float]) -> dict[str, float]:

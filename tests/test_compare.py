@@ -89,7 +89,7 @@ def _fake_train(calls, fail=lambda cfg: False):
         steps = cfg.train.samples // gb
         with open(out / "log.jsonl", "a") as f:
             for step in range(1, steps + 1):
-                f.write(json.dumps({"step": step, "samples_seen": step * gb, "infonce": 1.0 / step,
+                f.write(json.dumps({"type": "train", "step": step, "samples_seen": step * gb, "infonce": 1.0 / step,
                                     "log_xi": 0.5, "grad_ratio": 0.9, "frac_saturated": 0.0, "ess_neg": 2.0,
                                     "acc": 0.5, "logit_scale": 14.0}) + "\n")
                 if fail(cfg) and step == 1:
@@ -255,12 +255,16 @@ def test_plots_have_one_series_per_loss_and_per_loss_batch(tmp_path):
 
 
 def test_read_log_keeps_training_records_last_one_per_step(tmp_path):
+    """Records are selected by their "type" (vlp/records.py), whatever keys they carry."""
     path = tmp_path / "log.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in [
-        {"step": 1, "samples_seen": 8, "infonce": 3.0}, {"step": 2, "samples_seen": 16, "infonce": 2.0},
-        {"step": 2, "samples_seen": 16, "infonce": 2.5},  # replayed after a resume
-        {"step": 2, "eval/image_to_text_R@1": 0.1}, {"step": 2, "samples_seen": 16, "train_time_s": 1.0},
-    ]) + '\n{"step": 3, "samp')
+        {"type": "train", "step": 1, "samples_seen": 8, "infonce": 3.0},
+        {"type": "train", "step": 2, "samples_seen": 16, "infonce": 2.0},
+        {"type": "train", "step": 2, "samples_seen": 16, "infonce": 2.5},  # replayed after a resume
+        {"type": "nonfinite", "step": 3, "samples_seen": 24, "nonfinite": 1.0, "infonce": 9.0},
+        {"type": "eval", "step": 2, "eval/image_to_text_R@1": 0.1, "infonce": 9.0},
+        {"type": "result", "step": 2, "samples_seen": 16, "train_time_s": 1.0},
+    ]) + '\n{"type": "train", "step": 3, "samp')
     assert [(r["step"], r["infonce"]) for r in read_log(path)] == [(1, 3.0), (2, 2.5)]
 
 

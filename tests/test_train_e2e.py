@@ -34,7 +34,8 @@ def test_tiny_training_lowers_infonce_and_evaluates(tiny_shards, tmp_path, loss)
     # 40 held-out names are not learnt by so small a run (at chance: a bound that cannot fail)
     result = Trainer(_cfg(tiny_shards, tmp_path, f"loss.name={loss}", "train.samples=960",
                           f"data.eval_shards={tiny_shards['train']}")).train()
-    steps = [r for r in _log(tmp_path) if "infonce" in r]
+    steps = [r for r in _log(tmp_path) if r["type"] == "train"]
+    assert {r["type"] for r in _log(tmp_path)} == {"train", "result"}  # every record says what it is
     first = sum(r["infonce"] for r in steps[:5]) / 5
     last = sum(r["infonce"] for r in steps[-5:]) / 5
     assert len(steps) == 60

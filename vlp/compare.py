@@ -37,9 +37,9 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from vlp.compare_report import (
-    DIAG_KEYS, DIRECTIONS, EVAL_KEYS, RECALL_KS, aggregate, markdown_table, read_log, write_report,
-)
+from eval import keys
+from eval.keys import EVAL_KEYS, RECALL_KS
+from vlp.compare_report import DIAG_KEYS, aggregate, markdown_table, read_log, write_report
 from vlp.config import Config, ConfigError, LossConfig, apply_overrides, from_dict
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "compare_small_batch.yaml"
@@ -439,10 +439,10 @@ def run_row(run: RunSpec, cfg: Config, world: int = 1) -> Optional[dict]:
         "error": "" if result is not None else record.get("error", ""),
     }
     for k in RECALL_KS:
-        both = [(result or {}).get(f"eval/{d}_R@{k}") for d in DIRECTIONS]
-        row.update({f"{d}_R@{k}": v for d, v in zip(DIRECTIONS, both)})
-        row[f"mean_R@{k}"] = None if None in both else sum(both) / 2
-    row["chance_R@1"] = (result or {}).get("eval/chance_R@1")
+        both = [(result or {}).get(keys.eval_key(keys.recall(d, k))) for d in keys.DIRECTIONS]
+        row.update({keys.recall(d, k): v for d, v in zip(keys.DIRECTIONS, both)})
+        row[keys.mean_recall(k)] = None if None in both else sum(both) / 2
+    row[keys.CHANCE_R1] = (result or {}).get(keys.eval_key(keys.CHANCE_R1))
     row.update({k: last.get(k) for k in DIAG_KEYS})
     return row
 

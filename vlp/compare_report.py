@@ -6,34 +6,25 @@ Pure functions of the rows and logs: `vlp compare --report-only` rebuilds everyt
 from __future__ import annotations
 
 import csv
-import json
 import math
 import statistics
 from pathlib import Path
 from typing import Optional, Sequence
 
-DIRECTIONS = ("image_to_text", "text_to_image")
-RECALL_KS = (1, 5, 10)
-# mean_R@k = mean of the two directions; R@10 is the steadier number on a small eval set
-EVAL_KEYS = tuple(f"{d}_R@{k}" for d in DIRECTIONS for k in RECALL_KS) + tuple(f"mean_R@{k}" for k in RECALL_KS)
+from eval.keys import CHANCE_R1, EVAL_KEYS
+from vlp import records
+
+# EVAL_KEYS: both directions' R@k and mean_R@k; R@10 is the steadier number on a small eval set
 DIAG_KEYS = ("infonce", "log_xi", "grad_ratio", "frac_saturated", "ess_neg", "acc", "logit_scale")
 CSV_COLUMNS = ("run", "loss", "temperature", "batch_per_device", "global_batch", "seed", "steps",
-               "samples_seen", "wall_time_s", "status", "error", *EVAL_KEYS, "chance_R@1", *DIAG_KEYS)
+               "samples_seen", "wall_time_s", "status", "error", *EVAL_KEYS, CHANCE_R1, *DIAG_KEYS)
 CURVE_KEYS = ("infonce", "log_xi", "grad_ratio", "frac_saturated", "logit_scale")
 
 
 def read_log(path: Path) -> list[dict]:
-    """Training records of a log.jsonl (those with diagnostics), one per step (last wins on resume)."""
-    by_step: dict[int, dict] = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a kill
-                continue
-            if "infonce" in rec and "step" in rec:
-                by_step[rec["step"]] = rec
-    return [by_step[s] for s in sorted(by_step)]
+    """The training records ("type": "train", vlp/records.py) of a log.jsonl, one per step
+    (the last wins on resume)."""
+    return records.last_per_step(records.read_records(path, records.TRAIN))
 
 
 # ---------------------------------------------------------------------------- rows
@@ -209,7 +200,7 @@ def write_report(out: Path, rows: list[dict], grid, total_runs: int) -> None:
     write_csv(rows, out / "runs.csv")
     table = aggregate(rows)
     ok = [r for r in rows if r["status"] == "ok"]
-    chance = next((r["chance_R@1"] for r in ok if r.get("chance_R@1")), None)
+    chance = next((r[CHANCE_R1] for r in ok if r.get(CHANCE_R1)), None)
     failed = [f"{r['run']} ({r['error']})" for r in rows if r["status"] != "ok"]
     lines = [
         "# Loss comparison at an equal budget of samples seen", "",

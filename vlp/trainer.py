@@ -26,8 +26,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object, set_seed
 
+from eval import keys
 from vlp import checkpoint as ckpt
-from vlp import parallel, resume
+from vlp import parallel, records, resume
 from vlp.config import Config, ConfigError, save_config
 from vlp.distributed import exit_with_launcher, gather_with_grad, positive_offset
 from vlp.losses import get_loss
@@ -508,7 +509,7 @@ class Trainer:
             suite["retrieval"] += extra.get("retrieval") or []
             suite["classification"] += extra.get("classification") or []
         if self.cfg.data.eval_shards:
-            suite["retrieval"].insert(0, {"name": "heldout", "shards": self.cfg.data.eval_shards})
+            suite["retrieval"].insert(0, {"name": keys.HELDOUT, "shards": self.cfg.data.eval_shards})
         return suite
 
     def eval_model(self) -> Optional[DualEncoder]:
@@ -544,11 +545,10 @@ class Trainer:
                                      show_progress=False)
             self.model.train()
             for name, res in results.items():
-                prefix = "" if name == "heldout" else f"{name}/"
-                flat.update({f"{prefix}{k}": v for k, v in res["metrics"].items()})
+                flat.update({keys.task_key(k, name): v for k, v in res["metrics"].items()})
                 if "n_images" in res:
-                    flat[f"{prefix}num_images"] = res["n_images"]
-                    flat[f"{prefix}chance_R@1"] = 1.0 / res["n_images"]
+                    flat[keys.task_key(keys.NUM_IMAGES, name)] = res["n_images"]
+                    flat[keys.task_key(keys.CHANCE_R1, name)] = 1.0 / res["n_images"]
         self.accelerator.wait_for_everyone()
         return flat
 
@@ -576,10 +576,8 @@ class Trainer:
                     self._tb.add_scalar(key, value, record["step"])
         if self.cfg.train.wandb_project:
             if self._wandb is None:
-                try:
-                    import wandb
-                except ImportError:
-                    raise ImportError("train.wandb_project is set but wandb is not installed: pip install wandb") from None
+                import wandb  # present: __init__ refused train.wandb_project without it
+
                 self._wandb = wandb.init(project=self.cfg.train.wandb_project, config=self.cfg.to_dict(),
                                          dir=str(self.out_dir))
             self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record["step"])
@@ -589,7 +587,8 @@ class Trainer:
         now, (t_last, step_last) = time.time(), self._last_log
         sps = (self.step - step_last) * self.global_batch / max(now - t_last, 1e-9)
         self._last_log = (now, self.step)
-        self.log({"step": self.step, "samples_seen": self.samples_seen, "epoch": self.epoch,
+        kind = records.NONFINITE if "nonfinite" in metrics else records.TRAIN
+        self.log({"type": kind, "step": self.step, "samples_seen": self.samples_seen, "epoch": self.epoch,
                   "samples_per_s": sps, **metrics, **{f"skipped_{k}": v for k, v in self.global_skipped().items()}})
         bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}",
                         infonce=f"{metrics.get('infonce', float('nan')):.3f}",
@@ -622,13 +621,15 @@ class Trainer:
                 if self.step % cfg.train.log_every == 0 or is_last:
                     self._log_step(metrics, bar)
                 if "nonfinite" in metrics and not self.step % cfg.train.log_every == 0:
-                    self.log({"step": self.step, "samples_seen": self.samples_seen, **metrics})
+                    self.log({"type": records.NONFINITE, "step": self.step, "samples_seen": self.samples_seen,
+                              **metrics})
                 if self.nonfinite_in_row >= cfg.train.max_nonfinite:
                     raise FloatingPointError(self.stop_nonfinite())
                 if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0 and not is_last:
                     self.save_checkpoint()
                 if cfg.train.eval_every and self.step % cfg.train.eval_every == 0 and not is_last:
-                    self.log({"step": self.step, **{f"eval/{k}": v for k, v in self.evaluate().items()}})
+                    self.log({"type": records.EVAL, "step": self.step,
+                              **{keys.EVAL_PREFIX + k: v for k, v in self.evaluate().items()}})
         finally:
             bar.close()
             data.close()
@@ -642,9 +643,9 @@ class Trainer:
         last_eval = self.evaluate()
         result = {"step": self.step, "samples_seen": self.samples_seen, "train_time_s": train_time,
                   "global_batch": self.global_batch, "nonfinite_steps": self.nonfinite_total,
-                  "skipped": self.global_skipped(), **{f"eval/{k}": v for k, v in last_eval.items()}}
+                  "skipped": self.global_skipped(), **{keys.EVAL_PREFIX + k: v for k, v in last_eval.items()}}
         if acc.is_main_process:
-            self.log({"step": self.step, **{k: v for k, v in result.items() if not isinstance(v, dict)}})
+            self.log({"type": records.RESULT, **{k: v for k, v in result.items() if not isinstance(v, dict)}})
             (self.out_dir / "result.json").write_text(json.dumps(result, indent=2))
         if self._log_file:
             self._log_file.close()

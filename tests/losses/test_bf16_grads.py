@@ -6,7 +6,7 @@ The losses promise fp32 math under autocast (vlp.losses.common.fp32_block, as_fp
   feature as local row and as global column, give the bound 2^-7 of the largest entry);
 - a whole step under autocast (bf16 encoder matmuls, fp32 loss) gives encoder and logit_scale
   gradients within 5 % (relative L2) of the fp32 step: the encoder's bf16 matmuls are the only
-  difference. A loss computed in bf16 at t = 100 misses both bounds by far.
+  difference. A loss computed in bf16 at t = 100 misses the first bound by far.
 """
 
 from __future__ import annotations
