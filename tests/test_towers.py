@@ -312,6 +312,22 @@ def test_locked_hf_text_tower_keeps_every_tensor(tiny_shards, tmp_path, bert_dir
     assert not text.transformer.training
 
 
+def test_unlocked_layers_on_a_hf_tower(tiny_shards, tmp_path, bert_dir):
+    """lock_text_unlocked_layers=1 on a 2-layer BERT: the last layer trains, the embeddings and
+    the first layer (parameters and buffers) stay as they were."""
+    from vlp.trainer import Trainer
+
+    t = Trainer(_cfg(tiny_shards, tmp_path / "d", "vlp-micro", f"model.hf_text_dir={bert_dir}",
+                     "model.lock_text=true", "model.lock_text_unlocked_layers=1"))
+    bert = t.unwrapped.clip.text.transformer
+    before = _tensors(bert)
+    t.train()
+    after = _tensors(bert)
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.startswith("p:encoder.layer.1.") for k in changed), sorted(changed)[:5]
+    assert not bert.embeddings.training and not bert.encoder.layer[0].training
+
+
 # ----------------------------------------------------------------------------- HF text towers
 
 @pytest.mark.parametrize("pooler", [None, "mean", "cls", "cls_pooler", "last"])

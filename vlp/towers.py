@@ -235,8 +235,30 @@ def lock_towers(clip: nn.Module, model_cfg) -> list[str]:
     if model_cfg.lock_image:  # LiT (Zhai et al. 2022)
         clip.visual.lock(unlocked_groups=model_cfg.lock_image_unlocked_groups, freeze_bn_stats=False)
     if model_cfg.lock_text:
-        clip.lock_text_tower(unlocked_layers=model_cfg.lock_text_unlocked_layers)
+        text = getattr(clip, "text", None)
+        if hasattr(text, "transformer") and hasattr(text, "pooler") and model_cfg.lock_text_unlocked_layers:
+            lock_hf_layers(text.transformer, model_cfg.lock_text_unlocked_layers)
+        else:
+            clip.lock_text_tower(unlocked_layers=model_cfg.lock_text_unlocked_layers)
     return frozen_modules(clip) if (model_cfg.lock_image or model_cfg.lock_text) else []
+
+
+def lock_hf_layers(transformer: nn.Module, unlocked_layers: int) -> None:
+    """Freeze a HF model but its last `unlocked_layers` blocks and what follows them (final norm,
+    BERT's pooler): open_clip's HFTextEncoder.lock rule, for any architecture. (open_clip finds
+    the blocks by a per-architecture table whose BERT entry lacks them; here they are the
+    longest ModuleList, e.g. encoder.layer or block.)"""
+    lists = [(name, m) for name, m in transformer.named_modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ValueError("model.lock_text_unlocked_layers: the HF text model has no list of layers")
+    name, layers = max(lists, key=lambda item: len(item[1]))
+    if unlocked_layers > len(layers):
+        raise ValueError(f"model.lock_text_unlocked_layers={unlocked_layers}: the HF text model has {len(layers)} layers")
+    params = list(transformer.named_parameters())
+    in_layers = [i for i, (n, _) in enumerate(params) if n.startswith(f"{name}.")]
+    keep = tuple(f"{name}.{i}." for i in range(len(layers) - unlocked_layers, len(layers)))
+    for i, (n, p) in enumerate(params):
+        p.requires_grad_(n.startswith(keep) or i > in_layers[-1])
 
 
 def frozen_modules(root: nn.Module) -> list[str]:
