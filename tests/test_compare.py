@@ -179,7 +179,7 @@ def test_loss_overrides_and_grid_validation(tmp_path):
         run_config(base, typo, expand_grid(typo)[0])
 
 
-@pytest.mark.parametrize("name,runs,model", [("compare_small_batch.yaml", 18, "vlp-micro"),
+@pytest.mark.parametrize("name,runs,model", [("compare_small_batch.yaml", 24, "vlp-micro"),
                                              ("compare_gpu_vitb32.yaml", 54, "ViT-B-32")])
 def test_shipped_configs_load(name, runs, model):
     """Both shipped configs are the tuned study (vlp/compare_study.py): 3 losses x 2 optimizers."""

@@ -152,3 +152,14 @@ def test_cli_quick_on_openmoji_tiny(tmp_path):
     assert (tmp_path / ".cache" / "shards" / "openmoji_study" / "test" / "sizes.json").is_file()
     items = json.loads((out / "sogclr_adamw_b8_lr0.001_s0" / "eval_items.json").read_text())
     assert len(items["test"]["image_to_text"]) == 208 and len(items["val"]["image_to_text"]) == 195
+
+
+def test_edge_selections_are_named():
+    from vlp.compare_study import edge_selections
+
+    grid = parse_grid({"losses": ["infonce"], "batch_per_device": [8], "seeds": [0],
+                       "sweep": {"optim.lr": [1e-4, 1e-3, 1e-2], "loss.tau": [0.07]}})
+    grid.optimizers = ["adamw"]
+    best = {("infonce", "adamw", 8): (("optim.lr", 1e-4), ("loss.tau", 0.07)),
+            ("flatnce", "adamw", 8): (("optim.lr", 1e-3), ("loss.tau", 0.07))}
+    assert edge_selections(best, grid) == ["infonce/adamw/b8: optim.lr=0.0001"]

@@ -267,6 +267,21 @@ def sweep_markdown(rows: list[dict], best: dict, metric: str) -> str:
     return "\n".join(lines)
 
 
+def edge_selections(best: dict, grid) -> list[str]:
+    """Arms whose selected setting is the first or last value of a swept key with >= 3 values:
+    the optimum may lie outside the sweep (widen it)."""
+    notes = []
+    for arm, setting in best.items():
+        table = settings_for(grid.sweep, arm[1])
+        keys = {k: sorted({dict(s)[k] for s in table}) for k, _ in (table[0] if table else ())}
+        for key, value in setting:
+            values = keys.get(key, [])
+            if len(values) >= 3 and value in (values[0], values[-1]):
+                notes.append(f"{arm_label(arm)}: {key}={value:g}" if isinstance(value, float)
+                             else f"{arm_label(arm)}: {key}={value}")
+    return notes
+
+
 def final_markdown(table: list[dict], metrics: tuple[str, ...]) -> str:
     head = ["arm (loss/optimizer/batch)", "setting", "seeds"]
     for m in metrics:
@@ -348,6 +363,8 @@ def write_study_report(out: Path, sweep_rows: list[dict], final_rows: list[dict]
         f"sweep {json.dumps(grid.sweep)} with seeds {grid.seeds}, selected on val {grid.select_metric}; "
         f"final seeds {grid.final_seeds}. Every run sees the same budget of samples.", "",
         "## Sweep (val)", "", sweep_markdown(sweep_rows, best, grid.select_metric), "",
+        *([f"Selected at the edge of its sweep (the optimum may lie outside): {'; '.join(edges)}.", ""]
+          if (edges := edge_selections(best, grid)) else []),
         "## Final (test)", "",
         "Cells: mean ± std over seeds [95 % t-interval]; per-run bootstrap: mean over seeds of each run's 95 % "
         "bootstrap interval over test items; Δ: paired by seed against infonce with the same optimizer and "
