@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from data_pipelines.shard_io import is_url, read_small
 from data_pipelines.tars import IMAGE_EXTS, TEXT_EXTS, _read_shard, expand_sources
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+IMAGE_EXTENSIONS = tuple(f".{ext}" for ext in IMAGE_EXTS)  # the shard reader's list: one definition
 SYNSETS_PATH = Path(__file__).with_name("imagenet_synsets.txt")
 
 
