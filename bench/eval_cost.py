@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     from eval.retrieval import embed_retrieval
     from eval.zeroshot import build_classifier, load_templates
     from vlp.config import LossConfig, ModelConfig
-    from vlp.demo import prepare_openmoji_shards
+    from data_pipelines.sources.openmoji import prepare_shards
     from vlp.model import DualEncoder, build_model
 
     torch.manual_seed(0)
@@ -50,7 +50,7 @@ def main(argv=None) -> None:
     models = {"trim": trimmed.eval(), "no_trim": DualEncoder(trimmed.clip).eval()}
     classnames = list(open_clip.IMAGENET_CLASSNAMES[:args.classes])
     templates = load_templates("openai")[:args.templates]
-    specs = prepare_openmoji_shards(REPO / ".cache" / "shards" / "openmoji")
+    specs = prepare_shards(REPO / ".cache" / "shards" / "openmoji")
     pairs_spec = f"{specs['train']}::{specs['eval']}"
     header(f"eval cost: {args.model}, classifier {len(classnames)} classes x {len(templates)} templates, "
            f"retrieval over the OpenMoji pairs, trim vs no trim")

@@ -41,9 +41,9 @@ OPEN_CLIP_WRAPPER = (
 
 
 def openmoji_train_spec() -> str:
-    from vlp.demo import prepare_openmoji_shards
+    from data_pipelines.sources.openmoji import prepare_shards
 
-    return prepare_openmoji_shards(REPO / ".cache" / "shards" / "openmoji")["train"]
+    return prepare_shards(REPO / ".cache" / "shards" / "openmoji")["train"]
 
 
 def vlp_cmd(spec: str, out: Path, model: str, batch: int, steps: int, workers: int, seed: int = 0,

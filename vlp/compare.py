@@ -43,7 +43,6 @@ from vlp.compare_report import DIAG_KEYS, aggregate, markdown_table, read_log, w
 from vlp.config import Config, ConfigError, LossConfig, apply_overrides, from_dict
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "compare_small_batch.yaml"
-OPENMOJI_CACHE = Path(".cache") / "shards" / "openmoji"  # same cache as `vlp demo`
 LOSS_NAMES = typing.get_args(typing.get_type_hints(LossConfig)["name"])
 # Grid-controlled keys: a per-loss override of these would silently break the grid.
 GRID_KEYS = ("loss.name", "data.batch_per_device", "train.seed", "train.output_dir", "train.resume")
@@ -366,12 +365,12 @@ def resolve_data(base: dict, acc) -> dict:
     data = base.setdefault("data", {})
     if data.get("train_shards") not in (None, "", "openmoji"):
         return base
-    from vlp.demo import prepare_openmoji_shards
+    from data_pipelines.sources.openmoji import prepare_shards
 
     if acc.is_main_process:  # renders and writes once; the others then only read the specs
-        prepare_openmoji_shards(OPENMOJI_CACHE)
+        prepare_shards()
     acc.wait_for_everyone()
-    specs = prepare_openmoji_shards(OPENMOJI_CACHE)
+    specs = prepare_shards()
     data["train_shards"] = specs["train"]
     if not data.get("eval_shards"):
         data["eval_shards"] = specs["eval"]

@@ -17,20 +17,6 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml
 LOSSES = ("infonce", "flatnce")
 
 
-def prepare_openmoji_shards(root: Path) -> dict[str, str]:
-    """Render the OpenMoji pairs (cached) and write train/eval shards once; return their specs."""
-    from data_pipelines.sources.openmoji import load_pairs
-    from data_pipelines.write import shard_spec, write_shards
-
-    specs = {}
-    for split in ("train", "eval"):
-        out = root / split
-        if not (out / "sizes.json").is_file():
-            write_shards(load_pairs(split), out, prefix=split, samples_per_shard=500, overwrite=True)
-        specs[split] = shard_spec(out, prefix=split)
-    return specs
-
-
 def results_table(rows: list[dict]) -> str:
     head = ("| loss | image→text R@1 / R@5 / R@10 | text→image R@1 / R@5 / R@10 | chance R@1 | train time |\n"
             "|---|---|---|---|---|")
@@ -43,11 +29,12 @@ def results_table(rows: list[dict]) -> str:
 
 
 def run_demo(out_dir: str = "runs/demo", overrides: Optional[list[str]] = None, config: Optional[str] = None) -> list[dict]:
+    from data_pipelines.sources.openmoji import prepare_shards
     from vlp.trainer import Trainer
 
     t0 = time.time()
     out = Path(out_dir)
-    specs = prepare_openmoji_shards(Path(".cache") / "shards" / "openmoji")
+    specs = prepare_shards()
     print(f"[demo] shards ready in {time.time() - t0:.0f} s: train={specs['train']} eval={specs['eval']}", flush=True)
     rows = []
     for loss in LOSSES:
