@@ -42,7 +42,8 @@ from eval.keys import EVAL_KEYS, RECALL_KS
 from vlp.compare_report import DIAG_KEYS, aggregate, markdown_table, read_log, write_report
 from vlp.config import Config, ConfigError, LossConfig, apply_overrides, from_dict
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "compare_small_batch.yaml"
+# = configs/compare_small_batch.yaml, shipped in the package (vlp/defaults/ links to configs/)
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "defaults" / "compare_small_batch.yaml"
 LOSS_NAMES = typing.get_args(typing.get_type_hints(LossConfig)["name"])
 # Grid-controlled keys: a per-loss override of these would silently break the grid.
 GRID_KEYS = ("loss.name", "data.batch_per_device", "train.seed", "train.output_dir", "train.resume")

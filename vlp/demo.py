@@ -13,7 +13,7 @@ from typing import Optional
 
 from vlp.config import load_config
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "defaults" / "demo.yaml"  # = configs/demo.yaml, shipped in the package
 LOSSES = ("infonce", "flatnce")
 
 
