@@ -63,13 +63,11 @@ def load_published(model_name: str, pretrained: Optional[str], device: str = "cp
     pretrained tag of `model_name` or hf-hub:org/repo (from the Hugging Face cache; offline once
     cached), or `model_name` hf-hub:org/repo with its own weights. Preprocessing: the tag's or
     the repository's (vlp.model.build_model)."""
-    from vlp.model import build_model
+    from vlp.model import build_model, model_config_dict
 
     if not pretrained and not model_name.startswith("hf-hub:"):
         raise ConfigError("vlp eval: --model needs --pretrained (a tag, hf-hub:org/name or a file), "
                           "unless it is hf-hub:org/name")
-    from vlp.model import model_config_dict
-
     # a sigmoid-loss model (SigLIP) carries a logit bias: its config says so with init_logit_bias
     loss = LossConfig(name="siglip") if "init_logit_bias" in model_config_dict(model_name) else LossConfig()
     model, tokenizer, _, eval_tf = build_model(ModelConfig(name=model_name, pretrained=pretrained), loss,
