@@ -1,5 +1,4 @@
 """`vlp compare`: grid expansion, equal budget, run loop (resume, retry, failure), table, plots."""
-import argparse
 import csv
 import json
 from pathlib import Path
@@ -196,10 +195,11 @@ def test_shipped_configs_load(name, runs, model):
 
 
 def test_cli_hook_parses():
-    parser = argparse.ArgumentParser(prog="vlp")
-    compare.add_compare_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["compare", "-c", "x.yaml", "--report-only", "grid.seeds=[0]"])
-    assert args.func is compare.cmd_compare and args.report_only and args.overrides == ["grid.seeds=[0]"]
+    from vlp.cli import build_parser, cmd_compare
+
+    args = build_parser().parse_args(["compare", "-c", "x.yaml", "--report-only", "grid.seeds=[0]"])
+    assert args.func is cmd_compare and args.report_only and args.overrides == ["grid.seeds=[0]"]
+    assert build_parser().parse_args(["compare"]).config is None  # cmd_compare: the packaged default
 
 
 # ---------------------------------------------------------------------------- pure functions

@@ -1,4 +1,4 @@
-"""`vlp shards | train | eval | demo` — thin argument parsing over the library.
+"""`vlp shards | train | eval | compare | demo` — thin argument parsing over the library.
 
 Errors a user can fix (bad config, missing path, bad data) print one line
 `vlp: error: ...` and exit 2; set VLP_DEBUG=1 for the traceback.
@@ -65,6 +65,14 @@ def cmd_eval(args) -> int:
     from eval.report import markdown_tables
 
     print(markdown_tables(results))
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from vlp.compare import DEFAULT_CONFIG, load_compare_config, run_grid
+
+    base, grid = load_compare_config(args.config or DEFAULT_CONFIG, args.overrides, quick=args.quick)
+    run_grid(base, grid, report_only=args.report_only)
     return 0
 
 
@@ -135,9 +143,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.set_defaults(func=cmd_eval)
 
-    from vlp.compare import add_compare_parser
-
-    add_compare_parser(sub)
+    p = sub.add_parser("compare", help="grid of runs (loss × per-GPU batch × seed) at an equal sample "
+                       "budget → runs.csv, results.md, plots")
+    p.add_argument("--config", "-c", default=None, help="compare YAML: a vlp config plus a 'grid:' section "
+                   "(default: the packaged configs/compare_small_batch.yaml)")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: rebuild runs.csv, results.md and the plots from the run folders")
+    p.add_argument("--quick", action="store_true",
+                   help="apply the config's 'quick:' overrides first (the same study in a few minutes)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.samples=4096 grid.seeds=[0]")
+    p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("demo", help="embedded OpenMoji data: shards, train InfoNCE and FlatNCE, evaluate, print a table")
     p.add_argument("--out", default="runs/demo", help="output folder")

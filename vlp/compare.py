@@ -40,7 +40,7 @@ import yaml
 from eval import keys
 from eval.keys import EVAL_KEYS, RECALL_KS
 from vlp.compare_report import DIAG_KEYS, aggregate, markdown_table, read_log, write_report
-from vlp.config import Config, ConfigError, LossConfig, apply_overrides, from_dict
+from vlp.config import Config, ConfigError, LossConfig, apply_overrides, from_dict, set_dotted
 
 # = configs/compare_small_batch.yaml, shipped in the package (vlp/defaults/ links to configs/)
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "defaults" / "compare_small_batch.yaml"
@@ -225,7 +225,7 @@ def load_compare_config(path: str | Path, overrides: Sequence[str] = (), quick: 
         if not isinstance(quick_sets, dict) or not quick_sets:
             raise ConfigError(f"config: --quick needs a top-level 'quick:' map of dotted overrides in {path}")
         for key, value in quick_sets.items():
-            _set_dotted(data, key, value)
+            set_dotted(data, key, value)
     data = apply_overrides(data, list(overrides))
     grid = parse_grid(data.pop("grid", None))
     cfg = from_dict(copy.deepcopy(data)).validate()  # fail on a bad base config before any run
@@ -261,15 +261,6 @@ def steps_for(samples: int, batch_per_device: int, world: int = 1, accum: int = 
     return samples // (batch_per_device * world * accum)
 
 
-def _set_dotted(tree: dict, key: str, value: Any) -> None:
-    node = tree
-    for part in key.split(".")[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"config: override '{key}': '{part}' is not a section")
-    node[key.split(".")[-1]] = value
-
-
 def run_config(base: dict, grid: GridSpec, run: RunSpec, world: int = 1) -> Config:
     """The Trainer config of one run: base + per-loss overrides + the grid's coordinates."""
     tree = copy.deepcopy(base)
@@ -277,7 +268,7 @@ def run_config(base: dict, grid: GridSpec, run: RunSpec, world: int = 1) -> Conf
             "train.seed": run.seed, "train.output_dir": str(Path(grid.out_dir) / run.name),
             "train.resume": "latest"}  # an unfinished run continues from its last checkpoint
     for key, value in sets.items():
-        _set_dotted(tree, key, value)
+        set_dotted(tree, key, value)
     cfg = from_dict(tree)
     global_batch = run.batch_per_device * world * cfg.train.accum_steps
     if cfg.train.samples < global_batch:
@@ -451,21 +442,3 @@ def collect_rows(runs: list[RunSpec], cfgs: dict[str, Config], world: int = 1) -
     return [row for run in runs if (row := run_row(run, cfgs[run.name], world)) is not None]
 
 
-# ---------------------------------------------------------------------------- CLI
-def add_compare_parser(sub) -> None:
-    p = sub.add_parser("compare", help="grid of runs (loss × per-GPU batch × seed) at an equal sample "
-                       "budget → runs.csv, results.md, plots")
-    p.add_argument("--config", "-c", default=str(DEFAULT_CONFIG),
-                   help="compare YAML: a vlp config plus a 'grid:' section (default: %(default)s)")
-    p.add_argument("--report-only", action="store_true",
-                   help="train nothing: rebuild runs.csv, results.md and the plots from the run folders")
-    p.add_argument("--quick", action="store_true",
-                   help="apply the config's 'quick:' overrides first (the same study in a few minutes)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.samples=4096 grid.seeds=[0]")
-    p.set_defaults(func=cmd_compare)
-
-
-def cmd_compare(args) -> int:
-    base, grid = load_compare_config(args.config, args.overrides, quick=getattr(args, "quick", False))
-    run_grid(base, grid, report_only=args.report_only)
-    return 0

@@ -458,14 +458,20 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             value = yaml.safe_load(raw) if raw != "" else None
         except yaml.YAMLError:
             value = raw
-        node = data
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"config: override '{key}': '{part}' is not a section")
-        node[parts[-1]] = value
+        set_dotted(data, key, value)
     return data
+
+
+def set_dotted(tree: dict, key: str, value: Any) -> None:
+    """tree[a][b] = value for key 'a.b', creating sections; a key through a non-section is a
+    ConfigError (the one walk for command-line, compare-grid and per-run overrides)."""
+    node = tree
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"config: override '{key}': '{part}' is not a section")
+    node[parts[-1]] = value
 
 
 def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
