@@ -440,5 +440,3 @@ def run_row(run: RunSpec, cfg: Config, world: int = 1) -> Optional[dict]:
 
 def collect_rows(runs: list[RunSpec], cfgs: dict[str, Config], world: int = 1) -> list[dict]:
     return [row for run in runs if (row := run_row(run, cfgs[run.name], world)) is not None]
-
-
