@@ -1,8 +1,10 @@
-"""Temp files left by killed writers: `.NAME.tmp-PID` beside the file they would have become.
+"""Atomic writes and the temp files killed writers leave: `.NAME.tmp-PID` beside the file they
+would have become.
 
-Checkpoints (vlp.checkpoint) and shards (data_pipelines.write) are written under such a name and
-renamed when complete, so a SIGKILL leaves the temp file behind. One whose PID no longer runs
-can never be finished: it is removed (and reported) when the next writer starts in that folder.
+Files that must never be seen half-written (checkpoints, sizes.json, eval reports) are written
+under such a name and renamed when complete (`atomic_write`), so a SIGKILL leaves the temp file
+behind. One whose PID no longer runs can never be finished: it is removed (and reported) when
+the next writer starts in that folder (`remove_stale_temps`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,37 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import BinaryIO, Callable, Union
+
+
+def temp_name(path: str | os.PathLike) -> Path:
+    """`.NAME.tmp-PID` beside `path`: unique per process, so concurrent writers never collide."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def atomic_write(path: str | os.PathLike, data: Union[bytes, str, Callable[[BinaryIO], None]], *,
+                 fsync: bool = False) -> None:
+    """Write `data` (bytes, UTF-8 text, or a function writing to the open binary file) to `path`
+    through its temp name and a rename: readers see the old file or the whole new one. fsync:
+    flush to disk before the rename (a checkpoint survives a power cut). On any error the temp
+    file is removed and the error raised; `path` is unchanged."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
 
 
 def pid_alive(pid: int) -> bool:

@@ -31,6 +31,7 @@ from typing import Any
 
 from .sources import check_key
 from .sources.files import iter_source
+from .tempfiles import atomic_write
 
 MAX_IMAGE_BYTES = 1 << 28  # 256 MiB: larger "images" are skipped as too_large (never read)
 MAX_CAPTION_BYTES = 1 << 20
@@ -302,9 +303,7 @@ class ShardWriter:
         sizes = json.loads(sizes_path.read_text()) if sizes_path.is_file() else {}
         sizes = {k: v for k, v in sizes.items() if not self.pattern.fullmatch(k)}
         sizes.update(self.sizes)
-        tmp = self.out_dir / f".sizes.json.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(dict(sorted(sizes.items())), indent=1))
-        os.replace(tmp, sizes_path)
+        atomic_write(sizes_path, json.dumps(dict(sorted(sizes.items())), indent=1))
         return ShardSummary(str(self.out_dir), dict(self.sizes), dict(self.skipped), list(self.notes))
 
     def abort(self) -> None:

@@ -10,6 +10,8 @@ import json
 import os
 from typing import Any
 
+from data_pipelines.tempfiles import atomic_write
+
 RETRIEVAL_COLUMNS = [
     ("image→text R@1", "image_to_text_R@1"), ("R@5", "image_to_text_R@5"), ("R@10", "image_to_text_R@10"),
     ("text→image R@1", "text_to_image_R@1"), ("R@5", "text_to_image_R@5"), ("R@10", "text_to_image_R@10"),
@@ -18,16 +20,8 @@ RETRIEVAL_COLUMNS = [
 CLASSIFICATION_COLUMNS = [("top-1", "top1"), ("top-5", "top5"), ("mean per-class recall", "mean_per_class_recall")]
 
 
-def _atomic_write(path: str, text: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def write_json(results: dict[str, Any], path: str) -> str:
-    _atomic_write(path, json.dumps(results, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    atomic_write(path, json.dumps(results, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
     return path
 
 
@@ -68,7 +62,7 @@ def _skipped_cell(skipped: dict) -> str:
 
 
 def write_markdown(results: dict[str, Any], path: str) -> str:
-    _atomic_write(path, markdown_tables(results))
+    atomic_write(path, markdown_tables(results))
     return path
 
 

@@ -34,20 +34,12 @@ def atomic_save(obj, path: str | Path) -> None:
     """Write `obj` to `path` through a fsynced temp file and a rename. A failed write (disk full,
     quota, I/O error) removes the temp file and raises CheckpointError: `path` and every earlier
     checkpoint stay as they were."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    from data_pipelines.tempfiles import atomic_write
+
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: torch.save(obj, f), fsync=True)
     except (OSError, RuntimeError) as e:  # torch wraps a failed write in a RuntimeError
         raise CheckpointError(f"cannot write checkpoint {path}: {_reason(e)}; earlier checkpoints are unchanged") from None
-    finally:
-        if tmp.is_symlink() or tmp.exists():
-            tmp.unlink()
 
 
 def _reason(error: BaseException) -> str:
