@@ -51,7 +51,7 @@ import torch
 
 from data_pipelines.decode import image_decoder
 from data_pipelines.tars import (  # noqa: F401  (re-exported: the public shard helpers)
-    IMAGE_EXTS, TEXT_EXTS, _check_sample, _read_shard, decode_image, expand_sources, image_decodes,
+    IMAGE_EXTS, TEXT_EXTS, check_sample, read_shard, decode_image, expand_sources, image_decodes,
     shard_sizes, sizes_from_spec,
 )
 from data_pipelines.shard_io import Retry
@@ -213,12 +213,12 @@ class _Stream:
         for k, (shard, begin, end) in enumerate(pieces):
             url = self.plan.paths[shard]
             self.read_to = (k, begin)
-            for index, key, members in _read_shard(url, begin, end, self.skipped,
+            for index, key, members in read_shard(url, begin, end, self.skipped,
                                                    seen_exts=self.seen_exts, retry=self.plan.retry):
                 self.read_to = (k, index + 1)
                 if len(self.seen_keys) < 8:
                     self.seen_keys.append(os.path.basename(key))
-                sample = _check_sample(key, members, url)
+                sample = check_sample(key, members, url)
                 if isinstance(sample, str):
                     self.skipped[sample] += 1
                 else:
@@ -377,14 +377,14 @@ class _Stream:
         position = first
         for shard, begin, end in pieces:
             url, off = p.paths[shard], position - begin - lo  # shard index -> rank position
-            for index, key, members in _read_shard(
+            for index, key, members in read_shard(
                     url, begin, end, self.skipped, want=lambda i, o=off: (i + o) // p.batch
                     in wanted, retry=p.retry):
                 j = (index + off) // p.batch
                 while todo and todo[0] < j:  # earlier batches are complete
                     done = todo.pop(0)
                     yield self.collate_or_empty(done, by_batch.pop(done, []))
-                sample = _check_sample(key, members, url)
+                sample = check_sample(key, members, url)
                 if isinstance(sample, str):
                     self.skipped[sample] += 1
                 else:
@@ -663,7 +663,7 @@ def _probe(paths: list[str], retry: Retry = Retry(), max_samples: int = 32) -> N
     for path in paths[:3]:
         skipped: Counter[str] = Counter()
         keys, exts, usable = [], set(), False
-        for i, key, members in _read_shard(path, 0, max_samples, skipped, seen_exts=exts,
+        for i, key, members in read_shard(path, 0, max_samples, skipped, seen_exts=exts,
                                            retry=retry, errors=errors):
             keys.append(os.path.basename(key))
             usable |= any(e in members for e in IMAGE_EXTS) and \

@@ -214,11 +214,11 @@ def _count_samples(path: str) -> int:
                     count, last = count + 1, prefix
     except (OSError, tarfile.TarError, EOFError):
         if count == 0:
-            raise ValueError(f"shard {path} is unreadable: {describe_unreadable(_head(path))}") from None
+            raise ValueError(f"shard {path} is unreadable: {describe_unreadable(read_head(path))}") from None
     return count
 
 
-def _head(path: str, size: int = tarfile.BLOCKSIZE) -> bytes:
+def read_head(path: str, size: int = tarfile.BLOCKSIZE) -> bytes:
     try:
         with open_shard(path, Retry(0, 0.0)) as f:  # local or remote (one try: for a message)
             return f.read(size)
@@ -252,7 +252,7 @@ def _split_name(name: str) -> tuple[str, str]:
     return os.path.join(directory, stem), ext.lower()
 
 
-def _read_shard(path: str, start: int, stop: int | None, skipped: Counter,
+def read_shard(path: str, start: int, stop: int | None, skipped: Counter,
                 want: Callable[[int], bool] | None = None, seen_exts: set | None = None,
                 exts: tuple[str, ...] | None = IMAGE_EXTS + TEXT_EXTS, retry: Retry = Retry(),
                 errors: list[str] | None = None) -> Iterator[tuple[int, str, dict]]:
@@ -341,7 +341,7 @@ def _at_end_marker(tar: tarfile.TarFile) -> bool:
     return len(block) == tarfile.BLOCKSIZE and block.count(0) == tarfile.BLOCKSIZE
 
 
-def _check_sample(key: str, members: dict, url: str) -> tuple | str:
+def check_sample(key: str, members: dict, url: str) -> tuple | str:
     """(key, image bytes, caption) of a usable sample, or the kind of skip.
 
     Only the image header is parsed here (PIL's open: rejects bytes that are no image). Whether

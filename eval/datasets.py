@@ -35,7 +35,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from data_pipelines.shard_io import is_url, read_small
-from data_pipelines.tars import IMAGE_EXTS, TEXT_EXTS, _read_shard, expand_sources
+from data_pipelines.tars import IMAGE_EXTS, TEXT_EXTS, read_shard, expand_sources
 
 IMAGE_EXTENSIONS = tuple(f".{ext}" for ext in IMAGE_EXTS)  # the shard reader's list: one definition
 SYNSETS_PATH = Path(__file__).with_name("imagenet_synsets.txt")
@@ -218,12 +218,12 @@ def iter_tar_samples(path: str) -> Iterator[dict[str, bytes]]:
     rule, data_pipelines.tars). Eval sets are read whole: an unreadable shard or member is an
     error, not a skip."""
     skipped: Counter[str] = Counter()
-    for _, key, members in _read_shard(path, 0, None, skipped, exts=None):
+    for _, key, members in read_shard(path, 0, None, skipped, exts=None):
         yield {"__key__": key, **members}
     if skipped:
-        from data_pipelines.tars import _head, describe_unreadable
+        from data_pipelines.tars import read_head, describe_unreadable
 
-        raise ValueError(f"eval shard {path} is unreadable ({describe_unreadable(_head(path))}); "
+        raise ValueError(f"eval shard {path} is unreadable ({describe_unreadable(read_head(path))}); "
                          "eval shards must be complete")
 
 

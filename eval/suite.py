@@ -77,7 +77,7 @@ def load_suite(path: str) -> dict:
     """A suite YAML file, checked (check_suite)."""
     import yaml
 
-    from vlp.checkpoint import _first_line
+    from data_pipelines.messages import first_line
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"eval suite not found: {path}")
@@ -85,7 +85,7 @@ def load_suite(path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             suite = yaml.safe_load(f) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ValueError(f"eval suite {path} is not valid YAML: {_first_line(e)}") from None
+        raise ValueError(f"eval suite {path} is not valid YAML: {first_line(e)}") from None
     return check_suite(suite)
 
 

@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from data_pipelines.messages import first_line
+
 CKPT_RE = re.compile(r"^step_(\d+)(\.pt)?$")  # step_N.pt file (replicated) or step_N/ DCP directory (sharded)
 META_FILE = "meta.pt"  # a DCP checkpoint's non-tensor state (step, RNG, config, ...), written by rank 0
 
@@ -49,12 +51,7 @@ def _reason(error: BaseException) -> str:
         if isinstance(seen, OSError) and seen.strerror:
             return seen.strerror
         seen = seen.__cause__ or seen.__context__
-    return _first_line(error)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+    return first_line(error)
 
 
 def load(path: str | Path) -> dict:
@@ -66,7 +63,7 @@ def load(path: str | Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated file, wrong format, pickled objects
-        raise CheckpointError(f"checkpoint {path} cannot be read safely: {_first_line(e)}") from None
+        raise CheckpointError(f"checkpoint {path} cannot be read safely: {first_line(e)}") from None
 
 
 def check_state(state, path: str | Path) -> dict:
@@ -282,7 +279,7 @@ def _check_shard_files(path: Path) -> None:
         # DCP's index is a pickle (its format); it comes from our own save, like the shards it names
         storage = FileSystemReader(str(path)).read_metadata().storage_data
     except Exception as e:  # truncated or foreign .metadata
-        raise CheckpointError(f"checkpoint {path} has an unreadable .metadata: {_first_line(e)}") from None
+        raise CheckpointError(f"checkpoint {path} has an unreadable .metadata: {first_line(e)}") from None
     needed: dict[str, int] = {}
     for info in storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -304,7 +301,7 @@ def load_sharded(state: dict, path: str | Path) -> None:
             warnings.filterwarnings("ignore", message="torch.distributed is ")
             dcp.load(state, checkpoint_id=Path(path), no_dist=not _distributed())
     except (OSError, RuntimeError, KeyError) as e:
-        raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {_first_line(e)}") from None
+        raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {first_line(e)}") from None
 
 
 def load_sharded_full(path: str | Path) -> dict:
@@ -318,6 +315,6 @@ def load_sharded_full(path: str | Path) -> dict:
             warnings.filterwarnings("ignore", message="torch.distributed is ")
             model = _load_state_dict_from_keys({"model"}, checkpoint_id=Path(path))["model"]
     except (OSError, RuntimeError, KeyError) as e:
-        raise CheckpointError(f"checkpoint {path} cannot be read: {_first_line(e)}") from None
+        raise CheckpointError(f"checkpoint {path} cannot be read: {first_line(e)}") from None
     return {**meta, "model": {k.removeprefix("clip."): v for k, v in model.items()}}
 

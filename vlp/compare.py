@@ -291,7 +291,7 @@ def _stale_key(saved: dict, current: dict) -> Optional[str]:
     return None
 
 
-def _plan(runs: list, cfgs: dict[str, Config], out: Path, items: bool = False) -> tuple[list[bool], str]:
+def plan_runs(runs: list, cfgs: dict[str, Config], out: Path, items: bool = False) -> tuple[list[bool], str]:
     """(done flag per run, error); a run folder written under another config is an error, so
     results of two configs are never mixed in one table. items: done also needs eval_items.json
     (a study run's per-query ranks)."""
@@ -343,7 +343,7 @@ def run_one(run: RunSpec, cfg: Config, accelerator, retries: int = 1, keep_check
     return record
 
 
-def _broadcast(obj: Any, acc) -> Any:
+def broadcast(obj: Any, acc) -> Any:
     """The main process's value on every process (so every rank takes the same branch)."""
     if acc.num_processes == 1:
         return obj
@@ -385,7 +385,7 @@ def run_grid(base: dict, grid: GridSpec, report_only: bool = False, accelerator=
     runs = expand_grid(grid)
     cfgs = {r.name: run_config(base, grid, r, acc.num_processes) for r in runs}
     out = Path(grid.out_dir)
-    done, error = _broadcast(_plan(runs, cfgs, out) if acc.is_main_process else None, acc)
+    done, error = broadcast(plan_runs(runs, cfgs, out) if acc.is_main_process else None, acc)
     if error:  # raised on every rank, so none waits in a collective
         raise ConfigError(error)
     if acc.is_main_process:

@@ -109,7 +109,7 @@ def markdown_table(table: list[dict], losses: Optional[Sequence[str]] = None, co
 
 
 # ---------------------------------------------------------------------------- plots
-def _figure(**kwargs):
+def figure(**kwargs):
     # Figure without pyplot: no global figure registry, no GUI backend; savefig renders with Agg.
     from matplotlib.figure import Figure
 
@@ -119,7 +119,7 @@ def _figure(**kwargs):
 def plot_metric_vs_batch(table: list[dict], metric: str = "mean_R@1", losses: Optional[Sequence[str]] = None,
                          path: Optional[Path] = None, chance: Optional[float] = None):
     """Eval metric (percent) vs per-GPU batch on a log2 axis; one errorbar line per loss (std over seeds)."""
-    fig = _figure(figsize=(6, 4))
+    fig = figure(figsize=(6, 4))
     ax = fig.add_subplot()
     losses = list(losses or dict.fromkeys(r["loss"] for r in table))
     batches = sorted({r["batch_per_device"] for r in table})
@@ -168,7 +168,7 @@ def plot_curves(curves: dict[tuple[str, int], list[list[dict]]], keys: Sequence[
     """
     ncols = 3
     nrows = math.ceil((len(keys) + 1) / ncols)
-    fig = _figure(figsize=(5 * ncols, 3.6 * nrows))
+    fig = figure(figsize=(5 * ncols, 3.6 * nrows))
     axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(len(keys))]
     batches = sorted({b for _, b in curves})
     import matplotlib

@@ -317,9 +317,9 @@ def verdicts(table: list[dict], metric: str) -> list[str]:
 def plot_final(table: list[dict], metric: str, path: Optional[Path] = None):
     """Left: test metric per arm, mean with 95 % CI over seeds (std when one seed). Right: paired
     difference to InfoNCE per arm with its 95 % CI; seeds' own differences as dots."""
-    from vlp.compare_report import _figure
+    from vlp.compare_report import figure
 
-    fig = _figure(figsize=(11, 4))
+    fig = figure(figsize=(11, 4))
     ax, ax_d = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     table = sorted(table, key=lambda e: (e["batch_per_device"], e["optim"], e["loss"] != REFERENCE_LOSS, e["loss"]))
     labels = [arm_label(e["arm"]) for e in table]
@@ -421,7 +421,7 @@ def resolve_study_data(base: dict, acc, cache: Path) -> tuple[dict, dict[str, st
 
 def run_study(base: dict, grid, acc, report_only: bool = False) -> dict:
     """Sweep, select, final seeds, report. Every process walks the same runs in the same order."""
-    from vlp.compare import _broadcast, _plan, run_config, run_one
+    from vlp.compare import broadcast, plan_runs, run_config, run_one
     from vlp.config import ConfigError
 
     base, specs = resolve_study_data(copy.deepcopy(base), acc, Path(".cache") / "shards" / "openmoji_study")
@@ -435,7 +435,7 @@ def run_study(base: dict, grid, acc, report_only: bool = False) -> dict:
 
     def walk(runs: list[StudyRun]) -> list[dict]:
         cfgs = {r.name: run_config(base, grid, r, acc.num_processes) for r in runs}
-        done, error = _broadcast(_plan(runs, cfgs, out, items=True) if acc.is_main_process else None, acc)
+        done, error = broadcast(plan_runs(runs, cfgs, out, items=True) if acc.is_main_process else None, acc)
         if error:
             raise ConfigError(error)
         todo = [r for r, d in zip(runs, done) if not d]
@@ -452,7 +452,7 @@ def run_study(base: dict, grid, acc, report_only: bool = False) -> dict:
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
     sweep = walk(sweep_runs(grid))
-    best = _broadcast(select_best(sweep, grid.select_metric) if acc.is_main_process else None, acc)
+    best = broadcast(select_best(sweep, grid.select_metric) if acc.is_main_process else None, acc)
     finals = walk(final_runs(grid, best))
     text = ""
     if acc.is_main_process:

@@ -270,7 +270,7 @@ def load_pretrained(clip: nn.Module, source: str, model_name: str = "") -> None:
     `model_name` or hf-hub:org/repo (vlp.towers.resolve_weights; open_clip.load_checkpoint:
     weights_only unpickling, key conversions, strict). Anything that is not one, or not for this
     model (a pickle with code, another architecture, a text file), is one ValueError line."""
-    from vlp.checkpoint import _first_line
+    from data_pipelines.messages import first_line
 
     path = towers.resolve_weights(source, model_name) if model_name else source
     if not Path(path).is_file():
@@ -278,7 +278,7 @@ def load_pretrained(clip: nn.Module, source: str, model_name: str = "") -> None:
     try:
         open_clip.load_checkpoint(clip, path)
     except Exception as e:  # UnpicklingError, RuntimeError (size mismatch), KeyError, StopIteration, ...
-        why = state_dict_mismatch(e) if isinstance(e, RuntimeError) else _first_line(e)[:200]
+        why = state_dict_mismatch(e) if isinstance(e, RuntimeError) else first_line(e)[:200]
         raise ValueError(f"model.pretrained {path} cannot be loaded into this model: {why} (weights of one "
                          "tower go in model.image_pretrained / model.text_pretrained)") from None
 
@@ -286,7 +286,7 @@ def load_pretrained(clip: nn.Module, source: str, model_name: str = "") -> None:
 def state_dict_mismatch(error: BaseException) -> str:
     """One line from load_state_dict's many-line error: how many keys are missing, unexpected
     or of another shape, with one example each."""
-    from vlp.checkpoint import _first_line
+    from data_pipelines.messages import first_line
 
     text = str(error)
     parts = []
@@ -299,7 +299,7 @@ def state_dict_mismatch(error: BaseException) -> str:
     sizes = re.findall(r"size mismatch for ([^:]+): (.*)", text)
     if sizes:
         parts.append(f"{len(sizes)} shape mismatches (e.g. {sizes[0][0]}: {sizes[0][1][:160]})")
-    return "; ".join(parts) or _first_line(error)[:200]
+    return "; ".join(parts) or first_line(error)[:200]
 
 
 def export_open_clip(model: DualEncoder, path: str | Path) -> None:

@@ -143,7 +143,7 @@ def tag_preprocess(source: Optional[str], model_name: str) -> dict:
 def read_state_dict(path: str, what: str) -> dict:
     """name -> tensor from an open_clip / timm / torchvision / safetensors file or a vlp step_*.pt
     (its "model"); anything else is one ValueError line naming `what`."""
-    from vlp.checkpoint import _first_line
+    from data_pipelines.messages import first_line
 
     try:
         if str(path).endswith(".safetensors"):
@@ -152,7 +152,7 @@ def read_state_dict(path: str, what: str) -> dict:
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001  (unpickling, zip, safetensors header errors)
-        raise ValueError(f"{what} {path} is not a weights file: {_first_line(e)[:200]}") from None
+        raise ValueError(f"{what} {path} is not a weights file: {first_line(e)[:200]}") from None
     if isinstance(state, dict) and isinstance(state.get("model"), dict) and "config" in state:
         state = state["model"]  # a vlp training checkpoint
     elif isinstance(state, dict) and isinstance(state.get("state_dict"), dict):

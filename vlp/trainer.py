@@ -26,6 +26,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_object, set_seed
 
+from data_pipelines.messages import first_line
 from eval import keys
 from vlp import checkpoint as ckpt
 from vlp import parallel, records, resume
@@ -490,7 +491,7 @@ class Trainer:
             if isinstance(e, ConfigError):
                 raise
             changes = ckpt.changed_settings(state.get("config"), self.cfg.to_dict())
-            why = "; ".join(changes) if changes else ckpt._first_line(e)
+            why = "; ".join(changes) if changes else first_line(e)
             raise ckpt.CheckpointError(f"checkpoint {path} does not fit this run ({why}): resume needs the same "
                                        "model and loss; use a new train.output_dir to start over") from None
         self.print(f"[vlp] resumed from {path} at step {self.step}, {self.samples_seen} samples seen "

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from data_pipelines.sources import synthetic
-from data_pipelines.stream import _read_shard, make_loader
+from data_pipelines.stream import read_shard, make_loader
 from data_pipelines.write import write_shards
 from dp_helpers import jpeg_bytes, png_bytes, to_tensor, tokenize, write_sizes, write_tar
 
@@ -83,11 +83,11 @@ def test_truncated_tar_at_member_boundary(tmp_path):
         cut = tar.getmember("k2.txt").offset  # header of k2's caption: k2 is incomplete
     path.write_bytes(path.read_bytes()[:cut])
     skipped = Counter()
-    got = [key for _, key, _ in _read_shard(str(path), 0, None, skipped)]
+    got = [key for _, key, _ in read_shard(str(path), 0, None, skipped)]
     assert got == ["k0", "k1"] and skipped == {"bad_member": 1}
     (tmp_path / "empty.tar").write_bytes(b"")
     skipped = Counter()
-    assert list(_read_shard(str(tmp_path / "empty.tar"), 0, None, skipped)) == []
+    assert list(read_shard(str(tmp_path / "empty.tar"), 0, None, skipped)) == []
     assert skipped == {"bad_shard": 1}
 
 
