@@ -51,7 +51,7 @@ def openmoji_jpegs(count: int, size: int = 512):
     """``count`` OpenMoji glyphs spread over the candidate list, rendered at ``size`` px."""
     from data_pipelines.sources import openmoji
 
-    renderer = openmoji._Renderer(size)
+    renderer = openmoji.Renderer(size)
     candidates = openmoji.candidate_emojis()
     step = max(1, len(candidates) // (2 * count))
     out = []

@@ -116,7 +116,7 @@ def candidate_emojis() -> list[tuple[str, str]]:
     return out
 
 
-class _Renderer:
+class Renderer:
     """Draws one emoji centred on a white square and rejects what the font cannot draw."""
 
     def __init__(self, image_size: int):
@@ -176,7 +176,7 @@ def default_cache_dir() -> Path:
 
 
 def _render_into(directory: Path, image_size: int) -> None:
-    renderer = _Renderer(image_size)
+    renderer = Renderer(image_size)
     (directory / "images").mkdir(parents=True)
     index, rejected = [], []
     for chars, name in candidate_emojis():

@@ -72,7 +72,7 @@ def test_split_of_is_a_fixed_function_of_the_name():
 
 
 def test_unrenderable_is_rejected(openmoji_cache):
-    renderer = openmoji._Renderer(64)
+    renderer = openmoji.Renderer(64)
     assert renderer.render("\U0001F600") is not None
     assert renderer.render("\U000F0000") is None  # not in the font
     assert renderer.render("\U0001F600\U0001F600") is None  # two glyphs, not one emoji
