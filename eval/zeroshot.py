@@ -1,6 +1,6 @@
 """Zero-shot classification: a classifier from class names × prompt templates, and its metrics.
 
-Classifier (DESIGN §3.6): for each class embed every template, L2-normalise, average over
+Classifier (CLIP's prompt ensembling): for each class embed every template, L2-normalise, average over
 templates, L2-normalise again; columns of a [d, C] matrix. Same numbers as
 `open_clip.build_zero_shot_classifier`. Logits = image_emb @ classifier (no ×100: a positive scale
 changes no rank).

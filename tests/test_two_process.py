@@ -1,6 +1,7 @@
 """2 CPU processes through `accelerate launch` (gloo) with 2 dataloader workers per rank:
 train, checkpoint, SIGKILL, resume, evaluate; and the weights match a 1-process run that
-sees the same global batches (2 ranks x b == 1 rank x 2b, DESIGN.md §3.1)."""
+sees the same global batches (2 ranks x b == 1 rank x 2b: vlp/distributed.py's gradient-scale
+argument, end to end)."""
 import json
 import os
 import shutil

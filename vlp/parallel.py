@@ -1,4 +1,5 @@
-"""Parallelism applied from outside the model (torchtitan's `parallelize` style, DESIGN.md §5).
+"""Parallelism applied from outside the model (torchtitan's `parallelize` style): the model code
+knows nothing of ranks, so one model serves DDP, FSDP and a single process.
 
     model = apply_fsdp(model, device_type="cpu", precision="fp32")   # every rank, before the optimizer
 

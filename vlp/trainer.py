@@ -3,7 +3,8 @@
     Trainer(cfg).train()     # same code on 1 CPU process, N GPUs, several nodes
 
 One optimizer step (`train_step`) sees `accum_steps` micro-batches per rank; the contrastive
-batch is per_device × world × accum (DESIGN.md §3.3). Features are gathered across ranks with
+batch is per_device × world × accum (every micro-batch's anchors meet every other's features,
+see compute_gradients). Features are gathered across ranks with
 autograd (vlp.distributed), every anchor is contrasted with the global batch, and DDP averages
 the per-rank gradients, which equals the gradient of the global mean loss.
 
