@@ -84,10 +84,12 @@ def cmd_demo(args) -> int:
 
 
 def _print_eval(result: dict) -> None:
-    keys = [k for k in result if k.startswith("eval/")]
-    if keys:
-        print("eval (fractions in [0, 1]): "
-              + "  ".join(f"{k[5:]}={result[k]:.4g}" for k in keys if isinstance(result[k], (int, float))))
+    from eval.keys import EVAL_PREFIX
+
+    names = [k for k in result if k.startswith(EVAL_PREFIX)]
+    if names:
+        print("eval (fractions in [0, 1]): " + "  ".join(
+            f"{k.removeprefix(EVAL_PREFIX)}={result[k]:.4g}" for k in names if isinstance(result[k], (int, float))))
 
 
 def build_parser() -> argparse.ArgumentParser:

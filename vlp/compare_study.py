@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from eval import keys
 from vlp.compare_stats import bootstrap_ci, paired_difference, seed_summary, verdict
 
 REFERENCE_LOSS = "infonce"
@@ -103,9 +104,9 @@ def split_metrics(items: dict) -> dict[str, float]:
     """{direction_R@k, mean_R@k} of one split's ranks {image_to_text: [...], text_to_image: [...]}."""
     out = {}
     for k in KS:
-        both = [recall_at(items[d], k) for d in ("image_to_text", "text_to_image")]
-        out.update({"image_to_text_R@%d" % k: both[0], "text_to_image_R@%d" % k: both[1],
-                    "mean_R@%d" % k: sum(both) / 2})
+        both = [recall_at(items[d], k) for d in keys.DIRECTIONS]
+        out.update({keys.recall(d, k): r for d, r in zip(keys.DIRECTIONS, both)})
+        out[keys.mean_recall(k)] = sum(both) / 2
     return out
 
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from eval import keys
 from vlp.config import load_config
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "defaults" / "demo.yaml"  # = configs/demo.yaml, shipped in the package
@@ -22,9 +23,10 @@ def results_table(rows: list[dict]) -> str:
             "|---|---|---|---|---|")
     lines = [head]
     for r in rows:
-        i2t = " / ".join(f"{100 * r[f'eval/image_to_text_R@{k}']:.1f}" for k in (1, 5, 10))
-        t2i = " / ".join(f"{100 * r[f'eval/text_to_image_R@{k}']:.1f}" for k in (1, 5, 10))
-        lines.append(f"| {r['loss']} | {i2t} | {t2i} | {100 * r['eval/chance_R@1']:.2f} | {r['train_time_s']:.0f} s |")
+        i2t, t2i = (" / ".join(f"{100 * r[keys.eval_key(keys.recall(d, k))]:.1f}" for k in keys.RECALL_KS)
+                    for d in keys.DIRECTIONS)
+        chance = r[keys.eval_key(keys.CHANCE_R1)]
+        lines.append(f"| {r['loss']} | {i2t} | {t2i} | {100 * chance:.2f} | {r['train_time_s']:.0f} s |")
     return "\n".join(lines)
 
 
