@@ -272,6 +272,6 @@ def test_stale_check_ignores_harmless_and_newly_added_keys():
     saved = {"train": {"samples": 32, "log_every": 1, "output_dir": "a"}, "model": {"name": "vlp-micro"}}
     now = {"train": {"samples": 32, "log_every": 4, "output_dir": "b"},
            "model": {"name": "vlp-micro", "lock_image": False}}  # a Config field added after the run
-    assert compare._stale_key(saved, now) is None
-    assert compare._stale_key(saved, {**now, "model": {"name": "ViT-B-32"}}) == (
+    assert compare.stale_key(saved, now) is None
+    assert compare.stale_key(saved, {**now, "model": {"name": "ViT-B-32"}}) == (
         "model.name: 'vlp-micro' then, 'ViT-B-32' now")

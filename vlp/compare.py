@@ -281,7 +281,7 @@ def run_config(base: dict, grid: GridSpec, run: RunSpec, world: int = 1) -> Conf
     return cfg.validate()
 
 
-def _stale_key(saved: dict, current: dict) -> Optional[str]:
+def stale_key(saved: dict, current: dict) -> Optional[str]:
     """First dotted key whose value differs between a run's saved config and the current one
     (keys only one side has are ignored: a field added to Config later keeps old runs valid)."""
     a, b = _flatten(saved), _flatten(current)
@@ -300,7 +300,7 @@ def plan_runs(runs: list, cfgs: dict[str, Config], out: Path, items: bool = Fals
         run_dir = out / run.name
         saved = run_dir / "config.yaml"
         if saved.is_file():
-            why = _stale_key(yaml.safe_load(saved.read_text()) or {}, cfgs[run.name].to_dict())
+            why = stale_key(yaml.safe_load(saved.read_text()) or {}, cfgs[run.name].to_dict())
             if why:
                 return [], (f"compare: {run_dir} was run with another config ({why}); "
                             "use a new grid.out_dir or delete that folder")
