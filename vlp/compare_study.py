@@ -331,27 +331,62 @@ def plot_final(table: list[dict], metric: str, path: Optional[Path] = None):
         err = (s["hi"] - s["mean"]) if s["lo"] is not None else s["std"]
         ax.errorbar([i], [100 * s["mean"]], yerr=[100 * err], marker="o", capsize=4)
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
-    ax.set_ylabel(f"test {metric} (%)  [mean, 95 % CI over seeds]")
+    ax.set_ylabel(f"test {metric} (%)")
+    ax.set_title("mean and 95 % CI over seeds", fontsize=10)
     ax.grid(alpha=0.3)
     diffs = [(arm_label(e["arm"]), e.get(f"diff/{metric}")) for e in table if e["loss"] != REFERENCE_LOSS]
     diffs = [(label, d) for label, d in diffs if d is not None]
     for i, (_, d) in enumerate(diffs):
         err = (d["hi"] - d["mean"]) if d["lo"] is not None else 0.0
         ax_d.errorbar([i], [100 * d["mean"]], yerr=[100 * err], marker="s", capsize=4,
-                      color="tab:green" if d["resolved"] else "tab:grey")
+                      color="tab:grey" if not d["resolved"] else "tab:green" if d["mean"] > 0 else "tab:red")
         ax_d.plot([i] * len(d["diffs"]), [100 * v for v in d["diffs"].values()], ".", color="k", alpha=0.5)
     ax_d.axhline(0, color="k", linewidth=0.8)
     ax_d.set_xticks(range(len(diffs)), [label for label, _ in diffs], rotation=30, ha="right")
-    ax_d.set_ylabel(f"Δ test {metric} vs infonce (points)  [paired, 95 % CI]")
+    ax_d.set_ylabel(f"Δ {metric} vs infonce (points)")
+    ax_d.set_title("paired by seed, 95 % CI (coloured: resolved); dots: seeds", fontsize=10)
     ax_d.grid(alpha=0.3)
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
 
 
+LOSS_COLOURS = {"infonce": "tab:blue", "flatnce": "tab:orange", "sogclr": "tab:green", "siglip": "tab:purple"}
+OPTIM_STYLES = {"adamw": "-", "lars": "--", "sgd": ":"}
+CURVE_KEYS = ("infonce", "grad_ratio", "logit_scale", "log_xi", "frac_saturated")
+
+
+def plot_study_curves(curves: dict[tuple, list[list[dict]]], path: Optional[Path] = None):
+    """Diagnostics vs samples seen, mean over the final seeds of each arm; colour = loss,
+    line style = optimizer, width = batch (thicker = larger)."""
+    from vlp.compare_report import figure, mean_curve
+
+    fig = figure(figsize=(15, 7))
+    axes = [fig.add_subplot(2, 3, i + 1) for i in range(len(CURVE_KEYS))]
+    batches = sorted({arm[2] for arm in curves})
+    for arm, logs in curves.items():
+        loss, optim, batch = arm
+        for ax, key in zip(axes, CURVE_KEYS):
+            xs, ys = mean_curve(logs, key)
+            ax.plot(xs, ys, color=LOSS_COLOURS.get(loss, "k"), linestyle=OPTIM_STYLES.get(optim, "-."),
+                    linewidth=1.0 + batches.index(batch), label=arm_label(arm))
+    for ax, key in zip(axes, CURVE_KEYS):
+        ax.set_title(key)
+        ax.set_xlabel("samples seen")
+        ax.grid(alpha=0.3)
+    if curves:
+        legend_ax = fig.add_subplot(2, 3, 6)
+        legend_ax.axis("off")
+        legend_ax.legend(*axes[0].get_legend_handles_labels(), loc="center",
+                         title="loss/optimizer/batch (mean over final seeds)")
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
 def write_study_report(out: Path, sweep_rows: list[dict], final_rows: list[dict], best: dict, grid) -> str:
     """study.md, final.csv-like JSON, final.png and curves.png; returns the markdown."""
-    from vlp.compare_report import plot_curves, read_log
+    from vlp.compare_report import read_log
 
     metrics = ("mean_R@1", "mean_R@10")
     test_rows = [{**r, **{m: r.get(f"test/{m}") for m in metrics},
@@ -384,9 +419,8 @@ def write_study_report(out: Path, sweep_rows: list[dict], final_rows: list[dict]
     curves: dict[tuple, list] = {}
     for r in final_rows:
         if r["status"] == "ok":
-            curves.setdefault((f"{r['loss']}/{r['optim']}", r["batch_per_device"]), []).append(
-                read_log(out / r["run"] / "log.jsonl"))
-    plot_curves(curves, path=out / "curves.png")
+            curves.setdefault(r["arm"], []).append(read_log(out / r["run"] / "log.jsonl"))
+    plot_study_curves(curves, out / "curves.png")
     return text
 
 
