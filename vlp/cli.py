@@ -46,6 +46,9 @@ def cmd_train(args) -> int:
     trainer = Trainer(cfg)
     try:
         result = trainer.train()
+        # no rank tears the process group down while another still talks to it (a gloo peer
+        # whose connection closes under it can abort the process at exit)
+        trainer.accelerator.wait_for_everyone()
     finally:
         trainer.accelerator.end_training()
     if trainer.accelerator.is_main_process:
