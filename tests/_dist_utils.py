@@ -11,6 +11,7 @@ through a file in a fresh temporary directory, so there is no port to pick or to
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import tempfile
 import time
@@ -35,6 +36,9 @@ def _worker(rank: int, fn: Callable, world_size: int, args: tuple, tmp: str) -> 
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(tmp, f"result_rank{rank}.pt"))
+        del result
+        gc.collect()  # autograd graphs of gathered tensors hold gloo work objects
+        dist.barrier()  # no rank tears the group down while its peer still uses it
     finally:
         dist.destroy_process_group()
 

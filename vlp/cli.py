@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import gc
 import os
 import sys
 
@@ -46,9 +47,11 @@ def cmd_train(args) -> int:
     trainer = Trainer(cfg)
     try:
         result = trainer.train()
-        # no rank tears the process group down while another still talks to it (a gloo peer
-        # whose connection closes under it can abort the process at exit)
+        # no rank tears the process group down while another still talks to it, and no
+        # collective's leftover (in an autograd cycle) outlives the group: either can make gloo
+        # abort the process at exit
         trainer.accelerator.wait_for_everyone()
+        gc.collect()
     finally:
         trainer.accelerator.end_training()
     if trainer.accelerator.is_main_process:
