@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import sys
 import tempfile
@@ -103,6 +104,11 @@ def worker(rank: int, args, tmp: str) -> None:
     torch.distributed.all_gather_object(gathered, nbytes)
     if rank == 0:
         report(args, per_step, gathered)
+    # drop the models (DDP's reducer holds the group), collect, meet, then destroy: otherwise gloo
+    # can abort the process at interpreter exit
+    del variants
+    gc.collect()
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
