@@ -192,6 +192,41 @@ def negative_lse(logits: Tensor, pos_idx: Tensor, pos_mask: Tensor) -> Tensor:
     return _NegativeLSE.apply(logits, pos_idx, pos_mask)[0]
 
 
+class Anchors(NamedTuple):
+    """One rank's anchors of both directions (image->text rows first): ``v`` (2b,) the
+    logsumexp of each anchor's margins over its negatives, carrying the features' gradient;
+    ``v_t`` the same values carrying logit_scale's gradient in scale_grad="split"
+    (``v.detach()`` in "same", where ``v`` carries both); ``parts`` each direction's softmax
+    over the negatives (for the diagnostics); ``t``, ``bias`` as fp32 scalars."""
+
+    v: Tensor
+    v_t: Tensor
+    parts: list
+    t: Tensor
+    bias: Tensor | None
+
+
+def anchors(img_local: Tensor, txt_local: Tensor, img_global: Tensor, txt_global: Tensor,
+            logit_scale, logit_bias, b: int, big_b: int, offset: int, scale_grad: str) -> Anchors:
+    """The margins every contrastive loss here starts from; call inside ``fp32_block``.
+    Local rows (b, d) against global columns (B, d); the positive of row i is column offset+i."""
+    device = img_local.device
+    t, bias = as_scalar(logit_scale, device), as_scalar(logit_bias, device)
+    img_b, txt_b = as_fp32(img_local), as_fp32(txt_local)
+    img_bb, txt_bb = as_fp32(img_global), as_fp32(txt_global)
+    pos_idx, pos_mask = positive_index(b, offset, device), positive_mask(b, big_b, offset, device)
+    directions = ((img_b, txt_bb), (txt_b, img_bb))  # image->text, text->image
+    if scale_grad == "same":
+        parts = [negative_lse_full(scaled_logits(rows, cols, t, bias), pos_idx, pos_mask)
+                 for rows, cols in directions]  # softmax over the negatives of (b, B) logits
+        v = torch.cat([p.v for p in parts])
+        return Anchors(v, v.detach(), parts, t, bias)
+    t_fixed = t.detach()  # "split": the logits' gradient reaches the features only
+    outs = [negative_lse_split(t_fixed * rows, cols, t, pos_idx, pos_mask) for rows, cols in directions]
+    return Anchors(torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]),
+                   [o[2] for o in outs], t, bias)
+
+
 def softplus_exact(v: Tensor) -> Tensor:
     """log(1 + e^v) without F.softplus's linear cut-off at v > 20 (an e^-20 error in float64)."""
     return torch.logaddexp(v, torch.zeros_like(v))

@@ -32,18 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from vlp.losses.common import (
-    as_fp32,
-    as_scalar,
-    check_inputs,
-    fp32_block,
-    negative_lse_full,
-    negative_lse_split,
-    positive_index,
-    positive_mask,
-    scaled_logits,
-    softplus_exact,
-)
+from vlp.losses.common import anchors, check_inputs, fp32_block, softplus_exact
 from vlp.losses.diagnostics import diagnostics_from_softmax
 
 
@@ -82,32 +71,14 @@ def flatnce_loss(
     ``logit_bias`` cancels in the margins (kept in the graph, gets a zero gradient).
     """
     b, big_b = check_inputs(img_local, txt_local, img_global, txt_global, offset, scale_grad)
-    device = img_local.device
-    with fp32_block(device):
-        t = as_scalar(logit_scale, device)
-        bias = as_scalar(logit_bias, device)
-        img_b, txt_b = as_fp32(img_local), as_fp32(txt_local)
-        img_bb, txt_bb = as_fp32(img_global), as_fp32(txt_global)
-        pos_idx = positive_index(b, offset, device)
-        pos_mask = positive_mask(b, big_b, offset, device)
-
-        directions = ((img_b, txt_bb), (txt_b, img_bb))  # image->text, text->image
-        if scale_grad == "same":
-            parts = [negative_lse_full(scaled_logits(rows, cols, t, bias), pos_idx, pos_mask)
-                     for rows, cols in directions]  # softmax over the negatives of (b, B) logits
-            # (2b,) anchors of both directions; the mean over 2b averages the two directions
-            v = torch.cat([p.v for p in parts])
-            loss = _FlatObjective.apply(v, v.detach())
-        else:  # "split": features <- FlatNCE gradient, logit_scale <- InfoNCE gradient
-            t_fixed = t.detach()  # the logits' gradient reaches the features only
-            outs = [negative_lse_split(t_fixed * rows, cols, t, pos_idx, pos_mask)
-                    for rows, cols in directions]
-            v = torch.cat([o[0] for o in outs])  # gradient to the features only
-            v_t = torch.cat([o[1] for o in outs])  # gradient to logit_scale only
-            parts = [o[2] for o in outs]
-            loss = _FlatObjective.apply(v, v_t)  # value: InfoNCE; d/dt: InfoNCE's; d/dfeatures: FlatNCE's
-            if bias is not None:  # cancels in the margins; kept in the graph (zero grad) for DDP
-                loss = loss + 0.0 * bias
+    with fp32_block(img_local.device):
+        # (2b,) anchors of both directions; the mean over 2b averages the two directions.
+        # "split": features <- FlatNCE gradient (through v), logit_scale <- InfoNCE's (through v_t)
+        a = anchors(img_local, txt_local, img_global, txt_global, logit_scale, logit_bias,
+                    b, big_b, offset, scale_grad)
+        loss = _FlatObjective.apply(a.v, a.v_t)  # value: InfoNCE
+        if scale_grad != "same" and a.bias is not None:  # cancels in the margins; kept in the
+            loss = loss + 0.0 * a.bias  # graph (zero grad) for DDP
     # FlatNCE's own value, mean_i exp(v_i - v_i.detach()), is 1 by construction
-    metrics = diagnostics_from_softmax(parts, t, extra={"loss": loss, "flatnce": 1.0})
+    metrics = diagnostics_from_softmax(a.parts, a.t, extra={"loss": loss, "flatnce": 1.0})
     return loss, metrics

@@ -14,20 +14,9 @@ gather_with_grad(txt_b), logit_scale, offset=positive_offset(b))``
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from vlp.losses.common import (
-    as_fp32,
-    as_scalar,
-    check_inputs,
-    fp32_block,
-    negative_lse_full,
-    positive_index,
-    positive_mask,
-    scaled_logits,
-    softplus_exact,
-)
+from vlp.losses.common import anchors, check_inputs, fp32_block, softplus_exact
 from vlp.losses.diagnostics import diagnostics_from_softmax
 
 
@@ -48,18 +37,11 @@ def infonce_loss(
     ``scale_grad`` is accepted for the shared signature: "same" and "split" coincide here.
     """
     b, big_b = check_inputs(img_local, txt_local, img_global, txt_global, offset, scale_grad)
-    device = img_local.device
-    with fp32_block(device):
-        t = as_scalar(logit_scale, device)
-        bias = as_scalar(logit_bias, device)
-        img_b, txt_b = as_fp32(img_local), as_fp32(txt_local)
-        img_bb, txt_bb = as_fp32(img_global), as_fp32(txt_global)
-        pos_idx = positive_index(b, offset, device)
-        pos_mask = positive_mask(b, big_b, offset, device)
+    with fp32_block(img_local.device):
         # cross-entropy_i = log(1 + e^{v_i}) with v_i the logsumexp of the margins over the
         # negatives; the softmax over the negatives is shared with the diagnostics
-        parts = [negative_lse_full(scaled_logits(rows, cols, t, bias), pos_idx, pos_mask)
-                 for rows, cols in ((img_b, txt_bb), (txt_b, img_bb))]  # (b, B) logits each
-        loss = softplus_exact(torch.cat([p.v for p in parts])).mean()  # mean over both directions
-    metrics = diagnostics_from_softmax(parts, t, extra={"loss": loss})
+        a = anchors(img_local, txt_local, img_global, txt_global, logit_scale, logit_bias,
+                    b, big_b, offset, "same")
+        loss = softplus_exact(a.v).mean()  # mean over both directions
+    metrics = diagnostics_from_softmax(a.parts, a.t, extra={"loss": loss})
     return loss, metrics

@@ -34,10 +34,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from vlp.losses.common import (
-    as_fp32, as_scalar, check_inputs, fp32_block, negative_lse_full, negative_lse_split,
-    positive_index, positive_mask, scaled_logits, softplus_exact,
-)
+from vlp.losses.common import anchors, check_inputs, fp32_block, softplus_exact
 from vlp.losses.diagnostics import diagnostics_from_softmax
 
 GAMMA_SCHEDULES = ("constant", "cosine")
@@ -131,25 +128,8 @@ class SogCLRLoss:
         device = img_local.device
         gamma = self.current_gamma
         with fp32_block(device):
-            t = as_scalar(logit_scale, device)
-            bias = as_scalar(logit_bias, device)
-            img_b, txt_b = as_fp32(img_local), as_fp32(txt_local)
-            img_bb, txt_bb = as_fp32(img_global), as_fp32(txt_global)
-            pos_idx = positive_index(b, offset, device)
-            pos_mask = positive_mask(b, big_b, offset, device)
-            directions = ((img_b, txt_bb), (txt_b, img_bb))  # image->text, text->image
-            if scale_grad == "same":
-                parts = [negative_lse_full(scaled_logits(rows, cols, t, bias), pos_idx, pos_mask)
-                         for rows, cols in directions]
-                v = torch.cat([p.v for p in parts])
-                v_t = v.detach()
-            else:
-                t_fixed = t.detach()
-                outs = [negative_lse_split(t_fixed * rows, cols, t, pos_idx, pos_mask)
-                        for rows, cols in directions]
-                v = torch.cat([o[0] for o in outs])
-                v_t = torch.cat([o[1] for o in outs])
-                parts = [o[2] for o in outs]
+            v, v_t, parts, t, bias = anchors(img_local, txt_local, img_global, txt_global,
+                                             logit_scale, logit_bias, b, big_b, offset, scale_grad)
             with torch.no_grad():
                 log_g = v.detach() - math.log(big_b - 1)  # (2b,) log mean_j exp(d_ij)
                 log_g = torch.stack(log_g.split(b), dim=1)  # (b, 2): column 0 image->text
