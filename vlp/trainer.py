@@ -341,8 +341,11 @@ class Trainer:
         """Everything but the model and optimizer tensors (position, counters, per-rank RNG, config,
         LR schedule): one dict for both checkpoint formats, beside the weights in a .pt and as
         meta.pt in a DCP directory. A collective (gathers per-rank state)."""
-        rng = gather_object([ckpt.rng_state()]) if self.world > 1 else [ckpt.rng_state()]
-        rest = self.data_loader.rest_of_epoch(self.epoch)  # vlp.resume: finish it on another layout
+        # what differs by rank, in one gather: RNG, skip counts, and the pieces of the epoch this
+        # rank has not consumed (vlp.resume finishes them under another layout)
+        mine = {"rng": ckpt.rng_state(), "skipped": dict(self.skipped),
+                "rest": self.data_loader.rest_of_epoch(self.epoch)}
+        ranks = gather_object([mine]) if self.world > 1 else [mine]
         state = {
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
@@ -352,13 +355,13 @@ class Trainer:
             "world_size": self.world,
             "nonfinite_total": self.nonfinite_total,
             "skipped": dict(self.skipped),  # this rank's; every rank's below
-            "skipped_per_rank": gather_object([dict(self.skipped)]) if self.world > 1 else [dict(self.skipped)],
-            "rng": rng,
+            "skipped_per_rank": [r["skipped"] for r in ranks],
+            "rng": [r["rng"] for r in ranks],
             "config": self.cfg.to_dict(),
             "preprocess": dict(self.unwrapped.preprocess),  # the tower's image preprocessing, for vlp eval
             "epoch_pieces": self.epoch_pieces,
             "epoch_batches": self.data_loader.num_batches,
-            "data_rest": gather_object([rest]) if self.world > 1 else [rest],
+            "data_rest": [r["rest"] for r in ranks],
         }
         if self.accelerator.scaler is not None:
             state["scaler"] = self.accelerator.scaler.state_dict()
