@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     from eval.zeroshot import build_classifier, load_templates
     from vlp.config import LossConfig, ModelConfig
     from data_pipelines.sources.openmoji import prepare_shards
-    from vlp.model import DualEncoder, build_model
+    from vlp.models.model import DualEncoder, build_model
 
     torch.manual_seed(0)
     trimmed, tokenizer, _, eval_tf = build_model(ModelConfig(name=args.model), LossConfig())

@@ -34,12 +34,12 @@ def make_variant(mode: str, model_name: str, batch: int):
     """(step function, model, optimizer) for `mode` on this rank; same init on every rank."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from vlp import parallel
+    from vlp.train import parallel
     from vlp.config import LossConfig, ModelConfig
     from vlp.distributed import gather_with_grad, positive_offset
     from vlp.losses import get_loss
-    from vlp.model import build_model
-    from vlp.trainer import param_groups
+    from vlp.models.model import build_model
+    from vlp.train.loop import param_groups
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(name=model_name), LossConfig(name="infonce", temperature="learnable"))[0]
@@ -89,7 +89,7 @@ def worker(rank: int, args, tmp: str) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank,
                                          world_size=WORLD, timeout=datetime.timedelta(seconds=300))
-    from vlp import parallel
+    from vlp.train import parallel
 
     variants = {mode: make_variant(mode, args.model, args.batch) for mode in ("ddp", "fsdp")}
     for step, _, _ in variants.values():  # warm up; creates the AdamW state

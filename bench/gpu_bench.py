@@ -7,7 +7,7 @@ Sections (each prints FIGURE lines; everything also goes to --out/gpu_bench.json
 
 1. synthetic: random image/text tensors already on the device (no data loading), timed over
    --steps steps after --warmup, alternating vlp / open_clip_train for --rounds rounds:
-     vlp        vlp.trainer.Trainer.train_step (Accelerate, autocast bf16, gathered InfoNCE +
+     vlp        vlp.train.loop.Trainer.train_step (Accelerate, autocast bf16, gathered InfoNCE +
                 diagnostics, clamp, scheduler)
      open_clip  open_clip_train.train.train_one_epoch over the same batches (its autocast, ClipLoss,
                 AdamW step, clamp), a fresh model with the same config and the same AdamW groups
@@ -82,7 +82,7 @@ def synthetic_batch(model_name: str, batch: int, device):
 # ----------------------------------------------------------------------------- vlp side
 def build_vlp_trainer(args, spec: str, out_dir: str):
     from vlp.config import load_config
-    from vlp.trainer import Trainer
+    from vlp.train.loop import Trainer
 
     cfg = load_config(None, [
         f"model.name={args.model}", f"data.train_shards={spec}", f"data.batch_per_device={args.batch}",
@@ -157,12 +157,12 @@ def open_clip_setup(args, device):
     import torch
     from open_clip_train.train import train_one_epoch  # noqa: F401  (fail early if missing)
 
-    import vlp.model  # noqa: F401  registers vlp/model_configs (vlp-micro, vlp-tiny)
+    import vlp.models.model  # noqa: F401  registers vlp/models/model_configs (vlp-micro, vlp-tiny)
 
     precision = {"bf16": "amp_bf16", "fp32": "fp32", "fp16": "amp"}[args.precision]
     model, preprocess_train, _ = open_clip.create_model_and_transforms(
         args.model, precision=precision, device=device, output_dict=True)
-    from vlp.trainer import param_groups
+    from vlp.train.loop import param_groups
 
     optimizer = torch.optim.AdamW(param_groups(model, 0.2), lr=5e-4, betas=(0.9, 0.98), eps=1e-6)
     oc_args = Namespace(

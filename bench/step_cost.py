@@ -31,12 +31,12 @@ VARIANTS = {  # name: (loss, temperature)
 def make_step(variant: str, model_name: str):
     from vlp.config import LossConfig, ModelConfig
     from vlp.losses import get_loss
-    from vlp.trainer import param_groups
+    from vlp.train.loop import param_groups
 
     loss_name, temperature = VARIANTS[variant]
     torch.manual_seed(0)
-    from vlp.model import build_model
-    from vlp.temperature import temperature_policy
+    from vlp.models.model import build_model
+    from vlp.models.temperature import temperature_policy
 
     loss_cfg = LossConfig(name=loss_name, temperature=temperature)
     model, *_ = build_model(ModelConfig(name=model_name), loss_cfg)
@@ -67,7 +67,7 @@ def main() -> None:
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     if args.quick:
         args.batch, args.steps, args.rounds = 32, 1, 2
-    from vlp.model import model_config_dict
+    from vlp.models.model import model_config_dict
 
     cfg = model_config_dict(args.model)
     size, ctx = cfg["vision_cfg"]["image_size"], cfg["text_cfg"]["context_length"]

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python bench/train_throughput.py           # 100 steps x 2 systems x 3 rounds (~4 min)
     OMP_NUM_THREADS=1 python bench/train_throughput.py --quick   # vlp-micro, 6 steps x 1 round
 
-Both runs: model vlp-tiny (vlp/model_configs/vlp-tiny.json, registered in open_clip_train by a
+Both runs: model vlp-tiny (vlp/models/model_configs/vlp-tiny.json, registered in open_clip_train by a
 two-line wrapper: open_clip.add_model_config + runpy), the OpenMoji train shards (vlp.demo),
 per-device batch 32, fp32, 1 process, CPU, OMP_NUM_THREADS=1, 1 data-loader worker, the same
 number of steps, shuffle buffer 1000 (open_clip_train's initial fill), no eval, no periodic
@@ -58,7 +58,7 @@ def vlp_cmd(spec: str, out: Path, model: str, batch: int, steps: int, workers: i
 
 def open_clip_cmd(spec: str, logs: Path, model: str, batch: int, steps: int, workers: int, seed: int = 0,
                   lr: float = 1e-3, warmup: int = 10, extra: list[str] | None = None) -> list[str]:
-    wrapper = OPEN_CLIP_WRAPPER.format(cfg=str(REPO / "vlp" / "model_configs"))
+    wrapper = OPEN_CLIP_WRAPPER.format(cfg=str(REPO / "vlp" / "models" / "model_configs"))
     return [PYTHON, "-c", wrapper,
             "--model", model, "--train-data", spec, "--dataset-type", "webdataset",
             "--train-num-samples", str(steps * batch), "--batch-size", str(batch), "--epochs", "1",

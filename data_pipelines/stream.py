@@ -33,7 +33,7 @@ cheap check (``image_decodes``: JPEG entropy decoding at 1/8 scale), so a resume
 yields exactly the batches the uninterrupted one would have. An exact resume needs the same
 num_workers, world_size and batch_size. To go on under another layout, ``Loader.rest_of_epoch``
 names the pieces of the epoch not consumed yet (each batch carries its worker's), and
-``make_loader(pieces=...)`` reads them as the rest of that epoch (vlp/resume.py).
+``make_loader(pieces=...)`` reads them as the rest of that epoch (vlp/train/resume.py).
 """
 
 from __future__ import annotations
@@ -536,7 +536,7 @@ class Loader:
         """Split mode: the shard pieces of ``epoch`` this rank has not consumed, as of the last
         batch ``epochs()`` yielded (None in resampled mode). The ranks' lists, concatenated in
         rank order, are the ``pieces`` with which another layout finishes the epoch without
-        repeating or skipping a sample (vlp.resume)."""
+        repeating or skipping a sample (vlp.train.resume)."""
         if self.plan.mode != "split":
             return None
         known = self._rest if self._rest_epoch == epoch else {}

@@ -2,7 +2,7 @@
 
 Retrieval (eval.retrieval):  recall(direction, k) = "image_to_text_R@1", ...; mean_recall(k) =
 "mean_R@1" (the mean of both directions); chance R@1 = 1 / number of images.
-Results of a training run (vlp.trainer): eval_key(metric, task) = "eval/image_to_text_R@1" for
+Results of a training run (vlp.train.loop): eval_key(metric, task) = "eval/image_to_text_R@1" for
 the held-out set (HELDOUT, data.eval_shards) and "eval/<task>/<metric>" for an eval.suite task.
 """
 

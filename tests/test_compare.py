@@ -7,9 +7,10 @@ import pytest
 import yaml
 
 from vlp_testing import REPO
-from vlp import compare, compare_report
-from vlp.compare import expand_grid, load_compare_config, parse_grid, run_config, run_grid, steps_for
-from vlp.compare_report import aggregate, markdown_table, mean_curve, plot_curves, plot_metric_vs_batch, read_log
+from vlp.study import compare
+from vlp.study import report as compare_report
+from vlp.study.compare import expand_grid, load_compare_config, parse_grid, run_config, run_grid, steps_for
+from vlp.study.report import aggregate, markdown_table, mean_curve, plot_curves, plot_metric_vs_batch, read_log
 from vlp.config import ConfigError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -181,8 +182,8 @@ def test_loss_overrides_and_grid_validation(tmp_path):
 @pytest.mark.parametrize("name,runs,model", [("compare_small_batch.yaml", 24, "vlp-micro"),
                                              ("compare_gpu_vitb32.yaml", 54, "ViT-B-32")])
 def test_shipped_configs_load(name, runs, model):
-    """Both shipped configs are the tuned study (vlp/compare_study.py): 3 losses x 2 optimizers."""
-    from vlp.compare_study import sweep_runs
+    """Both shipped configs are the tuned study (vlp/study/study.py): 3 losses x 2 optimizers."""
+    from vlp.study.study import sweep_runs
 
     base, grid = load_compare_config(REPO / "configs" / name)
     assert len(sweep_runs(grid)) == runs and len(grid.final_seeds) >= 3

@@ -1,9 +1,9 @@
-"""vlp.compare_stats on hand-computed numbers."""
+"""vlp.study.stats on hand-computed numbers."""
 import math
 
 import pytest
 
-from vlp.compare_stats import bootstrap_ci, paired_difference, seed_summary, t975, verdict
+from vlp.study.stats import bootstrap_ci, paired_difference, seed_summary, t975, verdict
 
 
 def test_seed_summary_by_hand():

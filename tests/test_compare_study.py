@@ -5,9 +5,10 @@ import json
 import pytest
 
 from vlp_testing import REPO
-from vlp import compare, compare_study
-from vlp.compare import load_compare_config, parse_grid, run_grid
-from vlp.compare_study import (
+from vlp.study import compare
+from vlp.study import study as compare_study
+from vlp.study.compare import load_compare_config, parse_grid, run_grid
+from vlp.study.study import (
     StudyRun, final_runs, item_hits, select_best, setting_tag, settings_for, split_metrics, sweep_runs,
 )
 from vlp.config import ConfigError
@@ -155,7 +156,7 @@ def test_cli_quick_on_openmoji_tiny(tmp_path):
 
 
 def test_edge_selections_are_named():
-    from vlp.compare_study import edge_selections
+    from vlp.study.study import edge_selections
 
     grid = parse_grid({"losses": ["infonce"], "batch_per_device": [8], "seeds": [0],
                        "sweep": {"optim.lr": [1e-4, 1e-3, 1e-2], "loss.tau": [0.07]}})

@@ -4,7 +4,7 @@ import torch
 
 from vlp.config import Config, LossConfig, ModelConfig
 from vlp.evaluate import load_model_from_checkpoint
-from vlp.model import build_model, export_open_clip
+from vlp.models.model import build_model, export_open_clip
 
 
 def test_saved_config_decides_the_loss_and_open_clip_files_load_without_one(tmp_path):

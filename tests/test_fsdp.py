@@ -45,8 +45,8 @@ def _trainer_runs(rank, world, shards, root):
 
     from accelerate.state import AcceleratorState
 
-    from vlp import parallel
-    from vlp.trainer import Trainer
+    from vlp.train import parallel
+    from vlp.train.loop import Trainer
 
     os.environ.update(ACCELERATE_USE_CPU="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world))
@@ -157,7 +157,7 @@ def _launch(shards, out, *extra, wait=True):
 def test_fsdp_sigkill_and_resume_is_bit_identical(runs, tiny_shards, tmp_path):
     """`accelerate launch`, every step a DCP checkpoint, SIGKILL of the whole job after step 6,
     resume=latest: the same weights, bit for bit, as the uninterrupted FSDP run."""
-    from vlp import checkpoint as ckpt
+    from vlp.train import checkpoint as ckpt
 
     child = _launch(tiny_shards, tmp_path, "train.checkpoint_every=1", wait=False)
     target = tmp_path / "checkpoints" / "step_00000006"
@@ -190,8 +190,8 @@ def test_checkpoints_cross_formats(runs):
 def test_dcp_reshards_two_ranks_to_one(runs):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from vlp import checkpoint as ckpt
-    from vlp import parallel
+    from vlp.train import checkpoint as ckpt
+    from vlp.train import parallel
 
     path = runs / "fsdp" / "checkpoints" / "step_00000012"
     assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
@@ -217,8 +217,8 @@ def test_dcp_reshards_two_ranks_to_one(runs):
 
 def _tiny_model_and_optimizer(seed: int):
     from vlp.config import Config
-    from vlp.model import build_model
-    from vlp.trainer import param_groups
+    from vlp.models.model import build_model
+    from vlp.train.loop import param_groups
 
     cfg = Config()
     cfg.model.name, cfg.loss.temperature = "vlp-micro", "learnable"
@@ -229,7 +229,7 @@ def _tiny_model_and_optimizer(seed: int):
 
 def test_fsdp_refuses_what_it_cannot_do(tiny_shards, tmp_path):
     from vlp.config import ConfigError
-    from vlp.trainer import Trainer
+    from vlp.train.loop import Trainer
 
     with pytest.raises(ConfigError, match=r"train.parallel=fsdp does not support train.precision=fp16 \(use bf16\)"):
         _config(tiny_shards, tmp_path, "train.parallel=fsdp", "train.precision=fp16")
@@ -250,8 +250,8 @@ def test_vlp_eval_reads_a_dcp_checkpoint(runs):
 def test_trainer_resumes_a_two_rank_dcp_checkpoint_in_one_process(runs, tiny_shards, tmp_path):
     """World size 2 -> 1 through the trainer (train.resume_mode=continue allows the change):
     DCP reads the 2-rank shards into the 1-process replica, AdamW state included."""
-    from vlp import checkpoint as ckpt
-    from vlp.trainer import Trainer
+    from vlp.train import checkpoint as ckpt
+    from vlp.train.loop import Trainer
 
     src = runs / "fsdp" / "checkpoints" / "step_00000008"
     _copy_checkpoint(src, tmp_path)
@@ -265,7 +265,7 @@ def test_trainer_resumes_a_two_rank_dcp_checkpoint_in_one_process(runs, tiny_sha
 
 
 def test_incomplete_dcp_checkpoints_are_refused_by_name(runs, tmp_path):
-    from vlp import checkpoint as ckpt
+    from vlp.train import checkpoint as ckpt
 
     for broken, what in [("__1_0.distcp", "__1_0.distcp should hold"), (".metadata", "no .metadata"),
                          ("meta.pt", "no meta.pt")]:

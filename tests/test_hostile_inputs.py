@@ -305,7 +305,7 @@ def _nan_after(trainer, step):
 
 def test_nonfinite_stop_saves_last_good_state_without_checkpoint_every(tiny_shards, tmp_path):
     from vlp.config import load_config
-    from vlp.trainer import Trainer
+    from vlp.train.loop import Trainer
 
     t = Trainer(load_config(REPO / "configs/demo.yaml", [f"data.train_shards={tiny_shards['train']}",
                                                          f"train.output_dir={tmp_path}", *TINY, "train.max_nonfinite=2"]))
@@ -320,7 +320,7 @@ def test_nonfinite_stop_saves_last_good_state_without_checkpoint_every(tiny_shar
 
 def test_nonfinite_weights_are_never_saved(tiny_shards, tmp_path):
     from vlp.config import load_config
-    from vlp.trainer import Trainer
+    from vlp.train.loop import Trainer
 
     t = Trainer(load_config(REPO / "configs/demo.yaml", [f"data.train_shards={tiny_shards['train']}",
                                                          f"train.output_dir={tmp_path}", *TINY,
@@ -346,7 +346,7 @@ def test_nonfinite_weights_are_never_saved(tiny_shards, tmp_path):
 def exported(tmp_path_factory):
     """An open_clip export of an untrained vlp-micro model."""
     from vlp.config import LossConfig, ModelConfig
-    from vlp.model import build_model, export_open_clip
+    from vlp.models.model import build_model, export_open_clip
 
     path = tmp_path_factory.mktemp("export") / "micro.pt"
     export_open_clip(build_model(ModelConfig(name="vlp-micro"), LossConfig())[0], path)
@@ -383,7 +383,7 @@ def test_foreign_pretrained_file_is_one_line(capsys, tmp_path, tiny_shards, expo
 
 def test_pretrained_export_loads(tiny_shards, tmp_path, exported):
     from vlp.config import LossConfig, ModelConfig
-    from vlp.model import build_model
+    from vlp.models.model import build_model
 
     model = build_model(ModelConfig(name="vlp-micro", pretrained=str(exported)), LossConfig())[0]
     saved = torch.load(exported, weights_only=True)["state_dict"]
@@ -456,8 +456,8 @@ def test_eval_one_caption_retrieval_warns(capsys, tmp_path, exported):
 
 def test_global_skip_counts_sum_over_ranks(monkeypatch):
     """result.json / log skip counts: every rank's summed (the gather is accelerate's gather_object)."""
-    import vlp.trainer as trainer_module
-    from vlp.checkpoint import rank_skipped
+    import vlp.train.loop as trainer_module
+    from vlp.train.checkpoint import rank_skipped
 
     ranks = [{"corrupt_image": 2}, {"corrupt_image": 10, "missing_caption": 1}]
     monkeypatch.setattr(trainer_module, "gather_object", lambda objs: ranks)

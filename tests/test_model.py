@@ -6,7 +6,7 @@ import torch
 
 from vlp.config import LossConfig, ModelConfig
 from vlp.losses import siglip_init
-from vlp.model import DualEncoderOutput, build_model
+from vlp.models.model import DualEncoderOutput, build_model
 
 
 def test_forward_is_typed_and_normalised():
@@ -83,7 +83,7 @@ def test_text_padding_trim_is_exact():
 def test_text_trim_only_where_exact():
     model, tok, _, _ = build_model(ModelConfig(name="vlp-tiny"), LossConfig())
     model.clip.text_pool_type = "last"  # pooling at the last position: padding matters
-    from vlp.model import DualEncoder
+    from vlp.models.model import DualEncoder
 
     rebuilt = DualEncoder(model.clip, text_pad_id=0)
     text = tok(["a cat"])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vlp.config import OptimConfig
-from vlp.optim import LARS, build_optimizer, trust_ratio
+from vlp.train.optim import LARS, build_optimizer, trust_ratio
 
 
 def test_lars_step_by_hand():
@@ -31,7 +31,7 @@ def test_trust_ratio_is_one_for_zero_norms():
 
 
 def test_builder_marks_exclusions_and_names():
-    from vlp.trainer import param_groups
+    from vlp.train.loop import param_groups
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
     model.register_parameter("logit_scale", torch.nn.Parameter(torch.tensor(2.0)))

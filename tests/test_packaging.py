@@ -34,7 +34,7 @@ def test_wheel_installed_outside_the_clone_runs_the_cli(tmp_path):
     wheel = next((tmp_path / "dist").glob("vlp-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert {"vlp/defaults/demo.yaml", "vlp/defaults/compare_small_batch.yaml",
-            "vlp/model_configs/vlp-tiny.json", "eval/imagenet_synsets.txt"} <= set(names)
+            "vlp/models/model_configs/vlp-tiny.json", "eval/imagenet_synsets.txt"} <= set(names)
 
     venv = tmp_path / "venv"
     made = _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path)
@@ -48,8 +48,8 @@ def test_wheel_installed_outside_the_clone_runs_the_cli(tmp_path):
     install = _run([str(py), "-m", "pip", "install", "--no-deps", str(wheel)], cwd=tmp_path)
     assert install.returncode == 0, install.stderr[-2000:]
 
-    where = _run([str(py), "-c", "import vlp.demo, vlp.compare; print(vlp.demo.__file__); "
-                  "print(vlp.demo.DEFAULT_CONFIG.is_file() and vlp.compare.DEFAULT_CONFIG.is_file())"],
+    where = _run([str(py), "-c", "import vlp.demo, vlp.study.compare; print(vlp.demo.__file__); "
+                  "print(vlp.demo.DEFAULT_CONFIG.is_file() and vlp.study.compare.DEFAULT_CONFIG.is_file())"],
                  cwd=tmp_path)
     assert where.stdout.split() == [str(Path(purelib.stdout.strip()) / "vlp" / "demo.py"), "True"], where
     assert not str(REPO) in where.stdout

@@ -1,4 +1,4 @@
-"""Resume on a changed layout (vlp/resume.py): refused by name in exact mode; with
+"""Resume on a changed layout (vlp/train/resume.py): refused by name in exact mode; with
 train.resume_mode=continue the run goes on from the same global sample, and the epoch it was in
 is finished under the new layout with no sample repeated or skipped."""
 import json
@@ -7,7 +7,7 @@ import pytest
 
 from vlp_testing import REPO
 from vlp.config import ConfigError, load_config
-from vlp.trainer import Trainer
+from vlp.train.loop import Trainer
 
 TINY = ["model.name=vlp-micro", "optim.lr=1e-3", "optim.warmup_steps=2", "train.log_every=1",
         "data.shuffle_buffer=32", "train.eval_every=0"]

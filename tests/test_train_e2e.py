@@ -12,7 +12,7 @@ import torch
 
 from vlp_testing import PYTHON, REPO, run_env
 from vlp.config import load_config
-from vlp.trainer import Trainer
+from vlp.train.loop import Trainer
 
 TINY = ["model.name=vlp-micro", "data.batch_per_device=16", "optim.lr=2e-3", "optim.warmup_steps=2",
         "train.log_every=1", "data.shuffle_buffer=64"]
@@ -142,7 +142,7 @@ def test_sigkill_then_resume_is_bit_identical(tiny_shards, tmp_path):
 def test_kill_during_checkpoint_write_keeps_previous_loadable(tmp_path):
     script = (
         "import torch, sys\n"
-        "from vlp.checkpoint import atomic_save\n"
+        "from vlp.train.checkpoint import atomic_save\n"
         "big = {'w': torch.randn(40_000_000)}\n"
         "for i in range(1, 1000):\n"
         f"    atomic_save(big, r'{tmp_path}/step_%08d.pt' % i)\n"
@@ -155,7 +155,7 @@ def test_kill_during_checkpoint_write_keeps_previous_loadable(tmp_path):
     time.sleep(0.3)  # now inside a later write
     child.send_signal(signal.SIGKILL)
     child.wait()
-    from vlp.checkpoint import latest_checkpoint, load
+    from vlp.train.checkpoint import latest_checkpoint, load
 
     latest = latest_checkpoint(tmp_path)
     assert latest is not None

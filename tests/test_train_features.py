@@ -7,7 +7,7 @@ import torch
 
 from vlp_testing import REPO
 from vlp.config import load_config
-from vlp.trainer import Trainer
+from vlp.train.loop import Trainer
 
 
 def _cfg(shards, out, *extra):
@@ -56,7 +56,7 @@ def test_nonfinite_losses_skip_then_stop_with_valid_checkpoint(tiny_shards, tmp_
     assert t.nonfinite_total == 4
     log = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if r.get("nonfinite")] == [3, 7, 8, 9]
-    from vlp.checkpoint import latest_checkpoint, load
+    from vlp.train.checkpoint import latest_checkpoint, load
 
     # the stop saved the last good weights (skipped steps leave them as after step 6)
     state = load(latest_checkpoint(tmp_path / "checkpoints"))

@@ -5,7 +5,7 @@ import torch
 from naive_losses import naive_loss
 
 from vlp.config import load_config
-from vlp.trainer import Trainer, lr_multiplier, param_groups
+from vlp.train.loop import Trainer, lr_multiplier, param_groups
 
 
 def _trainer(shards: str, loss: str, accum: int, temperature: str = "learnable") -> Trainer:

@@ -15,7 +15,7 @@ import torch
 
 from vlp_testing import REPO, run_env
 from vlp.config import load_config
-from vlp.trainer import Trainer
+from vlp.train.loop import Trainer
 
 ACCELERATE = shutil.which("accelerate", path=str(Path(os.sys.executable).parent)) or "accelerate"
 COMMON = ["model.name=vlp-micro", "data.batch_per_device=8", "data.num_workers=2", "optim.lr=1e-3",

@@ -42,7 +42,7 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)  # config errors surface before torch is imported
     if not cfg.data.train_shards:
         raise ConfigError("config: data.train_shards is empty: give a shard spec (see `vlp shards`)")
-    from vlp.trainer import Trainer
+    from vlp.train.loop import Trainer
 
     trainer = Trainer(cfg)
     try:
@@ -75,7 +75,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from vlp.compare import DEFAULT_CONFIG, load_compare_config, run_grid
+    from vlp.study.compare import DEFAULT_CONFIG, load_compare_config, run_grid
 
     base, grid = load_compare_config(args.config or DEFAULT_CONFIG, args.overrides, quick=args.quick)
     run_grid(base, grid, report_only=args.report_only)

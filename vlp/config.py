@@ -19,7 +19,10 @@ from typing import Any, Callable, Literal, Optional
 
 import yaml
 
-from vlp import temperature
+from vlp.models import temperature
+
+# the configs shipped in the package (symlinks to configs/*.yaml in the clone): vlp demo, vlp compare
+PACKAGED_DEFAULTS = Path(__file__).resolve().parent / "defaults"
 
 
 class ConfigError(ValueError):
@@ -29,7 +32,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = "vlp-tiny"
-    """open_clip model name (built-in or vlp/model_configs/*.json) or a path to a model JSON."""
+    """open_clip model name (built-in or vlp/models/model_configs/*.json) or a path to a model JSON."""
     pretrained: Optional[str] = None
     """Whole-model weights: a local open_clip checkpoint file, an open_clip pretrained tag of
     `name` (e.g. laion2b_s34b_b79k) or hf-hub:org/repo; tags and hub names are read from the
@@ -111,7 +114,7 @@ class LossConfig:
     Unset: 'split' for FlatNCE and SogCLR (best of the three on the small-batch grid, and it keeps
     logit_scale off the clamp; see README "Losses and temperature"), 'learnable' otherwise.
     The old name 'infonce' for 'split' is still read (configs and checkpoints of older runs).
-    vlp/temperature.py turns this section into the model's init and the trainer's rules."""
+    vlp/models/temperature.py turns this section into the model's init and the trainer's rules."""
     tau: Optional[float] = None
     """Initial temperature (learnable/split) or the fixed one (fixed), in (0, 1] with
     1/tau <= max_logit_scale. Unset: the loss's published init (CLIP 0.07; SigLIP's
@@ -131,7 +134,7 @@ class LossConfig:
 class OptimConfig:
     name: Literal["adamw", "lars", "sgd"] = "adamw"
     """adamw (fused); lars: SGD with momentum and LARS's layer-wise trust ratio (SimCLR/FlatNCE
-    recipe; biases, norms and logit_scale neither adapted nor decayed; vlp/optim.py); sgd: SGD
+    recipe; biases, norms and logit_scale neither adapted nor decayed; vlp/train/optim.py); sgd: SGD
     with momentum. beta1/beta2/eps apply to adamw only."""
     momentum: float = 0.9
     """lars/sgd: momentum."""
@@ -180,7 +183,7 @@ class TrainConfig:
     """exact: the data layout (world size, batch_per_device, accum_steps, num_workers, seed,
     shuffle_buffer, mode, loss) must equal the checkpoint's, and the run continues bit-identically;
     a change is refused by name. continue: it may change (e.g. after losing a node); the run goes on
-    from the same global sample, finishing the epoch under the new layout (vlp/resume.py)."""
+    from the same global sample, finishing the epoch under the new layout (vlp/train/resume.py)."""
     dist_timeout_s: float = 900.0
     """Seconds a collective may wait for another rank before this rank fails with an error
     (a dead rank or node never leaves the others waiting forever). Rank 0's eval and checkpoint
@@ -192,7 +195,7 @@ class TrainConfig:
     """torch.compile the dual encoder (the gather and the loss stay eager)."""
     parallel: Literal["ddp", "fsdp"] = "ddp"
     """ddp: replicas kept in sync by Accelerate's DDP. fsdp: FSDP2 shards parameters, gradients
-    and AdamW state over all ranks (vlp/parallel.py; same code on CPU and GPU; needs >= 2
+    and AdamW state over all ranks (vlp/train/parallel.py; same code on CPU and GPU; needs >= 2
     processes; precision fp32 or bf16). Checkpoints become DCP directories (step_N/)."""
     wandb_project: Optional[str] = None
     """Also log to Weights & Biases under this project (needs `pip install wandb`)."""

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Optional
 
 from eval import keys
-from vlp.config import load_config
+from vlp.config import PACKAGED_DEFAULTS, load_config
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent / "defaults" / "demo.yaml"  # = configs/demo.yaml, shipped in the package
+DEFAULT_CONFIG = PACKAGED_DEFAULTS / "demo.yaml"  # = configs/demo.yaml, shipped in the package
 LOSSES = ("infonce", "flatnce")
 
 
@@ -32,7 +32,7 @@ def results_table(rows: list[dict]) -> str:
 
 def run_demo(out_dir: str = "runs/demo", overrides: Optional[list[str]] = None, config: Optional[str] = None) -> list[dict]:
     from data_pipelines.sources.openmoji import prepare_shards
-    from vlp.trainer import Trainer
+    from vlp.train.loop import Trainer
 
     t0 = time.time()
     out = Path(out_dir)

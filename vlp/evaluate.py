@@ -8,14 +8,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from vlp import checkpoint as ckpt
+from vlp.train import checkpoint as ckpt
 from vlp.config import ConfigError, LossConfig, ModelConfig, from_dict
 
 
 def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, device: str = "cpu"):
     """(model, tokenizer, eval_transform) from a vlp `step_*.pt` file or `step_*/` DCP directory
     (train.parallel=fsdp), or an open_clip state-dict file."""
-    from vlp.model import build_model, state_dict_mismatch
+    from vlp.models.model import build_model, state_dict_mismatch
 
     state = ckpt.load_sharded_full(path) if Path(path).is_dir() else ckpt.load(path)  # DCP dir or file
     if not isinstance(state, dict):
@@ -44,7 +44,7 @@ def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, devi
         weights = {k: v for k, v in weights.items() if k != "logit_bias"}
     preprocess = state.get("preprocess") or state.get("preprocess_cfg")
     if preprocess:  # the tower's preprocessing as trained, not the config's default
-        from vlp.towers import transforms
+        from vlp.models.towers import transforms
 
         model.preprocess = dict(preprocess)
         eval_tf = transforms(model.preprocess)[1]
@@ -62,8 +62,8 @@ def load_published(model_name: str, pretrained: Optional[str], device: str = "cp
     """(model, tokenizer, eval_transform) of an open_clip model with published weights: a
     pretrained tag of `model_name` or hf-hub:org/repo (from the Hugging Face cache; offline once
     cached), or `model_name` hf-hub:org/repo with its own weights. Preprocessing: the tag's or
-    the repository's (vlp.model.build_model)."""
-    from vlp.model import build_model, model_config_dict
+    the repository's (vlp.models.model.build_model)."""
+    from vlp.models.model import build_model, model_config_dict
 
     if not pretrained and not model_name.startswith("hf-hub:"):
         raise ConfigError("vlp eval: --model needs --pretrained (a tag, hf-hub:org/name or a file), "

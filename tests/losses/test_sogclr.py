@@ -143,7 +143,7 @@ def test_trainer_resume_restores_u_exactly(tiny_shards, tmp_path):
     uninterrupted run (bit-identical on CPU); the table is samples x 2 and was filled."""
     from vlp_testing import REPO
     from vlp.config import load_config
-    from vlp.trainer import Trainer
+    from vlp.train.loop import Trainer
 
     def cfg(out, *extra):
         return load_config(REPO / "configs/demo.yaml", [
@@ -170,7 +170,7 @@ def test_trainer_gamma_one_trains_like_flatnce(tiny_shards, tmp_path):
     gamma = 1 reaches FlatNCE's weights bit for bit."""
     from vlp_testing import REPO
     from vlp.config import load_config
-    from vlp.trainer import Trainer
+    from vlp.train.loop import Trainer
 
     weights = {}
     for loss in ("flatnce", "sogclr"):

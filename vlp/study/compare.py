@@ -39,11 +39,11 @@ import yaml
 
 from eval import keys
 from eval.keys import EVAL_KEYS, RECALL_KS
-from vlp.compare_report import DIAG_KEYS, aggregate, markdown_table, read_log, write_report
-from vlp.config import Config, ConfigError, LossConfig, apply_overrides, from_dict, set_dotted
+from vlp.study.report import DIAG_KEYS, aggregate, markdown_table, read_log, write_report
+from vlp.config import PACKAGED_DEFAULTS, Config, ConfigError, LossConfig, apply_overrides, from_dict, set_dotted
 
 # = configs/compare_small_batch.yaml, shipped in the package (vlp/defaults/ links to configs/)
-DEFAULT_CONFIG = Path(__file__).resolve().parent / "defaults" / "compare_small_batch.yaml"
+DEFAULT_CONFIG = PACKAGED_DEFAULTS / "compare_small_batch.yaml"
 LOSS_NAMES = typing.get_args(typing.get_type_hints(LossConfig)["name"])
 # Grid-controlled keys: a per-loss override of these would silently break the grid.
 GRID_KEYS = ("loss.name", "data.batch_per_device", "train.seed", "train.output_dir", "train.resume")
@@ -78,7 +78,7 @@ class GridSpec:
     metric: str = "mean_R@1"
     """Eval metric of metric_vs_batch.png (one of EVAL_KEYS); a study's verdict and final plot."""
     sweep: dict[str, Any] = field(default_factory=dict)
-    """Non-empty: a tuned study (vlp/compare_study.py). Dotted key -> values, the same for every
+    """Non-empty: a tuned study (vlp/study/study.py). Dotted key -> values, the same for every
     arm, e.g. {optim.lr: [3e-4, 1e-3]}; or optimizer name -> such a map (per-optimizer ranges)."""
     optimizers: list[str] = field(default_factory=list)
     """Study: optim.name values, an axis of the arms (default: the base config's optim.name)."""
@@ -309,7 +309,7 @@ def plan_runs(runs: list, cfgs: dict[str, Config], out: Path, items: bool = Fals
 
 
 def _train_once(cfg: Config, accelerator) -> dict:
-    from vlp.trainer import Trainer
+    from vlp.train.loop import Trainer
 
     try:
         return Trainer(cfg, accelerator=accelerator).train()
@@ -377,8 +377,8 @@ def run_grid(base: dict, grid: GridSpec, report_only: bool = False, accelerator=
         precision = from_dict(copy.deepcopy(base)).train.precision
         accelerator = Accelerator(mixed_precision="no" if precision == "fp32" else precision)
     acc = accelerator
-    if grid.sweep:  # a tuned study: sweep on val, seeds on test (vlp/compare_study.py)
-        from vlp.compare_study import run_study
+    if grid.sweep:  # a tuned study: sweep on val, seeds on test (vlp/study/study.py)
+        from vlp.study.study import run_study
 
         return run_study(base, grid, acc, report_only)
     base = resolve_data(copy.deepcopy(base), acc)

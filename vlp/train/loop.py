@@ -8,7 +8,7 @@ see compute_gradients). Features are gathered across ranks with
 autograd (vlp.distributed), every anchor is contrasted with the global batch, and DDP averages
 the per-rank gradients, which equals the gradient of the global mean loss.
 
-`train.parallel=fsdp` shards the model instead (vlp.parallel, FSDP2): the reduce-scatter averages
+`train.parallel=fsdp` shards the model instead (vlp.train.parallel, FSDP2): the reduce-scatter averages
 like DDP, checkpoints are DCP directories (each rank writes its shards), and evaluation and the
 final export use the full weights gathered on the main process.
 """
@@ -29,14 +29,15 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs, gather_obj
 
 from data_pipelines.messages import first_line
 from eval import keys
-from vlp import checkpoint as ckpt
-from vlp import parallel, records, resume
+from vlp.train import checkpoint as ckpt
+from vlp import records
+from vlp.train import parallel, resume
 from vlp.config import Config, ConfigError, save_config
 from vlp.distributed import exit_with_launcher, gather_with_grad, positive_offset
 from vlp.losses import get_loss
-from vlp.model import DualEncoder, build_model
-from vlp.optim import build_optimizer
-from vlp.temperature import temperature_policy
+from vlp.models.model import DualEncoder, build_model
+from vlp.train.optim import build_optimizer
+from vlp.models.temperature import temperature_policy
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -130,7 +131,7 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self.batch_in_epoch = 0
-        self.epoch_pieces = None  # the rest of an epoch begun under another layout (vlp.resume)
+        self.epoch_pieces = None  # the rest of an epoch begun under another layout (vlp.train.resume)
         self.data_loader = self.train_loader  # the loader the current epoch comes from
         self.nonfinite_in_row = 0
         self.nonfinite_total = 0
@@ -140,7 +141,7 @@ class Trainer:
         self._wandb = None
 
     def shard(self, model: DualEncoder) -> DualEncoder:
-        """train.parallel=fsdp: FSDP2 over all ranks (vlp.parallel). The project shards the model
+        """train.parallel=fsdp: FSDP2 over all ranks (vlp.train.parallel). The project shards the model
         itself because Accelerate cannot on CPU; Accelerate keeps the launch and the process group."""
         if self.world < 2:
             raise ConfigError("config: train.parallel=fsdp needs >= 2 processes (accelerate launch); "
@@ -186,7 +187,7 @@ class Trainer:
 
     def stream(self):
         """Every batch from the current position on. An epoch begun under another layout
-        (``epoch_pieces``, vlp.resume) is finished first by a loader over its remaining pieces."""
+        (``epoch_pieces``, vlp.train.resume) is finished first by a loader over its remaining pieces."""
         if self.epoch_pieces is not None:
             loader = self.data_loader = self.make_train_loader(pieces=self.epoch_pieces)
             if self.batch_in_epoch < loader.num_batches:
@@ -342,7 +343,7 @@ class Trainer:
         LR schedule): one dict for both checkpoint formats, beside the weights in a .pt and as
         meta.pt in a DCP directory. A collective (gathers per-rank state)."""
         # what differs by rank, in one gather: RNG, skip counts, and the pieces of the epoch this
-        # rank has not consumed (vlp.resume finishes them under another layout)
+        # rank has not consumed (vlp.train.resume finishes them under another layout)
         mine = {"rng": ckpt.rng_state(), "skipped": dict(self.skipped),
                 "rest": self.data_loader.rest_of_epoch(self.epoch)}
         ranks = gather_object([mine]) if self.world > 1 else [mine]
@@ -642,7 +643,7 @@ class Trainer:
         self.save_checkpoint()
         final = self.eval_model()  # collective under FSDP (full_state_dict gather)
         if acc.is_main_process:
-            from vlp.model import export_open_clip
+            from vlp.models.model import export_open_clip
 
             export_open_clip(final, self.out_dir / "open_clip_model.pt")
         last_eval = self.evaluate()

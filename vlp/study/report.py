@@ -1,5 +1,5 @@
 """`vlp compare` reports: runs.csv, results.md (mean ± std over seeds, best per batch in bold),
-metric_vs_batch.png and curves.png, from the rows of the grid's run folders (vlp/compare.py).
+metric_vs_batch.png and curves.png, from the rows of the grid's run folders (vlp/study/compare.py).
 Pure functions of the rows and logs: `vlp compare --report-only` rebuilds everything.
 """
 
@@ -196,7 +196,7 @@ def plot_curves(curves: dict[tuple[str, int], list[list[dict]]], keys: Sequence[
 
 def write_report(out: Path, rows: list[dict], grid, total_runs: int) -> None:
     """runs.csv, results.md, metric_vs_batch.png and curves.png from the rows so far (``grid``:
-    vlp.compare.GridSpec; ``total_runs``: runs in the grid)."""
+    vlp.study.compare.GridSpec; ``total_runs``: runs in the grid)."""
     write_csv(rows, out / "runs.csv")
     table = aggregate(rows)
     ok = [r for r in rows if r["status"] == "ok"]

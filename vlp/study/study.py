@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from eval import keys
-from vlp.compare_stats import bootstrap_ci, paired_difference, seed_summary, verdict
+from vlp.study.stats import bootstrap_ci, paired_difference, seed_summary, verdict
 
 REFERENCE_LOSS = "infonce"
 KS = (1, 5, 10)
@@ -39,7 +39,7 @@ SPLITS = ("val", "test")
 # ---------------------------------------------------------------------------- runs
 @dataclass(frozen=True)
 class StudyRun:
-    """One training of the study (the attributes vlp.compare.run_config reads)."""
+    """One training of the study (the attributes vlp.study.compare.run_config reads)."""
 
     loss: str
     optim: str
@@ -166,7 +166,7 @@ DIAG = ("grad_ratio", "logit_scale", "infonce", "frac_saturated")
 def study_row(run: StudyRun, run_dir: Path, metric_keys: tuple[str, ...], n_boot: int = 1000) -> Optional[dict]:
     """A run's row: status, val and test metrics from eval_items.json, bootstrap intervals of the
     test metrics, final diagnostics. None if the run was never attempted."""
-    from vlp.compare_report import read_log
+    from vlp.study.report import read_log
 
     items_path, record_path = run_dir / "eval_items.json", run_dir / "compare.json"
     if not items_path.is_file() and not record_path.is_file():
@@ -213,7 +213,7 @@ def eval_item_ranks(model, tokenizer, transform, spec: str, device, batch_size: 
 
 def train_and_rank(cfg, accelerator, specs: dict[str, str]) -> dict:
     """Train one run, then write eval_items.json (main process) with the val and test ranks."""
-    from vlp.trainer import Trainer
+    from vlp.train.loop import Trainer
 
     try:
         trainer = Trainer(cfg, accelerator=accelerator)
@@ -318,7 +318,7 @@ def verdicts(table: list[dict], metric: str) -> list[str]:
 def plot_final(table: list[dict], metric: str, path: Optional[Path] = None):
     """Left: test metric per arm, mean with 95 % CI over seeds (std when one seed). Right: paired
     difference to InfoNCE per arm with its 95 % CI; seeds' own differences as dots."""
-    from vlp.compare_report import figure
+    from vlp.study.report import figure
 
     fig = figure(figsize=(11, 4))
     ax, ax_d = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
@@ -359,7 +359,7 @@ CURVE_KEYS = ("infonce", "grad_ratio", "logit_scale", "log_xi", "frac_saturated"
 def plot_study_curves(curves: dict[tuple, list[list[dict]]], path: Optional[Path] = None):
     """Diagnostics vs samples seen, mean over the final seeds of each arm; colour = loss,
     line style = optimizer, width = batch (thicker = larger)."""
-    from vlp.compare_report import figure, mean_curve
+    from vlp.study.report import figure, mean_curve
 
     fig = figure(figsize=(15, 7))
     axes = [fig.add_subplot(2, 3, i + 1) for i in range(len(CURVE_KEYS))]
@@ -386,7 +386,7 @@ def plot_study_curves(curves: dict[tuple, list[list[dict]]], path: Optional[Path
 
 def write_study_report(out: Path, sweep_rows: list[dict], final_rows: list[dict], best: dict, grid) -> str:
     """study.md, final.csv-like JSON, final.png and curves.png; returns the markdown."""
-    from vlp.compare_report import read_log
+    from vlp.study.report import read_log
 
     metrics = ("mean_R@1", "mean_R@10")
     test_rows = [{**r, **{m: r.get(f"test/{m}") for m in metrics},
@@ -456,7 +456,7 @@ def resolve_study_data(base: dict, acc, cache: Path) -> tuple[dict, dict[str, st
 
 def run_study(base: dict, grid, acc, report_only: bool = False) -> dict:
     """Sweep, select, final seeds, report. Every process walks the same runs in the same order."""
-    from vlp.compare import broadcast, plan_runs, run_config, run_one
+    from vlp.study.compare import broadcast, plan_runs, run_config, run_one
     from vlp.config import ConfigError
 
     base, specs = resolve_study_data(copy.deepcopy(base), acc, Path(".cache") / "shards" / "openmoji_study")

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from open_clip.transformer import text_global_pool
 from torch import nn
 
-from vlp import towers
-from vlp.temperature import temperature_policy
+from vlp.models import towers
+from vlp.models.temperature import temperature_policy
 
 MODEL_CONFIG_DIR = Path(__file__).parent / "model_configs"
 open_clip.add_model_config(MODEL_CONFIG_DIR)
@@ -56,7 +56,7 @@ class DualEncoder(nn.Module):
         super().__init__()
         self.clip = clip
         self.text_pad_id = text_pad_id if _trimmable_text_tower(clip) else None
-        self.frozen = list(frozen)  # submodules of `clip` locked by model.lock_* (vlp.towers)
+        self.frozen = list(frozen)  # submodules of `clip` locked by model.lock_* (vlp.models.towers)
         self.preprocess = dict(preprocess or {})  # image preprocessing of the tower, saved in checkpoints
 
     def train(self, mode: bool = True) -> "DualEncoder":
@@ -154,7 +154,7 @@ def model_config_dict(name: str) -> dict:
 
 def with_hf_text_tower(name: str, model_cfg) -> str:
     """Register (in memory) `name` with its text tower replaced by the local HF model in
-    model_cfg.hf_text_dir, pooled and projected as model_cfg says (vlp.towers.hf_text_cfg)."""
+    model_cfg.hf_text_dir, pooled and projected as model_cfg says (vlp.models.towers.hf_text_cfg)."""
     cfg = json.loads(json.dumps(model_config_dict(name)))
     text_cfg = towers.hf_text_cfg(model_cfg.hf_text_dir, cfg["text_cfg"].get("context_length", 77),
                                   model_cfg.text_pooler, model_cfg.text_proj, model_cfg.text_context_length)
@@ -165,12 +165,12 @@ def with_hf_text_tower(name: str, model_cfg) -> str:
 def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu", init_weights: bool = True):
     """Return (DualEncoder, tokenizer, train_transform, eval_transform).
 
-    Weights: model.pretrained, then model.image_pretrained / text_pretrained (vlp.towers), then
+    Weights: model.pretrained, then model.image_pretrained / text_pretrained (vlp.models.towers), then
     the locks. init_weights=False builds the architecture only (a checkpoint's weights follow:
     the pretrained files need not exist any more). hf_text_dir is read either way (its config
     and tokenizer are part of the architecture).
 
-    Temperature (initial logit_scale / logit_bias, trainability): vlp.temperature's policy
+    Temperature (initial logit_scale / logit_bias, trainability): vlp.models.temperature's policy
     for `loss_cfg`.
     """
     name = resolve_model_name(model_cfg.name)
@@ -267,7 +267,7 @@ def _without_random_init_notice():
 
 def load_pretrained(clip: nn.Module, source: str, model_name: str = "") -> None:
     """Initialise the whole model from an open_clip checkpoint: a local file, a pretrained tag of
-    `model_name` or hf-hub:org/repo (vlp.towers.resolve_weights; open_clip.load_checkpoint:
+    `model_name` or hf-hub:org/repo (vlp.models.towers.resolve_weights; open_clip.load_checkpoint:
     weights_only unpickling, key conversions, strict). Anything that is not one, or not for this
     model (a pickle with code, another architecture, a text file), is one ValueError line."""
     from data_pipelines.messages import first_line

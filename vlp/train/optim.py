@@ -2,7 +2,7 @@
 
     optimizer = build_optimizer(param_groups(model, wd), cfg.optim, device_type)
 
-The groups come from vlp.trainer.param_groups: group 0 holds biases, norms, gains and
+The groups come from vlp.train.loop.param_groups: group 0 holds biases, norms, gains and
 logit_scale/bias (no weight decay), group 1 the weight matrices. LARS (You et al. 2017, as used by
 SimCLR and FlatNCE) adapts and decays group 1 only; group 0 gets plain momentum SGD, which is the
 SimCLR recipe's exclusion of biases and batch-norm parameters (here also LayerNorm and the
@@ -64,7 +64,7 @@ class LARS(torch.optim.Optimizer):
 
 
 def build_optimizer(groups: list[dict], cfg, device_type: str) -> torch.optim.Optimizer:
-    """The optimizer `cfg.name` names over `groups` (vlp.trainer.param_groups: [no-decay, decay])."""
+    """The optimizer `cfg.name` names over `groups` (vlp.train.loop.param_groups: [no-decay, decay])."""
     if cfg.name == "adamw":
         # fused AdamW: one kernel over all parameters (1.3x end-to-end on CPU, BENCHMARKS.md)
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,

@@ -1,0 +1,1 @@
+"""The models: the open_clip dual encoder, pretrained towers, the temperature policy."""

@@ -1,0 +1,1 @@
+"""The loss comparison harness: grids, tuned studies, reports and statistics."""
