@@ -39,7 +39,7 @@ def make_variant(mode: str, model_name: str, batch: int):
     from vlp.distributed import gather_with_grad, positive_offset
     from vlp.losses import get_loss
     from vlp.models.model import build_model
-    from vlp.train.loop import param_groups
+    from vlp.train.optim import param_groups
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(name=model_name), LossConfig(name="infonce", temperature="learnable"))[0]

@@ -94,7 +94,10 @@ def build_vlp_trainer(args, spec: str, out_dir: str):
 
 
 def vlp_synthetic(trainer, batch: dict, steps: int, warmup: int) -> float:
+    from vlp.train.data import Batch
+
     device = trainer.accelerator.device
+    batch = Batch(batch["image"], batch["text"], torch.arange(len(batch["image"])))
     for _ in range(warmup):
         trainer.train_step([batch])
     sync(device)
@@ -109,9 +112,8 @@ def vlp_synthetic(trainer, batch: dict, steps: int, warmup: int) -> float:
 def vlp_real(trainer, steps: int, warmup: int, decode_size=None) -> float:
     device = trainer.accelerator.device
     trainer.cfg.data.decode_size = decode_size
-    trainer.train_loader = trainer.make_train_loader()
-    trainer.epoch, trainer.batch_in_epoch = 0, 0
-    data = trainer.batches()
+    trainer.data = type(trainer.data)(trainer.cfg, trainer.train_transform, trainer.tokenizer, 0, 1)
+    data = trainer.data.groups(trainer.accum)
     for _ in range(warmup):
         trainer.train_step(next(data))
     sync(device)
@@ -128,6 +130,9 @@ def vlp_real(trainer, steps: int, warmup: int, decode_size=None) -> float:
 def count_flops(trainer, batch: dict) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
+    from vlp.train.data import Batch
+
+    batch = Batch(batch["image"], batch["text"], torch.arange(len(batch["image"])))
     with FlopCounterMode(display=False) as counter:
         trainer.train_step([batch])
     return int(counter.get_total_flops())
@@ -162,7 +167,7 @@ def open_clip_setup(args, device):
     precision = {"bf16": "amp_bf16", "fp32": "fp32", "fp16": "amp"}[args.precision]
     model, preprocess_train, _ = open_clip.create_model_and_transforms(
         args.model, precision=precision, device=device, output_dict=True)
-    from vlp.train.loop import param_groups
+    from vlp.train.optim import param_groups
 
     optimizer = torch.optim.AdamW(param_groups(model, 0.2), lr=5e-4, betas=(0.9, 0.98), eps=1e-6)
     oc_args = Namespace(

@@ -31,7 +31,7 @@ VARIANTS = {  # name: (loss, temperature)
 def make_step(variant: str, model_name: str):
     from vlp.config import LossConfig, ModelConfig
     from vlp.losses import get_loss
-    from vlp.train.loop import param_groups
+    from vlp.train.optim import param_groups
 
     loss_name, temperature = VARIANTS[variant]
     torch.manual_seed(0)

@@ -218,7 +218,7 @@ def test_dcp_reshards_two_ranks_to_one(runs):
 def _tiny_model_and_optimizer(seed: int):
     from vlp.config import Config
     from vlp.models.model import build_model
-    from vlp.train.loop import param_groups
+    from vlp.train.optim import param_groups
 
     cfg = Config()
     cfg.model.name, cfg.loss.temperature = "vlp-micro", "learnable"

@@ -31,7 +31,7 @@ def test_trust_ratio_is_one_for_zero_norms():
 
 
 def test_builder_marks_exclusions_and_names():
-    from vlp.train.loop import param_groups
+    from vlp.train.optim import param_groups
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
     model.register_parameter("logit_scale", torch.nn.Parameter(torch.tensor(2.0)))

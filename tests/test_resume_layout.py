@@ -7,6 +7,7 @@ import pytest
 
 from vlp_testing import REPO
 from vlp.config import ConfigError, load_config
+from vlp.train.data import TrainData
 from vlp.train.loop import Trainer
 
 TINY = ["model.name=vlp-micro", "optim.lr=1e-3", "optim.warmup_steps=2", "train.log_every=1",
@@ -19,14 +20,22 @@ def _cfg(shards, out, *extra):
         *TINY, *extra])
 
 
-class _KeyRecorder(Trainer):
-    """Records the keys of every batch the run trains on."""
-
+class _KeyRecordingData(TrainData):
     def stream(self):
         self.keys = []
         for batch in super().stream():
             self.keys.append((batch["epoch"], list(batch["key"])))
             yield batch
+
+
+class _KeyRecorder(Trainer):
+    """Records the keys of every batch the run trains on."""
+
+    data_class = _KeyRecordingData
+
+    @property
+    def keys(self):
+        return self.data.keys
 
 
 def test_changed_batch_is_refused_by_name_then_continues_the_epoch(tiny_shards, tmp_path):

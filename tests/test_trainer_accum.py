@@ -5,7 +5,9 @@ import torch
 from naive_losses import naive_loss
 
 from vlp.config import load_config
-from vlp.train.loop import Trainer, lr_multiplier, param_groups
+from vlp.train.data import Batch
+from vlp.train.loop import Trainer
+from vlp.train.optim import lr_multiplier, param_groups
 
 
 def _trainer(shards: str, loss: str, accum: int, temperature: str = "learnable") -> Trainer:
@@ -34,8 +36,9 @@ def test_accum_2_equals_double_batch(tiny_shards, loss, temperature):
     big = _trainer(tiny_shards["train"], loss, 1, temperature)
     acc = _trainer(tiny_shards["train"], loss, 2, temperature)
     acc.unwrapped.load_state_dict(big.unwrapped.state_dict())
-    l1, g1 = _grads(big, [{"image": images, "text": text}])
-    l2, g2 = _grads(acc, [{"image": images[:4], "text": text[:4]}, {"image": images[4:], "text": text[4:]}])
+    ids = torch.arange(8)
+    l1, g1 = _grads(big, [Batch(images, text, ids)])
+    l2, g2 = _grads(acc, [Batch(images[:4], text[:4], ids[:4]), Batch(images[4:], text[4:], ids[4:])])
     assert l1 == pytest.approx(l2, abs=1e-10)
     assert g1.keys() == g2.keys() and len(g1) > 10
     for name in g1:

@@ -15,6 +15,7 @@ import torch
 
 from vlp_testing import REPO, run_env
 from vlp.config import load_config
+from vlp.train.data import TrainData
 from vlp.train.loop import Trainer
 
 ACCELERATE = shutil.which("accelerate", path=str(Path(os.sys.executable).parent)) or "accelerate"
@@ -40,6 +41,7 @@ class _TwoRankStream:
     def __init__(self, loaders):
         self.loaders = loaders
         self.num_batches = loaders[0].num_batches
+        self.plan = loaders[0].plan
 
     def rest_of_epoch(self, epoch):  # checkpoints of this reference are never resumed elsewhere
         return None
@@ -48,19 +50,24 @@ class _TwoRankStream:
         for parts in zip(*(loader.epochs(epoch, start_batch) for loader in self.loaders)):
             yield {"image": torch.cat([p["image"] for p in parts]), "text": torch.cat([p["text"] for p in parts]),
                    "key": sum((p["key"] for p in parts), []), "skipped": {},
+                   "sample_id": torch.cat([p["sample_id"] for p in parts]),
                    "epoch": parts[0]["epoch"], "index": parts[0]["index"]}
 
 
-class _OneProcessReference(Trainer):
-    def make_train_loader(self):
+class _TwoRankData(TrainData):
+    def make_loader(self, **extra):
         from data_pipelines.stream import make_loader
 
         d = self.cfg.data
         return _TwoRankStream([
-            make_loader(d.train_shards, batch_size=d.batch_per_device // 2, transform=self.train_transform,
-                        tokenize=self.tokenizer, seed=self.cfg.train.seed, rank=r, world_size=2,
+            make_loader(d.train_shards, batch_size=d.batch_per_device // 2, transform=self.transform,
+                        tokenize=self.tokenize, seed=self.cfg.train.seed, rank=r, world_size=2,
                         num_workers=d.num_workers, mode=d.mode, shuffle_buffer=d.shuffle_buffer)
             for r in range(2)])
+
+
+class _OneProcessReference(Trainer):
+    data_class = _TwoRankData
 
 
 @pytest.mark.parametrize("loss", ["flatnce"])

@@ -19,6 +19,7 @@ from typing import Any, Callable, Literal, Optional
 
 import yaml
 
+from vlp.losses.registry import NAMES as LOSS_NAMES
 from vlp.models import temperature
 
 # the configs shipped in the package (symlinks to configs/*.yaml in the clone): vlp demo, vlp compare
@@ -106,8 +107,8 @@ class DataConfig:
 
 @dataclass
 class LossConfig:
-    name: Literal["infonce", "flatnce", "siglip", "sogclr"] = "infonce"
-    """Contrastive loss over the gathered global batch."""
+    name: Literal[LOSS_NAMES] = "infonce"
+    """Contrastive loss over the gathered global batch (the names of vlp/losses/registry.py)."""
     temperature: Optional[Literal["learnable", "fixed", "split"]] = None
     """learnable: logit_scale trained by the loss; fixed: 1/tau, never trained;
     split: (FlatNCE, SogCLR) encoders get the loss's gradient, logit_scale InfoNCE's.

@@ -65,6 +65,10 @@ __all__ = [
     "gather_with_grad",
     "positive_offset",
     "exit_with_launcher",
+    "is_main",
+    "barrier",
+    "all_reduce",
+    "gather_object",
 ]
 
 
@@ -81,6 +85,37 @@ def get_rank() -> int:
 def get_world_size() -> int:
     """Number of processes in the default group; 1 without a process group."""
     return dist.get_world_size() if is_distributed() else 1
+
+
+def is_main() -> bool:
+    """Whether this is rank 0 (the process that writes shared files and prints)."""
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    """All ranks meet; a no-op without a process group."""
+    if is_distributed():
+        dist.barrier()
+
+
+def all_reduce(x: Tensor, op: str = "sum") -> Tensor:
+    """``x`` summed (or averaged: ``op="mean"``, the sum divided by the world size, as gloo has
+    no AVG) over ranks, as a new tensor; ``x`` itself without a process group."""
+    if not is_distributed():
+        return x
+    out = x.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out / get_world_size() if op == "mean" else out
+
+
+def gather_object(objs: list) -> list:
+    """Every rank's list ``objs`` (picklable), concatenated in rank order; ``objs`` without a
+    process group."""
+    if not is_distributed():
+        return list(objs)
+    parts: list = [None] * get_world_size()
+    dist.all_gather_object(parts, objs)
+    return [x for part in parts for x in part]
 
 
 def _check_same_shape(x: Tensor) -> None:

@@ -8,23 +8,24 @@ gathered ones (vlp.distributed.gather_with_grad); logit_scale t already exponent
 global column of local row 0's positive (vlp.distributed.positive_offset). ``loss`` is the mean over
 this rank's anchors (see vlp/distributed.py for why that is the right scale under DDP); ``metrics``
 holds "loss" plus the diagnostics of vlp.losses.diagnostics as Python floats.
+
+The names, and what each loss needs, are vlp.losses.registry's (the one source); the
+functions are imported on first use, so `import vlp.losses.registry` (vlp.config) loads no torch.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import importlib
+from typing import TYPE_CHECKING, Any, Protocol
 
-from torch import Tensor
+from vlp.losses.registry import NAMES, REGISTRY, STATELESS, LossSpec, build_loss, get_loss, get_spec
 
-from vlp.losses.diagnostics import contrastive_diagnostics, diagnostics_from_logits
-from vlp.losses.flatnce import flatnce_loss
-from vlp.losses.infonce import infonce_loss
-from vlp.losses.siglip import siglip_init, siglip_loss
-
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class LossFn(Protocol):
-    """The shared signature of every loss in LOSSES."""
+    """The shared signature of every stateless loss in LOSSES."""
 
     def __call__(
         self,
@@ -40,29 +41,26 @@ class LossFn(Protocol):
     ) -> tuple[Tensor, dict[str, float]]: ...
 
 
-LOSSES: dict[str, LossFn] = {
-    "infonce": infonce_loss,
-    "flatnce": flatnce_loss,
-    "siglip": siglip_loss,
+_LAZY = {
+    "infonce_loss": "vlp.losses.infonce",
+    "flatnce_loss": "vlp.losses.flatnce",
+    "siglip_loss": "vlp.losses.siglip",
+    "siglip_init": "vlp.losses.siglip",
+    "contrastive_diagnostics": "vlp.losses.diagnostics",
+    "diagnostics_from_logits": "vlp.losses.diagnostics",
 }
 
 
-def get_loss(name: str) -> LossFn:
-    """The loss function registered under ``name``; ValueError listing the valid names."""
-    try:
-        return LOSSES[name]
-    except KeyError:
-        raise ValueError(f"unknown loss {name!r}; valid: {sorted(LOSSES)}") from None
+def __getattr__(name: str) -> Any:
+    """The loss functions (and ``LOSSES``, name -> function of the stateless losses), on first use."""
+    if name == "LOSSES":
+        return {n: get_loss(n) for n in STATELESS}
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
-    "LOSSES",
-    "LossFn",
-    "get_loss",
-    "infonce_loss",
-    "flatnce_loss",
-    "siglip_loss",
-    "siglip_init",
-    "contrastive_diagnostics",
-    "diagnostics_from_logits",
+    "LOSSES", "NAMES", "REGISTRY", "LossFn", "LossSpec", "build_loss", "get_loss", "get_spec",
+    *_LAZY,
 ]

@@ -26,18 +26,21 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from vlp.losses.registry import REGISTRY, get_spec, resolve
+
 # torch (and the losses, which need it) are imported inside the functions that use them:
 # vlp.config validates with this module, and config errors must come before torch's import.
 CLIP_TAU = 0.07  # CLIP (Radford et al. 2021): logit_scale starts at 1/0.07
 MIN_LOG_SCALE = 0.0  # t >= 1 (tau <= 1): open_clip's clamp keeps the temperature at most 1
 MODES = ("learnable", "fixed", "split")
 RENAMED_MODES = {"infonce": "split"}  # old name -> current one (accepted with a note)
-SPLIT_LOSSES = ("flatnce", "sogclr")  # FlatNCE-gradient losses: their t-gradient does not calibrate
+# FlatNCE-gradient losses (their t-gradient does not calibrate): the registry's "split" defaults
+SPLIT_LOSSES = tuple(name for name, spec in REGISTRY.items() if spec.temperature == "split")
 
 
 def default_mode(loss_name: str) -> str:
-    """The temperature mode used when `loss.temperature` is unset."""
-    return "split" if loss_name in SPLIT_LOSSES else "learnable"
+    """The temperature mode used when `loss.temperature` is unset (the loss's registry entry)."""
+    return get_spec(loss_name).temperature
 
 
 @dataclass(frozen=True)
@@ -63,11 +66,14 @@ def initial_log_scale(loss_name: str, tau: Optional[float]) -> float:
     """log t at initialisation: log(1/tau) for a set tau, else the loss's published init."""
     if tau is not None:
         return math.log(1.0 / tau)
-    if loss_name == "siglip":
-        from vlp.losses.siglip import siglip_init
+    init = published_init(loss_name)
+    return init.logit_scale if init is not None else math.log(1.0 / CLIP_TAU)
 
-        return siglip_init().logit_scale
-    return math.log(1.0 / CLIP_TAU)
+
+def published_init(loss_name: str):
+    """The loss's own (logit_scale, logit_bias) init from its registry entry, or None (CLIP's)."""
+    spec = get_spec(loss_name)
+    return resolve(spec.init)() if spec.init else None
 
 
 def temperature_policy(loss_cfg) -> TemperaturePolicy:
@@ -77,12 +83,9 @@ def temperature_policy(loss_cfg) -> TemperaturePolicy:
     if mode not in MODES:
         raise ValueError(f"loss.temperature must be one of {list(MODES)}, got {mode!r}")
     if mode == "split" and loss_cfg.name not in SPLIT_LOSSES:
-        raise ValueError("loss.temperature=split only applies to loss.name=flatnce or sogclr")
-    bias = None
-    if loss_cfg.name == "siglip":
-        from vlp.losses.siglip import siglip_init
-
-        bias = siglip_init().logit_bias
+        raise ValueError(f"loss.temperature=split only applies to loss.name={' or '.join(SPLIT_LOSSES)}")
+    init = published_init(loss_cfg.name)
+    bias = init.logit_bias if init is not None else None
     return TemperaturePolicy(
         mode=mode,
         init_log_scale=initial_log_scale(loss_cfg.name, loss_cfg.tau),

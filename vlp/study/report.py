@@ -145,7 +145,8 @@ def plot_metric_vs_batch(table: list[dict], metric: str = "mean_R@1", losses: Op
     return fig
 
 
-_STYLE = {"infonce": ("Blues", "-"), "flatnce": ("Oranges", "--"), "siglip": ("Greens", ":")}
+_STYLE = {"infonce": ("Blues", "-"), "flatnce": ("Oranges", "--"), "siglip": ("Greens", ":"),
+          "sogclr": ("Purples", "-.")}
 
 
 def mean_curve(logs: list[list[dict]], key: str) -> tuple[list[int], list[float]]:

@@ -2,7 +2,7 @@
 
     optimizer = build_optimizer(param_groups(model, wd), cfg.optim, device_type)
 
-The groups come from vlp.train.loop.param_groups: group 0 holds biases, norms, gains and
+The groups come from param_groups: group 0 holds biases, norms, gains and
 logit_scale/bias (no weight decay), group 1 the weight matrices. LARS (You et al. 2017, as used by
 SimCLR and FlatNCE) adapts and decays group 1 only; group 0 gets plain momentum SGD, which is the
 SimCLR recipe's exclusion of biases and batch-norm parameters (here also LayerNorm and the
@@ -10,6 +10,8 @@ temperature).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -64,7 +66,7 @@ class LARS(torch.optim.Optimizer):
 
 
 def build_optimizer(groups: list[dict], cfg, device_type: str) -> torch.optim.Optimizer:
-    """The optimizer `cfg.name` names over `groups` (vlp.train.loop.param_groups: [no-decay, decay])."""
+    """The optimizer `cfg.name` names over `groups` (param_groups: [no-decay, decay])."""
     if cfg.name == "adamw":
         # fused AdamW: one kernel over all parameters (1.3x end-to-end on CPU, BENCHMARKS.md)
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
@@ -75,3 +77,34 @@ def build_optimizer(groups: list[dict], cfg, device_type: str) -> torch.optim.Op
         marked = [{**g, "adapt": g.get("weight_decay", 0.0) > 0 or i > 0} for i, g in enumerate(groups)]
         return LARS(marked, lr=cfg.lr, momentum=cfg.momentum, eta=cfg.trust_coefficient)
     raise ValueError(f"optim.name must be adamw, lars or sgd, got {cfg.name!r}")
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: no weight decay on biases, norms, gains and logit_scale/bias (open_clip rule)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        exclude = p.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
+        (no_decay if exclude else decay).append(p)
+    return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
+
+
+def optimizer_param_names(model: torch.nn.Module) -> list[str]:
+    """Parameter names in the order `param_groups` hands them to AdamW: name i is parameter i of
+    a torch optimizer state dict (to load a replicated .pt checkpoint's optimizer under FSDP)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for group in param_groups(model, 0.0) for p in group["params"]]
+
+
+def lr_multiplier(step: int, total: int, warmup: int, schedule: str, cooldown: int = 0) -> float:
+    """LR factor at `step` (0-based): linear warmup, then cosine to 0 / constant / constant + linear cooldown."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    if schedule == "const-cooldown":
+        start = total - cooldown
+        return 1.0 if step < start else max(0.0, (total - step) / max(1, cooldown))
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))

@@ -22,10 +22,10 @@ buffer). Hence:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from vlp.config import Config, ConfigError
+from vlp.train.data import DataPosition
 
 # config keys that decide the data order (plus the world size), and the ones that never change
 LAYOUT_KEYS = ("data.batch_per_device", "train.accum_steps", "data.num_workers", "train.seed",
@@ -55,16 +55,6 @@ def layout_changes(saved: dict, cfg: Config, world_size: Optional[int],
         if old != new:
             out.append(f"{key}: {old!r} -> {new!r}")
     return out
-
-
-@dataclass
-class DataPosition:
-    """Where the data stream continues: ``epoch``, ``batch`` in it, and (split mode, after a
-    layout change) the ``pieces`` that make up the rest of that epoch."""
-
-    epoch: int
-    batch: int
-    pieces: Optional[list] = None
 
 
 def check_resume(saved: dict, cfg: Config, world_size: int, path: str) -> bool:

@@ -1,0 +1,137 @@
+"""The training data as the loop sees it: typed batches, and one part that owns the position.
+
+    data = TrainData(cfg, transform, tokenize, rank, world)   # validates the shard spec now
+    for micro_batches in data.groups(accum):                  # lists of `accum` Batch, forever
+        ...
+    entry = TrainData.merge(gather_object([data.state_dict()]))   # the checkpoint's "data" entry
+    data.load_state_dict(entry, rank, world, position)            # on resume
+
+The stream (data_pipelines.stream) yields dicts that mix the data with bookkeeping (epoch, index
+in it, skip counts, which pieces of the epoch each worker has left). TrainData keeps the
+bookkeeping: the epoch and batch reached, the rest of an epoch begun under another layout
+(vlp.train.resume), and this rank's skip counts; the loop gets only `Batch`es.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+@dataclass
+class DataPosition:
+    """Where the data stream continues: ``epoch``, ``batch`` in it, and (split mode, after a
+    layout change) the ``pieces`` that make up the rest of that epoch."""
+
+    epoch: int
+    batch: int
+    pieces: Optional[list] = None
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One rank's micro-batch: images (b, 3, H, W), token ids (b, L), stable int64 sample ids."""
+
+    image: torch.Tensor
+    text: torch.Tensor
+    sample_id: torch.Tensor
+
+    @classmethod
+    def from_stream(cls, item: dict) -> "Batch":
+        return cls(image=item["image"], text=item["text"], sample_id=item["sample_id"])
+
+
+class TrainData:
+    """This rank's training stream and its position in it (epoch, batches consumed, the rest
+    of an epoch begun under another layout, skip counts), with state_dict / load_state_dict."""
+
+    def __init__(self, cfg, transform, tokenize, rank: int, world: int):
+        self.cfg, self.transform, self.tokenize = cfg, transform, tokenize
+        self.rank, self.world = rank, world
+        self.loader = self.make_loader()  # validates the shard spec before any work
+        self.current = self.loader  # the loader the current epoch comes from
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self.pieces: Optional[list] = None  # the rest of an epoch begun under another layout
+        self.skipped: dict[str, int] = {}
+
+    @property
+    def num_samples(self) -> int:
+        """Training samples in the shard list (the range of the stream's sample ids)."""
+        return sum(self.loader.plan.sizes)
+
+    def make_loader(self, **extra):
+        """This rank's stream (``extra``: e.g. ``pieces``, the rest of an epoch)."""
+        from data_pipelines.stream import make_loader
+
+        d = self.cfg.data
+        return make_loader(
+            d.train_shards, batch_size=d.batch_per_device, transform=self.transform,
+            tokenize=self.tokenize, seed=self.cfg.train.seed, rank=self.rank,
+            world_size=self.world, num_workers=d.num_workers, mode=d.mode, shuffle_buffer=d.shuffle_buffer,
+            decode_size=d.decode_size, **({"weights": d.weights} if d.weights else {}), **extra,
+            num_samples=d.num_samples, io_retries=d.io_retries, io_backoff_s=d.io_backoff_s,
+        )
+
+    def stream(self) -> Iterator[dict]:
+        """Every stream item from the current position on. An epoch begun under another layout
+        (``pieces``) is finished first by a loader over its remaining pieces."""
+        if self.pieces is not None:
+            loader = self.current = self.make_loader(pieces=self.pieces)
+            if self.batch_in_epoch < loader.num_batches:
+                items = loader.epochs(self.epoch, self.batch_in_epoch)
+                try:
+                    for item in items:
+                        yield item
+                        if loader.position == loader.num_batches:
+                            break
+                finally:
+                    items.close()
+            self.epoch, self.batch_in_epoch, self.pieces = self.epoch + 1, 0, None
+        self.current = self.loader
+        yield from self.loader.epochs(self.epoch, self.batch_in_epoch)
+
+    def groups(self, accum: int) -> Iterator[list[Batch]]:
+        """Lists of ``accum`` micro-batches forever, the position tracked as they are taken. One
+        stream spans all epochs: the loader's workers live for the whole run and prefetch across
+        epoch boundaries."""
+        group: list[Batch] = []
+        for item in self.stream():
+            self.epoch, self.batch_in_epoch = item["epoch"], item["index"] + 1
+            for kind, n in item.get("skipped", {}).items():
+                self.skipped[kind] = self.skipped.get(kind, 0) + n
+            group.append(Batch.from_stream(item))
+            if len(group) == accum:
+                yield group
+                group = []
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """This rank's position: the epoch and batches of it taken, the epoch's size, the
+        pieces of the epoch this rank has not consumed, and its skip counts."""
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "epoch_pieces": self.pieces,
+                "epoch_batches": self.current.num_batches, "rest": self.current.rest_of_epoch(self.epoch),
+                "skipped": dict(self.skipped)}
+
+    @staticmethod
+    def merge(ranks: list[dict]) -> dict:
+        """The checkpoint's data fields from every rank's state_dict (rank order): the shared
+        position once, the per-rank parts as lists (vlp.train.resume reads them after a layout
+        change). The field names are those of every vlp checkpoint so far."""
+        first = ranks[0]
+        return {"epoch": first["epoch"], "batch_in_epoch": first["batch_in_epoch"],
+                "epoch_pieces": first["epoch_pieces"], "epoch_batches": first["epoch_batches"],
+                "data_rest": [r["rest"] for r in ranks],
+                "skipped": first["skipped"], "skipped_per_rank": [r["skipped"] for r in ranks]}
+
+    def load_state_dict(self, saved: dict, rank: int, world: int, moved: Optional[DataPosition] = None) -> None:
+        """Continue from a checkpoint (`merge`'s fields). ``moved``: where the stream goes on
+        after a layout change (vlp.train.resume.position_after_change); None: the same layout."""
+        from vlp.train.checkpoint import rank_skipped
+
+        self.skipped = rank_skipped(saved, rank, world)
+        if moved is None:
+            self.epoch, self.batch_in_epoch, self.pieces = saved["epoch"], saved["batch_in_epoch"], saved.get("epoch_pieces")
+        else:
+            self.epoch, self.batch_in_epoch, self.pieces = moved.epoch, moved.batch, moved.pieces

@@ -1,0 +1,48 @@
+"""Evaluation during and after training: data.eval_shards as the 'heldout' retrieval set, plus
+eval.suite's tasks, run on the main process (eval.suite)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eval import keys
+
+
+class Evaluator:
+    def __init__(self, cfg, tokenizer, transform, out_dir: Path):
+        self.cfg, self.tokenizer, self.transform, self.out_dir = cfg, tokenizer, transform, Path(out_dir)
+        self.suite()  # a malformed suite file fails now, not after training
+
+    def suite(self) -> dict:
+        """data.eval_shards as the 'heldout' retrieval set, plus eval.suite's tasks."""
+        suite = {"batch_size": self.cfg.eval.batch_size, "retrieval": [], "classification": []}
+        if self.cfg.eval.suite:
+            from eval.suite import load_suite
+
+            extra = load_suite(self.cfg.eval.suite)
+            suite.update({k: v for k, v in extra.items() if k not in ("retrieval", "classification")})
+            suite["retrieval"] += extra.get("retrieval") or []
+            suite["classification"] += extra.get("classification") or []
+        if self.cfg.data.eval_shards:
+            suite["retrieval"].insert(0, {"name": keys.HELDOUT, "shards": self.cfg.data.eval_shards})
+        return suite
+
+    def has_tasks(self) -> bool:
+        suite = self.suite()
+        return bool(suite["retrieval"] or suite["classification"])
+
+    def run(self, model, step: int, device) -> dict:
+        """Zero-shot retrieval / classification of `model`; a flat dict of floats. The 'heldout'
+        set's metrics keep their plain names (image_to_text_R@1, ...); other tasks are prefixed
+        with their name (imagenet/top1, ...)."""
+        from eval.suite import run_eval_suite
+
+        results = run_eval_suite(model, self.tokenizer, self.transform, self.suite(), device,
+                                 out_dir=str(self.out_dir / f"eval_step{step}"), show_progress=False)
+        flat: dict = {}
+        for name, res in results.items():
+            flat.update({keys.task_key(k, name): v for k, v in res["metrics"].items()})
+            if "n_images" in res:
+                flat[keys.task_key(keys.NUM_IMAGES, name)] = res["n_images"]
+                flat[keys.task_key(keys.CHANCE_R1, name)] = 1.0 / res["n_images"]
+        return flat
