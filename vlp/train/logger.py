@@ -48,3 +48,21 @@ class RunLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def check_wandb(cfg) -> None:
+    """train.wandb_project needs wandb installed: refused now, not at the first log."""
+    if cfg.train.wandb_project:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            from vlp.config import ConfigError
+
+            raise ConfigError("config: train.wandb_project is set but wandb is not installed (pip install wandb)")
+
+
+def show_step(bar, metrics: dict, samples_per_s: float) -> None:
+    """The progress bar's postfix: loss, InfoNCE, logit_scale, samples/s."""
+    bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}",
+                    infonce=f"{metrics.get('infonce', float('nan')):.3f}",
+                    scale=f"{metrics.get('logit_scale', float('nan')):.1f}", sps=f"{samples_per_s:.0f}", refresh=False)

@@ -18,7 +18,6 @@ which equals the gradient of the global mean loss.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from datetime import timedelta
@@ -29,10 +28,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, set_seed
 
-from data_pipelines.messages import first_line
 from eval import keys
 from vlp import records
-from vlp.config import Config, ConfigError, save_config
+from vlp.config import Config, save_config
 from vlp.distributed import (all_reduce, barrier, exit_with_launcher, gather_object, gather_with_grad, is_main,
                              positive_offset)
 from vlp.losses.registry import build_loss
@@ -42,9 +40,10 @@ from vlp.train import checkpoint as ckpt
 from vlp.train import parallel, resume
 from vlp.train.data import Batch, TrainData
 from vlp.train.evaluator import Evaluator
-from vlp.train.logger import RunLogger
+from vlp.train.logger import RunLogger, check_wandb, show_step
 from vlp.train.manager import CheckpointManager
-from vlp.train.optim import build_optimizer, lr_multiplier, param_groups
+from vlp.train.optim import build_optimizer, build_scheduler, param_groups
+from vlp.train.step import contrastive_backward
 from vlp.train.strategy import make_strategy
 
 
@@ -84,10 +83,8 @@ class Trainer:
         # the schedule follows samples seen (in steps of the current global batch), so a resume with
         # another global batch (train.resume_mode=continue) keeps it continuous. Not prepared:
         # Accelerate would step it once per process.
-        o = cfg.optim
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.torch_optimizer, lambda _: lr_multiplier(
-            self.samples_seen // self.global_batch, cfg.train.samples // self.global_batch,
-            o.warmup_steps, o.schedule, o.cooldown_steps))
+        self.scheduler = build_scheduler(self.torch_optimizer, cfg.optim, lambda: (
+            self.samples_seen // self.global_batch, cfg.train.samples // self.global_batch))
         self.checkpoints = CheckpointManager(self.out_dir, cfg.train.keep_last, self.strategy, self.print)
         self.logger = RunLogger(self.out_dir, is_main(), cfg.train.wandb_project, cfg.to_dict())
 
@@ -108,47 +105,10 @@ class Trainer:
                             offset=offset, scale_grad=self.temperature.scale_grad, ids=ids)
 
     def compute_gradients(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, dict]:
-        """Backward of the global loss over all micro-batches; returns (loss, metrics), metrics
-        empty when the loss is not finite on some rank (then nothing was backpropagated).
-
-        k = 1: one forward/backward. k > 1 (GradCache / open_clip accum_freq): embed every
-        micro-batch without grad, then re-embed each with grad against the cached features of
-        the others; micro-batch j's backward gives exactly the global loss's gradient w.r.t. its
-        own features. logit_scale/bias get their gradient once (in the last micro-step). The
-        gradients are synced only on the last backward.
-        """
-        dev = self.accelerator.device
-        images = [b.image.to(dev, non_blocking=True) for b in micro_batches]
-        # drop all-padding text columns on the host (no device sync; exact, see DualEncoder)
-        texts = [self.unwrapped.trim_text(b.text).to(dev, non_blocking=True) for b in micro_batches]
-        ids = torch.cat([b.sample_id for b in micro_batches])  # every local anchor's (stateful losses)
-        if len(micro_batches) == 1:
-            out = self.model(images[0], texts[0])
-            loss, metrics = self._loss(out.image_emb, out.text_emb, out.logit_scale, out.logit_bias, ids)
-            if not self._finite(loss):
-                return loss, {}
-            self.strategy.backward(loss)
-            return loss, metrics
-        with torch.no_grad():
-            cached = [self.model(x, t) for x, t in zip(images, texts)]
-            img_cache, txt_cache = [c.image_emb for c in cached], [c.text_emb for c in cached]
-            # the non-finite check is made on the no-grad loss so every micro-step agrees
-            loss0, _ = self._loss(torch.cat(img_cache), torch.cat(txt_cache), cached[0].logit_scale,
-                                  cached[0].logit_bias, ids)
-        if not self._finite(loss0):
-            return loss0, {}
-        for j in range(len(micro_batches)):
-            last = j == len(micro_batches) - 1
-            with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
-                out = self.model(images[j], texts[j])
-                img = torch.cat(img_cache[:j] + [out.image_emb] + img_cache[j + 1:])
-                txt = torch.cat(txt_cache[:j] + [out.text_emb] + txt_cache[j + 1:])
-                scale, bias = out.logit_scale, out.logit_bias
-                if not last:
-                    scale, bias = scale.detach(), None if bias is None else bias.detach()
-                loss, metrics = self._loss(img, txt, scale, bias, ids)
-                self.strategy.backward(loss)
-        return loss, metrics
+        """Backward of the global loss over all micro-batches (vlp.train.step); returns
+        (loss, metrics), metrics empty when the loss is not finite on some rank."""
+        return contrastive_backward(self.model, self.strategy, self._loss, micro_batches, self.accelerator.device,
+                                    self.unwrapped.trim_text, self._finite)
 
     def _finite(self, loss: torch.Tensor) -> bool:
         """All ranks agree on whether the loss is finite (so no rank waits on a skipped one)."""
@@ -260,26 +220,11 @@ class Trainer:
         return f"{head}; the weights are not finite, nothing saved; {self.checkpoints.newest_valid()}"
 
     def maybe_resume(self) -> None:
-        self.checkpoints.clean()
-        if not self.cfg.train.resume:
-            return
-        found = self.checkpoints.find(self.cfg.train.resume)
-        if found is None:
-            self.print(f"[vlp] resume=latest: no checkpoint in {self.checkpoints.dir}, starting fresh")
-            return
-        path, state = found
-        try:
-            self.load_state_dict(state, path)
-        except (RuntimeError, KeyError, ValueError) as e:  # parameters or optimizer groups differ
-            if isinstance(e, ConfigError):
-                raise
-            changes = ckpt.changed_settings(state.get("config"), self.cfg.to_dict())
-            why = "; ".join(changes) if changes else first_line(e)
-            raise ckpt.CheckpointError(f"checkpoint {path} does not fit this run ({why}): resume needs the same "
-                                       "model and loss; use a new train.output_dir to start over") from None
-        d = self.data
-        self.print(f"[vlp] resumed from {path} at step {self.step}, {self.samples_seen} samples seen "
-                   f"(epoch {d.epoch}, batch {d.batch_in_epoch}{' of its rest under the new layout' if d.pieces else ''})")
+        path = self.checkpoints.resume(self.cfg.train.resume, self.load_state_dict, self.cfg.to_dict())
+        if path is not None:
+            d = self.data
+            self.print(f"[vlp] resumed from {path} at step {self.step}, {self.samples_seen} samples seen (epoch "
+                       f"{d.epoch}, batch {d.batch_in_epoch}{' of its rest under the new layout' if d.pieces else ''})")
 
     # ------------------------------------------------------------------ eval and output
     def eval_model(self) -> Optional[DualEncoder]:
@@ -313,9 +258,7 @@ class Trainer:
         self.logger.log({"type": kind, "step": self.step, "samples_seen": self.samples_seen, "epoch": self.data.epoch,
                          "samples_per_s": sps, **metrics,
                          **{f"skipped_{k}": v for k, v in self.global_skipped().items()}})
-        bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}",
-                        infonce=f"{metrics.get('infonce', float('nan')):.3f}",
-                        scale=f"{metrics.get('logit_scale', float('nan')):.1f}", sps=f"{sps:.0f}", refresh=False)
+        show_step(bar, metrics, sps)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
@@ -379,12 +322,3 @@ class Trainer:
             (self.out_dir / "result.json").write_text(json.dumps(result, indent=2))
         self.logger.close()
         return result
-
-
-def check_wandb(cfg: Config) -> None:
-    """train.wandb_project needs wandb installed: refused now, not at the first log."""
-    if cfg.train.wandb_project:
-        import importlib.util
-
-        if importlib.util.find_spec("wandb") is None:
-            raise ConfigError("config: train.wandb_project is set but wandb is not installed (pip install wandb)")

@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
+from data_pipelines.messages import first_line
+from vlp.config import ConfigError
 from vlp.distributed import barrier, is_main
 from vlp.train import checkpoint as ckpt
 
@@ -58,6 +60,29 @@ class CheckpointManager:
                 kept = ckpt.set_aside(bad)
                 self.say(f"[vlp] skipped {reason}; kept as {kept.name}; falling back to {path.name}")
         return path, state
+
+    def resume(self, resume: str, load: Callable[[dict, Path], None], config: dict) -> Optional[Path]:
+        """Remove killed saves' temps, then (train.resume set) find the checkpoint and `load(state,
+        path)` it; the path, or None when starting fresh. A checkpoint whose tensors do not fit
+        the model is refused in one line naming the settings that differ."""
+        self.clean()
+        if not resume:
+            return None
+        found = self.find(resume)
+        if found is None:
+            self.say(f"[vlp] resume=latest: no checkpoint in {self.dir}, starting fresh")
+            return None
+        path, state = found
+        try:
+            load(state, path)
+        except (RuntimeError, KeyError, ValueError) as e:  # parameters or optimizer groups differ
+            if isinstance(e, ConfigError):
+                raise
+            changes = ckpt.changed_settings(state.get("config"), config)
+            why = "; ".join(changes) if changes else first_line(e)
+            raise ckpt.CheckpointError(f"checkpoint {path} does not fit this run ({why}): resume needs the same "
+                                       "model and loss; use a new train.output_dir to start over") from None
+        return path
 
     def newest_valid(self) -> str:
         """For messages: the checkpoint a user should resume from, in words."""

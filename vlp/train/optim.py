@@ -108,3 +108,14 @@ def lr_multiplier(step: int, total: int, warmup: int, schedule: str, cooldown: i
         return 1.0 if step < start else max(0.0, (total - step) / max(1, cooldown))
     progress = (step - warmup) / max(1, total - warmup)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg, position) -> torch.optim.lr_scheduler.LambdaLR:
+    """The LR schedule of `optim` (cfg: OptimConfig); ``position()`` -> (step, total steps) in
+    steps of the current global batch, read at each scheduler step."""
+
+    def factor(_):
+        step, total = position()
+        return lr_multiplier(step, total, cfg.warmup_steps, cfg.schedule, cfg.cooldown_steps)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
