@@ -157,7 +157,7 @@ def test_trainer_resume_restores_u_exactly(tiny_shards, tmp_path):
     resumed = Trainer(cfg(tmp_path / "resumed",
                           f"train.resume={tmp_path / 'full' / 'checkpoints' / 'step_00000010.pt'}"))
     resumed.train()
-    a, b = full.loss_state.state_dict(), resumed.loss_state.state_dict()
+    a, b = full.loss.state_dict(), resumed.loss.state_dict()
     assert a["log_u"].shape == (160, 2) and a["step"] == b["step"] == 20
     assert torch.isfinite(a["log_u"]).all()  # 20 steps x 16 = 2 epochs: every sample seen
     assert torch.equal(a["log_u"], b["log_u"])

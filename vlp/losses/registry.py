@@ -45,8 +45,6 @@ class LossSpec:
 class StatelessLoss:
     """A loss function with the built-loss interface: ``ids`` ignored, nothing to commit."""
 
-    stateful = False
-
     def __init__(self, fn: Callable):
         self.fn = fn
 

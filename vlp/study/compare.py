@@ -41,15 +41,14 @@ from eval import keys
 from eval.keys import EVAL_KEYS, RECALL_KS
 from vlp.study.report import DIAG_KEYS, aggregate, markdown_table, read_log, write_report
 from vlp.config import PACKAGED_DEFAULTS, Config, ConfigError, LossConfig, apply_overrides, from_dict, set_dotted
+from vlp.study.runs import (_flatten, broadcast, embedded_shards, plan_runs, run_config, run_one, stale_key,  # noqa: F401
+                            steps_for)
 
 # = configs/compare_small_batch.yaml, shipped in the package (vlp/defaults/ links to configs/)
 DEFAULT_CONFIG = PACKAGED_DEFAULTS / "compare_small_batch.yaml"
 LOSS_NAMES = typing.get_args(typing.get_type_hints(LossConfig)["name"])
 # Grid-controlled keys: a per-loss override of these would silently break the grid.
 GRID_KEYS = ("loss.name", "data.batch_per_device", "train.seed", "train.output_dir", "train.resume")
-# Keys that may change between a finished run and a rerun without making the run stale.
-HARMLESS_KEYS = ("train.resume", "train.output_dir", "train.checkpoint_every", "train.keep_last",
-                 "train.log_every", "eval.batch_size")
 
 
 # ---------------------------------------------------------------------------- grid spec
@@ -88,17 +87,6 @@ class GridSpec:
     """Study: the val metric (mean over grid.seeds) that selects each arm's setting."""
     test_shards: Optional[str] = None
     """Study on your own shards: the test set (data.eval_shards is the val set). OpenMoji: unset."""
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    """{a: {b: 1}, 'c.d': 2} -> {'a.b': 1, 'c.d': 2} (overrides may come nested from the CLI)."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def _int_list(raw: dict, key: str, minimum: Optional[int]) -> list[int]:
@@ -256,56 +244,16 @@ def expand_grid(grid: GridSpec) -> list[RunSpec]:
     ]
 
 
-def steps_for(samples: int, batch_per_device: int, world: int = 1, accum: int = 1) -> int:
-    """Optimizer steps for a sample budget: samples // global batch (the Trainer's rule)."""
-    return samples // (batch_per_device * world * accum)
+def resolve_data(base: dict, acc) -> dict:
+    """data.train_shards '' or 'openmoji': the embedded OpenMoji shards (train + held-out eval)."""
+    from data_pipelines.sources.openmoji import SHARD_CACHE
 
-
-def run_config(base: dict, grid: GridSpec, run: RunSpec, world: int = 1) -> Config:
-    """The Trainer config of one run: base + per-loss overrides + the grid's coordinates."""
-    tree = copy.deepcopy(base)
-    sets = {**dict(run.overrides), "loss.name": run.loss, "data.batch_per_device": run.batch_per_device,
-            "train.seed": run.seed, "train.output_dir": str(Path(grid.out_dir) / run.name),
-            "train.resume": "latest"}  # an unfinished run continues from its last checkpoint
-    for key, value in sets.items():
-        set_dotted(tree, key, value)
-    cfg = from_dict(tree)
-    global_batch = run.batch_per_device * world * cfg.train.accum_steps
-    if cfg.train.samples < global_batch:
-        raise ConfigError(f"config: train.samples={cfg.train.samples} gives 0 steps for {run.name} "
-                          f"(global batch {global_batch}); raise the budget or drop the batch size")
-    if grid.warmup_samples is not None:
-        cfg.optim.warmup_steps = grid.warmup_samples // global_batch
-    if grid.log_every_samples is not None:
-        cfg.train.log_every = max(1, grid.log_every_samples // global_batch)
-    return cfg.validate()
-
-
-def stale_key(saved: dict, current: dict) -> Optional[str]:
-    """First dotted key whose value differs between a run's saved config and the current one
-    (keys only one side has are ignored: a field added to Config later keeps old runs valid)."""
-    a, b = _flatten(saved), _flatten(current)
-    for key in sorted(set(a) & set(b)):
-        if key not in HARMLESS_KEYS and a[key] != b[key]:
-            return f"{key}: {a.get(key)!r} then, {b.get(key)!r} now"
-    return None
-
-
-def plan_runs(runs: list, cfgs: dict[str, Config], out: Path, items: bool = False) -> tuple[list[bool], str]:
-    """(done flag per run, error); a run folder written under another config is an error, so
-    results of two configs are never mixed in one table. items: done also needs eval_items.json
-    (a study run's per-query ranks)."""
-    done = []
-    for run in runs:
-        run_dir = out / run.name
-        saved = run_dir / "config.yaml"
-        if saved.is_file():
-            why = stale_key(yaml.safe_load(saved.read_text()) or {}, cfgs[run.name].to_dict())
-            if why:
-                return [], (f"compare: {run_dir} was run with another config ({why}); "
-                            "use a new grid.out_dir or delete that folder")
-        done.append((run_dir / "result.json").is_file() and (not items or (run_dir / "eval_items.json").is_file()))
-    return done, ""
+    specs = embedded_shards(base, acc, ("train", "eval"), SHARD_CACHE)
+    if specs is not None:
+        base["data"]["train_shards"] = specs["train"]
+        if not base["data"].get("eval_shards"):
+            base["data"]["eval_shards"] = specs["eval"]
+    return base
 
 
 def _train_once(cfg: Config, accelerator) -> dict:
@@ -315,58 +263,6 @@ def _train_once(cfg: Config, accelerator) -> dict:
         return Trainer(cfg, accelerator=accelerator).train()
     finally:
         accelerator.free_memory()  # drop the prepared model/optimizer before the next run
-
-
-def run_one(run: RunSpec, cfg: Config, accelerator, retries: int = 1, keep_checkpoints: bool = True,
-            train=None) -> dict:
-    """Train + eval one run (``train(cfg, accelerator)``, default a Trainer run), retrying on
-    exceptions; writes compare.json (main). Returns its record."""
-    t0 = time.time()
-    status, error, attempts = "failed", "", 0
-    for attempts in range(1, retries + 2):
-        try:
-            (train or _train_once)(cfg, accelerator)
-            status, error = "ok", ""
-            break
-        except Exception as e:  # noqa: BLE001 - a crashed run must not stop the grid
-            error = (f"{type(e).__name__}: {e}".splitlines() or [""])[0][:300]
-            if accelerator.is_main_process:
-                print(f"[compare] {run.name}: attempt {attempts} failed: {error}", flush=True)
-    record = {"status": status, "error": error, "attempts": attempts, "wall_time_s": time.time() - t0}
-    run_dir = Path(cfg.train.output_dir)
-    if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "compare.json").write_text(json.dumps(record, indent=2))
-        if status == "ok" and not keep_checkpoints:
-            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    accelerator.wait_for_everyone()
-    return record
-
-
-def broadcast(obj: Any, acc) -> Any:
-    """The main process's value on every process (so every rank takes the same branch)."""
-    if acc.num_processes == 1:
-        return obj
-    from accelerate.utils import broadcast_object_list
-
-    return broadcast_object_list([obj])[0]
-
-
-def resolve_data(base: dict, acc) -> dict:
-    """data.train_shards '' or 'openmoji': the embedded OpenMoji shards (train + held-out eval)."""
-    data = base.setdefault("data", {})
-    if data.get("train_shards") not in (None, "", "openmoji"):
-        return base
-    from data_pipelines.sources.openmoji import prepare_shards
-
-    if acc.is_main_process:  # renders and writes once; the others then only read the specs
-        prepare_shards()
-    acc.wait_for_everyone()
-    specs = prepare_shards()
-    data["train_shards"] = specs["train"]
-    if not data.get("eval_shards"):
-        data["eval_shards"] = specs["eval"]
-    return base
 
 
 def run_grid(base: dict, grid: GridSpec, report_only: bool = False, accelerator=None) -> list[dict]:
@@ -397,7 +293,7 @@ def run_grid(base: dict, grid: GridSpec, report_only: bool = False, accelerator=
         if finished or report_only:
             continue
         acc.print(f"[compare] run {i + 1}/{len(runs)}: {run.name}")
-        rec = run_one(run, cfgs[run.name], acc, grid.retries, grid.keep_checkpoints)
+        rec = run_one(run, cfgs[run.name], acc, _train_once, grid.retries, grid.keep_checkpoints)
         acc.print(f"[compare] {run.name}: {rec['status']} in {rec['wall_time_s']:.0f} s")
         if acc.is_main_process:  # partial results are always on disk
             write_report(out, collect_rows(runs, cfgs, acc.num_processes), grid, len(runs))

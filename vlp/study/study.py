@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from eval import keys
+from vlp.study.runs import broadcast, embedded_shards, plan_runs, run_config, run_one
 from vlp.study.stats import bootstrap_ci, paired_difference, seed_summary, verdict
 
 REFERENCE_LOSS = "infonce"
@@ -425,38 +426,19 @@ def write_study_report(out: Path, sweep_rows: list[dict], final_rows: list[dict]
 
 
 # ---------------------------------------------------------------------------- the loop
-def prepare_study_shards(root: Path) -> dict[str, str]:
-    """OpenMoji fit / val / test shards (written once); their specs."""
-    from data_pipelines.sources.openmoji import load_pairs
-    from data_pipelines.write import shard_spec, write_shards
-
-    specs = {}
-    for split in ("fit", "val", "test"):
-        out = root / split
-        if not (out / "sizes.json").is_file():
-            write_shards(load_pairs(split), out, prefix=split, samples_per_shard=500, overwrite=True)
-        specs[split] = shard_spec(out, prefix=split)
-    return specs
-
-
 def resolve_study_data(base: dict, acc, cache: Path) -> tuple[dict, dict[str, str]]:
     """data.train_shards 'openmoji'/'': fit/val/test OpenMoji shards. Otherwise data.train_shards
     is trained on and data.eval_shards (val) and grid.test_shards must be given."""
-    data = base.setdefault("data", {})
-    if data.get("train_shards") in (None, "", "openmoji"):
-        if acc.is_main_process:
-            prepare_study_shards(cache)
-        acc.wait_for_everyone()
-        specs = prepare_study_shards(cache)
-        data["train_shards"] = specs["fit"]
-        data["eval_shards"] = specs["val"]
+    specs = embedded_shards(base, acc, ("fit", "val", "test"), cache)
+    data = base["data"]
+    if specs is not None:
+        data["train_shards"], data["eval_shards"] = specs["fit"], specs["val"]
         return base, {"val": specs["val"], "test": specs["test"]}
     return base, {"val": data.get("eval_shards"), "test": None}
 
 
 def run_study(base: dict, grid, acc, report_only: bool = False) -> dict:
     """Sweep, select, final seeds, report. Every process walks the same runs in the same order."""
-    from vlp.study.compare import broadcast, plan_runs, run_config, run_one
     from vlp.config import ConfigError
 
     base, specs = resolve_study_data(copy.deepcopy(base), acc, Path(".cache") / "shards" / "openmoji_study")
@@ -479,8 +461,8 @@ def run_study(base: dict, grid, acc, report_only: bool = False) -> dict:
             if report_only:
                 break
             acc.print(f"[compare] run {i + 1}/{len(todo)}: {run.name}")
-            rec = run_one(run, cfgs[run.name], acc, grid.retries, grid.keep_checkpoints,
-                          train=lambda cfg, a: train_and_rank(cfg, a, specs))
+            rec = run_one(run, cfgs[run.name], acc, lambda cfg, a: train_and_rank(cfg, a, specs),
+                          grid.retries, grid.keep_checkpoints)
             acc.print(f"[compare] {run.name}: {rec['status']} in {rec['wall_time_s']:.0f} s")
         return [row for r in runs if (row := study_row(r, out / r.name, metric_keys)) is not None]
 

@@ -1,0 +1,134 @@
+"""One run of a grid or a study: its config, whether it is already done, running it, the
+decisions every process must share, and the embedded data both use.
+
+vlp.study.compare (the grid) and vlp.study.study (the tuned study) build on this module; it
+imports neither.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import yaml
+
+from vlp.config import Config, ConfigError, from_dict, set_dotted
+
+# Keys that may change between a finished run and a rerun without making the run stale.
+HARMLESS_KEYS = ("train.resume", "train.output_dir", "train.checkpoint_every", "train.keep_last",
+                 "train.log_every", "eval.batch_size")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{a: {b: 1}, 'c.d': 2} -> {'a.b': 1, 'c.d': 2} (overrides may come nested from the CLI)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def steps_for(samples: int, batch_per_device: int, world: int = 1, accum: int = 1) -> int:
+    """Optimizer steps for a sample budget: samples // global batch (the Trainer's rule)."""
+    return samples // (batch_per_device * world * accum)
+
+
+def run_config(base: dict, grid, run, world: int = 1) -> Config:
+    """The Trainer config of one run: base + per-loss overrides + the grid's coordinates."""
+    tree = copy.deepcopy(base)
+    sets = {**dict(run.overrides), "loss.name": run.loss, "data.batch_per_device": run.batch_per_device,
+            "train.seed": run.seed, "train.output_dir": str(Path(grid.out_dir) / run.name),
+            "train.resume": "latest"}  # an unfinished run continues from its last checkpoint
+    for key, value in sets.items():
+        set_dotted(tree, key, value)
+    cfg = from_dict(tree)
+    global_batch = run.batch_per_device * world * cfg.train.accum_steps
+    if cfg.train.samples < global_batch:
+        raise ConfigError(f"config: train.samples={cfg.train.samples} gives 0 steps for {run.name} "
+                          f"(global batch {global_batch}); raise the budget or drop the batch size")
+    if grid.warmup_samples is not None:
+        cfg.optim.warmup_steps = grid.warmup_samples // global_batch
+    if grid.log_every_samples is not None:
+        cfg.train.log_every = max(1, grid.log_every_samples // global_batch)
+    return cfg.validate()
+
+
+def stale_key(saved: dict, current: dict) -> Optional[str]:
+    """First dotted key whose value differs between a run's saved config and the current one
+    (keys only one side has are ignored: a field added to Config later keeps old runs valid)."""
+    a, b = _flatten(saved), _flatten(current)
+    for key in sorted(set(a) & set(b)):
+        if key not in HARMLESS_KEYS and a[key] != b[key]:
+            return f"{key}: {a.get(key)!r} then, {b.get(key)!r} now"
+    return None
+
+
+def plan_runs(runs: list, cfgs: dict[str, Config], out: Path, items: bool = False) -> tuple[list[bool], str]:
+    """(done flag per run, error); a run folder written under another config is an error, so
+    results of two configs are never mixed in one table. items: done also needs eval_items.json
+    (a study run's per-query ranks)."""
+    done = []
+    for run in runs:
+        run_dir = out / run.name
+        saved = run_dir / "config.yaml"
+        if saved.is_file():
+            why = stale_key(yaml.safe_load(saved.read_text()) or {}, cfgs[run.name].to_dict())
+            if why:
+                return [], (f"compare: {run_dir} was run with another config ({why}); "
+                            "use a new grid.out_dir or delete that folder")
+        done.append((run_dir / "result.json").is_file() and (not items or (run_dir / "eval_items.json").is_file()))
+    return done, ""
+
+
+def run_one(run, cfg: Config, accelerator, train: Callable, retries: int = 1, keep_checkpoints: bool = True) -> dict:
+    """Train + eval one run (``train(cfg, accelerator)``), retrying on exceptions; writes
+    compare.json (main). Returns its record."""
+    t0 = time.time()
+    status, error, attempts = "failed", "", 0
+    for attempts in range(1, retries + 2):
+        try:
+            train(cfg, accelerator)
+            status, error = "ok", ""
+            break
+        except Exception as e:  # noqa: BLE001 - a crashed run must not stop the grid
+            error = (f"{type(e).__name__}: {e}".splitlines() or [""])[0][:300]
+            if accelerator.is_main_process:
+                print(f"[compare] {run.name}: attempt {attempts} failed: {error}", flush=True)
+    record = {"status": status, "error": error, "attempts": attempts, "wall_time_s": time.time() - t0}
+    run_dir = Path(cfg.train.output_dir)
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "compare.json").write_text(json.dumps(record, indent=2))
+        if status == "ok" and not keep_checkpoints:
+            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return record
+
+
+def broadcast(obj: Any, acc) -> Any:
+    """The main process's value on every process (so every rank takes the same branch)."""
+    if acc.num_processes == 1:
+        return obj
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([obj])[0]
+
+
+def embedded_shards(base: dict, acc, splits: tuple[str, ...], root: Path) -> Optional[dict[str, str]]:
+    """data.train_shards '' or 'openmoji': the embedded OpenMoji shards of ``splits`` under
+    ``root`` (rendered and written once, by the main process), as {split: spec}; None for other
+    data."""
+    if base.setdefault("data", {}).get("train_shards") not in (None, "", "openmoji"):
+        return None
+    from data_pipelines.sources.openmoji import prepare_shards
+
+    if acc.is_main_process:  # renders and writes once; the others then only read the specs
+        prepare_shards(root, splits)
+    acc.wait_for_everyone()
+    return prepare_shards(root, splits)
