@@ -3,9 +3,9 @@ at the design size (2.3 B samples, 512 ranks), and the per-step time of its coll
 and 4 CPU processes (gloo).
 
 The table is sharded by owner rank (vlp/losses/sogclr.py): sample k on rank k % world. A step is
-a lookup (all_gather of the global batch's ids + a MAX reduce_scatter of their old u) and a
-commit (all_gather of their new u); the replicated table it replaces did two all_gathers (ids,
-new u) and wrote all of them on every rank. Both are timed side by side, round by round.
+a lookup (all_gather of the global batch's ids, then an all_to_all of the old u owners hold) and
+a commit (an all_to_all of the new u to their owners); the replicated table it replaces did two
+all_gathers (ids, new u) and wrote all of them on every rank. Both are timed step by step.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/state_size.py             # ~1 min
     OMP_NUM_THREADS=1 .venv/bin/python bench/state_size.py --quick     # smoke test
@@ -101,10 +101,10 @@ def worker(rank: int, world: int, args, tmp: str) -> None:
         new = torch.randn(args.batch, 2, generator=gen)
         torch.distributed.barrier()
         t0 = time.perf_counter()
-        looked_up = sog._lookup(ids, cpu)  # all_gather ids + reduce_scatter old u
+        looked_up = sog._lookup(ids, cpu)  # all_gather ids + all_to_all of old u
         t1 = time.perf_counter()
         sog.pending = looked_up._replace(new=new)
-        sog.commit()  # all_gather new u, owners write
+        sog.commit()  # all_to_all of new u, owners write
         t2 = time.perf_counter()
         torch.distributed.barrier()
         t3 = time.perf_counter()

@@ -24,13 +24,17 @@ workers and epoch; int64, up to 2.3 B). It is sharded by owner rank: sample k li
 k % world at local row k // world, so a rank holds ceil(N / world) x 2 fp32 (8 bytes a sample,
 O(N / world)). Per optimizer step, under torch.distributed (payloads for a global batch B):
 
-    lookup (first call of the step)  all_gather ids            B x 8 bytes
-                                     reduce_scatter(MAX) old u B x 8 bytes   (owners answer, -inf elsewhere)
-    commit (after the step)          all_gather new u          B x 8 bytes   (owners write their rows)
+    lookup (first call of the step)  all_gather of the ids        B x 8 bytes received per rank
+                                     all_to_all, owners -> askers  b x 8 bytes (each gets its old u)
+    commit (after the step)          all_to_all, askers -> owners  b x 8 bytes (each owner gets the
+                                                                   new u of the rows it holds)
 
-Three collectives a step whatever the world size (the replicated table of before needed two
-all_gathers and N x 8 bytes on every rank). Further calls before ``commit`` (gradient
-accumulation) reuse the first lookup: no collective. Every rank computes its anchors' new u
+(b = anchors per rank, B = world x b.) The gathered ids tell every rank who owns what, so the
+two all_to_alls need no size exchange: they move exactly the rows asked for.
+Three collectives a step whatever the world size (the replicated table of before: two
+all_gathers of B rows, N x 8 bytes on every rank). A lookup is a round trip (the owner must
+learn the ids before it can answer), so two is its floor. Further calls before ``commit``
+(gradient accumulation) reuse the first lookup: no collective. Every rank computes its anchors' new u
 itself from the old values, with the same ops on the same (b, 2) tensors as the replicated
 version, so losses, gradients and u are bit-identical to it (tests/losses/test_sogclr_sharded.py).
 With world = 1 there is no collective and the shard is the whole table, as before.
@@ -164,14 +168,32 @@ def _all_gather(x: Tensor, world: int) -> Tensor:
     return out
 
 
-def _reduce_scatter_max(x: Tensor, world: int) -> Tensor:
-    """Rank r's (n, ...) block of the elementwise max over ranks of every rank's (world * n, ...)
-    ``x``; exact (max returns one of its operands, bits included)."""
-    dist = _dist()
-    out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(out, x.contiguous(), op=dist.ReduceOp.MAX)
+def _all_to_all(x: Tensor, send_counts: list[int], recv_counts: list[int]) -> Tensor:
+    """Rows ``x[sum(send_counts[:r]) : ...]`` to rank r; returns what every rank sent here, in rank
+    order (a plain copy of the bits)."""
+    out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+    _dist().all_to_all_single(out, x.contiguous(), recv_counts, send_counts)
     return out
+
+
+class _Routes(NamedTuple):
+    """Who holds what for one step's global batch, the same on every rank (from its gathered ids)."""
+
+    mine: Tensor  # (m,) positions in the global batch (rank order) of the ids this rank owns
+    rows: Tensor  # (m,) their rows in this rank's shard
+    to_owner: Tensor  # (b,) this rank's anchors ordered by owner (stable): the order rows travel in
+    per_owner: list[int]  # how many of this rank's anchors each rank owns
+    per_asker: list[int]  # how many of the ids this rank owns each rank asked for
+
+
+def _routes(every: Tensor, rank: int, world: int) -> _Routes:
+    owners = owner_of(every, world)  # (B,)
+    mine = (owners == rank).nonzero().squeeze(1)
+    b = every.shape[0] // world
+    own = owners[rank * b:(rank + 1) * b]
+    per_asker = torch.bincount(torch.div(mine, b, rounding_mode="floor"), minlength=world)
+    return _Routes(mine, local_row(every[mine], world), torch.sort(own, stable=True).indices,
+                   torch.bincount(own, minlength=world).tolist(), per_asker.tolist())
 
 
 class _Pending(NamedTuple):
@@ -180,8 +202,7 @@ class _Pending(NamedTuple):
     ids: Tensor  # (b,) int64, CPU: this rank's anchors
     old: Tensor  # (b, 2) fp32, CPU: their log u before this step
     new: Optional[Tensor]  # (b, 2) fp32 on the loss's device: after the last call (None before it)
-    mine: Optional[Tensor]  # (m,) positions in the global batch of the ids this rank owns (world > 1)
-    rows: Optional[Tensor]  # (m,) their local rows
+    routes: Optional[_Routes]  # world > 1
 
 
 class SogCLRLoss:
@@ -262,26 +283,26 @@ class SogCLRLoss:
     def _lookup(self, ids: Tensor, device: torch.device) -> _Pending:
         """The old log u of this rank's anchors ``ids``: from the local table (one rank), from the
         step's first lookup (a later call before ``commit``), or from their owners: all_gather
-        the global batch's ids, each owner fills the rows it holds (-inf elsewhere), and a MAX
-        reduce_scatter hands each rank its block (2 collectives, B x 8 bytes each)."""
+        the global batch's ids (B x 8 bytes), then each owner sends every rank the rows it asked
+        for (all_to_all, b x 8 bytes a rank)."""
         if self.world == 1:
-            return _Pending(ids, self.table.read(ids), None, None, None)
+            return _Pending(ids, self.table.read(ids), None, None)
         if self.pending is not None:
             if not torch.equal(self.pending.ids, ids):
                 raise ValueError("sogclr: the loss was called with other sample ids before commit(); "
                                  "with world_size > 1 every call of a step must pass the same ids")
             return self.pending
         every = _all_gather(ids.to(device), self.world).cpu()  # (B,) int64 in rank order
-        mine = (owner_of(every, self.world) == self.rank).nonzero().squeeze(1)
-        rows = local_row(every[mine], self.world)
-        answer = torch.full((every.shape[0], 2), float("-inf"))
-        answer[mine] = self.table.read(rows)
-        old = _reduce_scatter_max(answer.to(device), self.world).cpu()
-        return _Pending(ids, old, None, mine, rows)
+        routes = _routes(every, self.rank, self.world)
+        answers = self.table.read(routes.rows).to(device)  # asker-major: the order of `mine`
+        got = _all_to_all(answers, routes.per_asker, routes.per_owner).cpu()  # owner-major
+        old = torch.empty(ids.shape[0], 2)
+        old[routes.to_owner] = got
+        return _Pending(ids, old, None, routes)
 
     def commit(self) -> None:
-        """Write the last call's u into the owners' shards (an all_gather of the global batch's
-        new u under torch.distributed), advance gamma's step. Call once per optimizer step that
+        """Write the last call's u into the owners' shards (under torch.distributed an all_to_all:
+        each rank sends each owner its anchors' new u), advance gamma's step. Call once per optimizer step that
         was taken; a skipped step calls ``discard()``."""
         if self.pending is None or self.pending.new is None:
             raise RuntimeError("SogCLRLoss.commit() without a loss call since the last commit")
@@ -290,8 +311,9 @@ class SogCLRLoss:
         if self.world == 1:
             self.table.write(p.ids, p.new.cpu())
         else:
-            every = _all_gather(p.new, self.world).cpu()  # (B, 2)
-            self.table.write(p.rows, every[p.mine])  # global-batch order: a repeated id keeps its last u
+            r = p.routes
+            got = _all_to_all(p.new[r.to_owner.to(p.new.device)], r.per_owner, r.per_asker).cpu()
+            self.table.write(r.rows, got)  # global-batch order: a repeated id keeps its last u
         self.step += 1
 
     def discard(self) -> None:
