@@ -302,8 +302,8 @@ class SogCLRLoss:
 
     def commit(self) -> None:
         """Write the last call's u into the owners' shards (under torch.distributed an all_to_all:
-        each rank sends each owner its anchors' new u), advance gamma's step. Call once per optimizer step that
-        was taken; a skipped step calls ``discard()``."""
+        each rank sends each owner its anchors' new u), advance gamma's step. Call once per
+        optimizer step that was taken; a skipped step calls ``discard()``."""
         if self.pending is None or self.pending.new is None:
             raise RuntimeError("SogCLRLoss.commit() without a loss call since the last commit")
         p = self.pending
@@ -324,7 +324,7 @@ class SogCLRLoss:
     def state_dict(self) -> dict:
         """This rank's shard: ``log_u`` (rows, 2) fp32, row k = sample rank + world_size * k
         (ids_on), with the layout that names those ids; save one per rank. No collective."""
-        return {"log_u": self.table.dense().clone(), "step": self.step, "rank": self.rank,
+        return {"log_u": self.table.dense(), "step": self.step, "rank": self.rank,
                 "world_size": self.world, "num_samples": self.num_samples}
 
     def load_state_dict(self, states: Mapping | Iterable[Mapping]) -> None:
@@ -363,10 +363,12 @@ class SogCLRLoss:
                 seen.add(r_s)
             steps.add(int(state["step"]))
         if not replicated:
-            missing = sorted(set(shards_needed(self.rank, self.world, saved_world)) - seen) if saved_world else None
-            if missing is None or missing:
+            if saved_world is None:
+                raise ValueError("sogclr: no saved state given to load")
+            missing = sorted(set(shards_needed(self.rank, self.world, saved_world)) - seen)
+            if missing:
                 raise ValueError(f"sogclr: rank {self.rank} of {self.world} needs the saved shards of ranks "
-                                 f"{missing if missing is not None else '(none given)'}")
+                                 f"{missing} (of {saved_world})")
         if len(steps) != 1:
             raise ValueError(f"sogclr shards were saved at different steps: {sorted(steps)}")
         self.step = steps.pop()
