@@ -131,8 +131,9 @@ KW = dict(gamma=0.3, gamma_min=0.1, schedule="cosine", total_steps=6)
 
 
 def problem(world: int, seed: int, steps: int = STEPS, n: int = N):
-    """Per step: (world * B_LOCAL, D) fp32 unit features and distinct ids (a third of them reused
-    from the step before, so u's moving average runs); step 2 is a 'discarded' step."""
+    """Per step: (world * B_LOCAL, D) fp32 unit features and ids (a third of them reused from the
+    step before, so u's moving average runs; step 1 holds one id twice, on the first and the last
+    rank, as a re-read sample: the later one's u is kept); step 2 is a 'discarded' step."""
     gen = torch.Generator().manual_seed(seed)
     big_b = world * B_LOCAL
     img = F.normalize(torch.randn(steps, big_b, D, generator=gen), dim=-1)
@@ -143,7 +144,9 @@ def problem(world: int, seed: int, steps: int = STEPS, n: int = N):
         keep = ids[-1][: big_b // 3]
         fresh = fresh[~torch.isin(fresh, keep)][: big_b - keep.numel()]
         ids.append(torch.cat([keep, fresh])[torch.randperm(big_b, generator=gen)])
-    return img, txt, torch.stack(ids)
+    ids = torch.stack(ids)
+    ids[1, -1] = ids[1, 0]
+    return img, txt, ids
 
 
 def run_steps(loss_fn, rank, world, img, txt, ids, calls=2):
