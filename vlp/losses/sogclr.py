@@ -33,8 +33,9 @@ O(N / world)). Per optimizer step, under torch.distributed (payloads for a globa
 two all_to_alls need no size exchange: they move exactly the rows asked for.
 Three collectives a step whatever the world size (the replicated table of before: two
 all_gathers of B rows, N x 8 bytes on every rank). A lookup is a round trip (the owner must
-learn the ids before it can answer), so two is its floor. Further calls before ``commit``
-(gradient accumulation) reuse the first lookup: no collective. Every rank computes its anchors' new u
+learn the ids before it can answer), so two is its floor. That is with one loss call a step
+(train.accum=1); with accumulation the trainer calls the loss accum + 1 times a step, each a
+lookup (2 collectives), and commits once. Every rank computes its anchors' new u
 itself from the old values, with the same ops on the same (b, 2) tensors as the replicated
 version, so losses, gradients and u are bit-identical to it (tests/losses/test_sogclr_sharded.py).
 With world = 1 there is no collective and the shard is the whole table, as before.
@@ -197,7 +198,7 @@ def _routes(every: Tensor, rank: int, world: int) -> _Routes:
 
 
 class _Pending(NamedTuple):
-    """One step's lookup and update, kept from the first loss call of a step to ``commit``."""
+    """The last loss call's lookup and update, kept for ``commit``."""
 
     ids: Tensor  # (b,) int64, CPU: this rank's anchors
     old: Tensor  # (b, 2) fp32, CPU: their log u before this step
@@ -215,9 +216,8 @@ class SogCLRLoss:
         loss_fn.commit()      # a collective under torch.distributed
 
     Calling it several times before ``commit`` (gradient accumulation recomputes the same
-    anchors) reuses the same u: only the last call's update is committed. With world > 1 those
-    calls must pass the same ids (the first call's lookup is reused), on every rank the same
-    number of times; each rank's b must be equal (the global batch is gathered).
+    anchors) reuses the same u: only the last call's update is committed. With world > 1 every
+    rank calls it the same number of times with the same b (each call is a collective).
     ``rank``/``world_size`` default to torch.distributed's (0 and 1 without a process group).
     """
 
@@ -281,17 +281,13 @@ class SogCLRLoss:
         return loss, metrics
 
     def _lookup(self, ids: Tensor, device: torch.device) -> _Pending:
-        """The old log u of this rank's anchors ``ids``: from the local table (one rank), from the
-        step's first lookup (a later call before ``commit``), or from their owners: all_gather
-        the global batch's ids (B x 8 bytes), then each owner sends every rank the rows it asked
-        for (all_to_all, b x 8 bytes a rank)."""
+        """The old log u of this rank's anchors ``ids``: from the local table (one rank) or from
+        their owners: all_gather the global batch's ids (B x 8 bytes), then each owner sends
+        every rank the rows it asked for (all_to_all, b x 8 bytes a rank). Every call looks up
+        afresh (no rank ever decides alone to skip a collective); the table only changes in
+        ``commit``, so repeated calls of a step get the same values."""
         if self.world == 1:
             return _Pending(ids, self.table.read(ids), None, None)
-        if self.pending is not None:
-            if not torch.equal(self.pending.ids, ids):
-                raise ValueError("sogclr: the loss was called with other sample ids before commit(); "
-                                 "with world_size > 1 every call of a step must pass the same ids")
-            return self.pending
         every = _all_gather(ids.to(device), self.world).cpu()  # (B,) int64 in rank order
         routes = _routes(every, self.rank, self.world)
         answers = self.table.read(routes.rows).to(device)  # asker-major: the order of `mine`
@@ -304,7 +300,7 @@ class SogCLRLoss:
         """Write the last call's u into the owners' shards (under torch.distributed an all_to_all:
         each rank sends each owner its anchors' new u), advance gamma's step. Call once per
         optimizer step that was taken; a skipped step calls ``discard()``."""
-        if self.pending is None or self.pending.new is None:
+        if self.pending is None:
             raise RuntimeError("SogCLRLoss.commit() without a loss call since the last commit")
         p = self.pending
         self.pending = None
