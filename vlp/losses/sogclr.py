@@ -24,7 +24,7 @@ workers and epoch; int64, up to 2.3 B). It is sharded by owner rank: sample k li
 k % world at local row k // world, so a rank holds ceil(N / world) x 2 fp32 (8 bytes a sample,
 O(N / world)). Per optimizer step, under torch.distributed (payloads for a global batch B):
 
-    lookup (first call of the step)  all_gather of the ids        B x 8 bytes received per rank
+    lookup (each loss call)          all_gather of the ids        B x 8 bytes received per rank
                                      all_to_all, owners -> askers  b x 8 bytes (each gets its old u)
     commit (after the step)          all_to_all, askers -> owners  b x 8 bytes (each owner gets the
                                                                    new u of the rows it holds)
@@ -35,9 +35,8 @@ Three collectives a step whatever the world size (the replicated table of before
 all_gathers of B rows, N x 8 bytes on every rank). A lookup is a round trip (the owner must
 learn the ids before it can answer), so two is its floor. That is with one loss call a step
 (train.accum=1); with accumulation the trainer calls the loss accum + 1 times a step, each a
-lookup (2 collectives), and commits once. Every rank computes its anchors' new u
-itself from the old values, with the same ops on the same (b, 2) tensors as the replicated
-version, so losses, gradients and u are bit-identical to it (tests/losses/test_sogclr_sharded.py).
+lookup (2 collectives), and commits once. Every rank computes its anchors' new u itself from
+the old values, with the same ops on the same (b, 2) tensors as the replicated version, so losses, gradients and u are bit-identical to it (tests/losses/test_sogclr_sharded.py).
 With world = 1 there is no collective and the shard is the whole table, as before.
 
 Checkpoints: ``state_dict()`` is this rank's shard (its rows, the layout that names their ids);
