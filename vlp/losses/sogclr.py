@@ -36,8 +36,9 @@ all_gathers of B rows, N x 8 bytes on every rank). A lookup is a round trip (the
 learn the ids before it can answer), so two is its floor. That is with one loss call a step
 (train.accum=1); with accumulation the trainer calls the loss accum + 1 times a step, each a
 lookup (2 collectives), and commits once. Every rank computes its anchors' new u itself from
-the old values, with the same ops on the same (b, 2) tensors as the replicated version, so losses, gradients and u are bit-identical to it (tests/losses/test_sogclr_sharded.py).
-With world = 1 there is no collective and the shard is the whole table, as before.
+the old values, with the same ops on the same (b, 2) tensors as the replicated version, so
+losses, gradients and u are bit-identical to it (tests/losses/test_sogclr_sharded.py). With
+world = 1 there is no collective and the shard is the whole table, as before.
 
 Checkpoints: ``state_dict()`` is this rank's shard (its rows, the layout that names their ids);
 save one per rank. ``load_state_dict`` takes the shards of any saved world size (and today's
