@@ -323,6 +323,10 @@ class SogCLRLoss:
         return {"log_u": self.table.dense(), "step": self.step, "rank": self.rank,
                 "world_size": self.world, "num_samples": self.num_samples}
 
+    def shards_needed(self, saved_world: int) -> list[int]:
+        """The saved ranks whose shards this rank must read to resume (see `shards_needed`)."""
+        return shards_needed(self.rank, self.world, saved_world)
+
     def load_state_dict(self, states: Mapping | Iterable[Mapping]) -> None:
         """Restore the rows this rank owns from saved shards of any world size: one state dict or
         an iterable of them (a generator keeps one in memory at a time). It needs the saved

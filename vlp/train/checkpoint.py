@@ -165,6 +165,53 @@ def prune(ckpt_dir: str | Path, keep_last: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             old.unlink(missing_ok=True)
+        shutil.rmtree(rank_dir(old), ignore_errors=True)
+
+
+# ---------------------------------------------------------------- per-rank files
+# State that is sharded by rank and grows with the data set (SogCLR's u: O(N / world) per rank)
+# is not gathered into one file: each rank writes its own into step_N.ranks/ beside the
+# checkpoint, before the checkpoint itself becomes visible.
+def rank_dir(path: str | Path) -> Path:
+    """step_N.ranks/ beside step_N.pt or step_N/."""
+    path = Path(path)
+    return path.with_name(path.name.removesuffix(".pt") + ".ranks")
+
+
+def rank_file(folder: str | Path, rank: int, world: int) -> Path:
+    return Path(folder) / f"rank{rank:05d}-of-{world:05d}.pt"
+
+
+def save_rank_files(folder: str | Path, obj, rank: int, world: int) -> None:
+    """Collective: every rank writes `obj` into .<folder>.tmp/, then rank 0 renames it to `folder`
+    (replacing one of an earlier save of the same step): the folder is complete once visible."""
+    folder = Path(folder)
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    if rank == 0:
+        for stale in folder.parent.glob(".step_*.ranks.tmp"):  # this save's, or a killed one's
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    atomic_save(obj, rank_file(tmp, rank, world))
+    _barrier()
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    _barrier()
+
+
+def load_rank_files(path: str | Path, ranks: list[int], world: int):
+    """The per-rank objects of `ranks` (of a `world`-rank save), read one at a time."""
+    for r in ranks:
+        yield load(rank_file(rank_dir(path), r, world))
+
+
+def check_rank_files(path: str | Path, world: int) -> None:
+    """CheckpointError unless the checkpoint's per-rank folder holds all `world` files."""
+    missing = [r for r in range(world) if not rank_file(rank_dir(path), r, world).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is incomplete: {rank_dir(path).name} lacks the files of "
+                              f"rank(s) {missing[:8]} of {world}")
 
 
 def rank_skipped(state: dict, rank: int, world: int) -> dict[str, int]:

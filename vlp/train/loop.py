@@ -173,16 +173,14 @@ class Trainer:
                  **self.data.merge([r["data"] for r in ranks])}
         if self.accelerator.scaler is not None:
             state["scaler"] = self.accelerator.scaler.state_dict()
-        if self.loss_spec.stateful:
-            state["loss_state"] = self.loss.state_dict()
         return state
 
     def load_state_dict(self, state: dict, path: str = "the checkpoint") -> None:
         changed = resume.check_resume(state, self.cfg, self.world, str(path))  # refuses by name
         self.strategy.load_checkpoint(state, path, self.model, self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
-        if self.loss_spec.stateful and "loss_state" in state:
-            self.loss.load_state_dict(state["loss_state"])
+        if self.loss_spec.stateful:
+            self.load_loss_state(state, path)
         if "scaler" in state and self.accelerator.scaler is not None:
             self.accelerator.scaler.load_state_dict(state["scaler"])
         self.step = state["step"]
@@ -197,6 +195,16 @@ class Trainer:
             ckpt.set_rng_state(state["rng"][rank])
         self.total_steps = self.step + (self.cfg.train.samples - self.samples_seen) // self.global_batch
 
+    def load_loss_state(self, state: dict, path) -> None:
+        """A stateful loss's state: the shards of the saved ranks this rank needs (any saved
+        world size), or the one replicated table of checkpoints before per-rank files."""
+        if "rank_files" in state:
+            saved = state["rank_files"]
+            self.loss.load_state_dict(r["loss"] for r in self.checkpoints.rank_states(
+                path, self.loss.shards_needed(saved), saved))
+        elif "loss_state" in state:
+            self.loss.load_state_dict(state["loss_state"])
+
     def weights_finite(self) -> bool:
         """Whether every parameter is finite, agreed by all ranks (a collective)."""
         return not self._any_rank(torch.stack([(~torch.isfinite(parallel.local(p.detach()))).any()
@@ -208,7 +216,9 @@ class Trainer:
         if not self.weights_finite():
             raise FloatingPointError(f"model weights are not finite at step {self.step}: no checkpoint written; "
                                      f"{self.checkpoints.newest_valid()}")
-        return self.checkpoints.save(self.step, self.model, self.optimizer, self.meta_state())
+        # a stateful loss's per-sample state is sharded by rank (SogCLR's u): one file per rank
+        rank_state = {"loss": self.loss.state_dict()} if self.loss_spec.stateful else None
+        return self.checkpoints.save(self.step, self.model, self.optimizer, self.meta_state(), rank_state)
 
     def stop_nonfinite(self) -> str:
         """The message for a run stopped by non-finite losses, after saving the last good state:

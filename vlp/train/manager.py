@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 from data_pipelines.messages import first_line
 from vlp.config import ConfigError
-from vlp.distributed import barrier, is_main
+from vlp.distributed import barrier, get_rank, get_world_size, is_main
 from vlp.train import checkpoint as ckpt
 
 
@@ -29,9 +29,14 @@ class CheckpointManager:
         """Where step `step`'s checkpoint is (or would be) written."""
         return self.dir / (f"step_{step:08d}" if self.strategy.sharded else f"step_{step:08d}.pt")
 
-    def save(self, step: int, model, optimizer, meta: dict) -> Optional[Path]:
+    def save(self, step: int, model, optimizer, meta: dict, rank_state: Optional[dict] = None) -> Optional[Path]:
         """Write step `step` (the strategy's format) and prune to the last `keep_last`; all ranks
-        meet before it returns. The path on the writing ranks, None on the others."""
+        meet before it returns. The path on the writing ranks, None on the others. `rank_state`:
+        this rank's own state (sharded, O(N / world)), one file per rank beside the checkpoint,
+        complete before the checkpoint is visible; meta["rank_files"] records the world size."""
+        if rank_state is not None:
+            meta = {**meta, "rank_files": get_world_size()}
+            ckpt.save_rank_files(ckpt.rank_dir(self.path(step)), rank_state, get_rank(), get_world_size())
         path = self.strategy.write_checkpoint(self.dir, step, model, optimizer, meta)
         if is_main():
             ckpt.prune(self.dir, self.keep_last)
@@ -49,8 +54,8 @@ class CheckpointManager:
         that loads and checks (ckpt.check_state). Each newer one passed over is renamed to
         *.corrupt (kept, never resumed from again nor overwritten) and named in the log."""
         if resume != "latest":
-            return Path(resume), ckpt.load_valid(resume)
-        found = ckpt.latest_valid(self.dir)
+            return Path(resume), self.load_checked(resume)
+        found = ckpt.latest_valid(self.dir, self.load_checked)
         barrier()  # every rank has read its file before one is renamed
         if found is None:
             return None
@@ -84,10 +89,23 @@ class CheckpointManager:
                                        "model and loss; use a new train.output_dir to start over") from None
         return path
 
+    @staticmethod
+    def load_checked(path) -> dict:
+        """A checkpoint's state (tensors, or a DCP directory's meta) after its checks, its
+        per-rank files included."""
+        state = ckpt.load_valid(path)
+        if "rank_files" in state:
+            ckpt.check_rank_files(path, state["rank_files"])
+        return state
+
+    def rank_states(self, path, ranks: list[int], saved_world: int):
+        """The per-rank states of `ranks` saved beside checkpoint `path` (one in memory at a time)."""
+        return ckpt.load_rank_files(path, ranks, saved_world)
+
     def newest_valid(self) -> str:
         """For messages: the checkpoint a user should resume from, in words."""
         try:
-            found = ckpt.latest_valid(self.dir)
+            found = ckpt.latest_valid(self.dir, self.load_checked)
         except ckpt.CheckpointError:
             found = None
         return f"the last valid checkpoint is {found[0]}" if found else f"no valid checkpoint exists in {self.dir}"

@@ -1,0 +1,80 @@
+"""SogCLR's u in a real run: each rank saves its own shard (step_N.ranks/), pruned with its
+checkpoint; a 2-rank checkpoint resumes exactly on 2 ranks and, in resume_mode=continue, on 1 and
+3 ranks with every sample's u kept."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import torch
+
+from test_two_process import ACCELERATE, _launch
+from vlp_testing import REPO, run_env
+from vlp.config import load_config
+from vlp.losses.sogclr import SogCLRLoss
+from vlp.train.loop import Trainer
+
+SOG = ("loss.name=sogclr", "loss.gamma=0.5", "loss.gamma_schedule=cosine", "train.checkpoint_every=4")
+
+
+def _whole(folder, world: int, n: int = 160) -> SogCLRLoss:
+    """The full table put together from a checkpoint's per-rank files."""
+    whole = SogCLRLoss(n, rank=0, world_size=1)
+    whole.load_state_dict(torch.load(folder / f"rank{r:05d}-of-{world:05d}.pt", weights_only=True)["loss"]
+                          for r in range(world))
+    return whole
+
+
+def test_two_rank_u_per_rank_files_exact_resume_and_changed_worlds(tiny_shards, tmp_path):
+    full = tmp_path / "full"
+    proc = _launch(tiny_shards, full, *SOG, "train.keep_last=3")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ck = full / "checkpoints"
+    names = sorted(p.name for p in ck.iterdir())
+    assert "step_00000004.ranks" not in names and "step_00000008.ranks" in names, names  # pruned together
+    meta = torch.load(ck / "step_00000008.pt", weights_only=True)
+    assert meta["rank_files"] == 2 and "loss_state" not in meta  # no O(N) table in the shared file
+    assert torch.isfinite(_whole(ck / "step_00000016.ranks", 2).log_u).all()
+
+    # exact: resume the 2-rank run from step 8, same final u and weights
+    part = tmp_path / "part"
+    shutil.copytree(full, part)
+    for p in (part / "checkpoints").iterdir():
+        if int(p.name.split("_")[1].split(".")[0]) > 8:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    proc = _launch(tiny_shards, part, *SOG, "train.keep_last=3", "train.resume=latest")
+    assert proc.returncode == 0 and "step_00000008.pt" in proc.stdout, proc.stderr[-4000:]
+    for r in range(2):
+        name = f"step_00000016.ranks/rank{r:05d}-of-00002.pt"
+        a, b = (torch.load(d / "checkpoints" / name, weights_only=True)["loss"] for d in (full, part))
+        assert torch.equal(a["log_u"], b["log_u"]) and a["step"] == b["step"] == 16
+    wa, wb = (torch.load(d / "open_clip_model.pt", weights_only=True)["state_dict"] for d in (full, part))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+    # 2 -> 1 process, continue: every u of step 8 is there
+    cfg = load_config(REPO / "configs/demo.yaml", [
+        f"data.train_shards={tiny_shards['train']}", "data.eval_shards=", f"train.output_dir={tmp_path / 'one'}",
+        "model.name=vlp-micro", "data.batch_per_device=16", "data.shuffle_buffer=32", *SOG[:3],
+        "train.samples=320", f"train.resume={ck / 'step_00000008.pt'}", "train.resume_mode=continue"])
+    one = Trainer(cfg)
+    one.maybe_resume()
+    assert torch.equal(one.loss.log_u, _whole(ck / "step_00000008.ranks", 2).log_u) and one.loss.step == 8
+
+    # 2 -> 3 processes, continue: resumes, then writes 3 files holding every sample
+    three = tmp_path / "three"
+    shutil.copytree(full, three)
+    (three / "open_clip_model.pt").unlink()
+    cmd = [ACCELERATE, "launch", "--config_file", "launch/cpu_2proc.yaml", "--num_processes", "3",
+           "--main_process_port", str(29700 + os.getpid() % 200), "-m", "vlp", "train", "-c", "configs/demo.yaml",
+           f"data.train_shards={tiny_shards['train']}", "data.eval_shards=", f"train.output_dir={three}",
+           "model.name=vlp-micro", "data.batch_per_device=8", "data.num_workers=0", "data.shuffle_buffer=32",
+           *SOG[:3], "train.samples=400", "train.checkpoint_every=2", "train.resume=latest",
+           "train.resume_mode=continue", "train.keep_last=0"]
+    p3 = subprocess.run(cmd, cwd=REPO, env=run_env() | {"ACCELERATE_USE_CPU": "1"}, capture_output=True,
+                        text=True, timeout=600)
+    assert p3.returncode == 0 and "resumed from" in p3.stdout, p3.stderr[-4000:]
+    last = sorted(p for p in (three / "checkpoints").iterdir() if p.name.endswith(".ranks"))[-1]
+    assert sorted(x.name for x in last.iterdir()) == [f"rank{r:05d}-of-00003.pt" for r in range(3)]
+    assert torch.isfinite(_whole(last, 3).log_u).all()
