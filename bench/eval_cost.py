@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     from eval.retrieval import embed_retrieval
     from eval.zeroshot import build_classifier, load_templates
     from vlp.config import LossConfig, ModelConfig
-    from data_pipelines.sources.openmoji import prepare_shards
+    from data_pipelines.embedded import prepare_shards
     from vlp.models.model import DualEncoder, build_model
 
     torch.manual_seed(0)

@@ -94,6 +94,8 @@ def build_vlp_trainer(args, spec: str, out_dir: str):
 
 
 def vlp_synthetic(trainer, batch: dict, steps: int, warmup: int) -> float:
+    import torch
+
     from vlp.train.data import Batch
 
     device = trainer.accelerator.device
@@ -129,6 +131,8 @@ def vlp_real(trainer, steps: int, warmup: int, decode_size=None) -> float:
 
 def count_flops(trainer, batch: dict) -> int:
     from torch.utils.flop_counter import FlopCounterMode
+
+    import torch
 
     from vlp.train.data import Batch
 

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python bench/quality.py           # vlp-tiny, 12,800 samples/run, 2 seeds (~8 min)
     OMP_NUM_THREADS=1 python bench/quality.py --quick   # vlp-micro, 384 samples, 1 seed
 
-Same model config (vlp-tiny), same OpenMoji train shards (data_pipelines.sources.openmoji.prepare_shards),
+Same model config (vlp-tiny), same OpenMoji train shards (data_pipelines.embedded.prepare_shards),
 same per-device batch (64), samples seen, optimiser (AdamW lr 1e-3, wd 0.1, betas 0.9/0.98,
 eps 1e-6, 50 warmup steps, cosine), fp32, 1 process, 1 worker, seeds 0 and 1. Only the
 trainers differ (and with them the data order: each has its own shuffler).
@@ -54,7 +54,7 @@ def main(argv=None) -> None:
     steps = args.samples // args.batch
     header(f"quality: {args.model}, batch {args.batch}, {steps * args.batch} samples/run ({steps} steps), "
            f"seeds {args.seeds}")
-    from data_pipelines.sources.openmoji import prepare_shards
+    from data_pipelines.embedded import prepare_shards
 
     specs = prepare_shards(REPO / ".cache" / "shards" / "openmoji")
     rows = []

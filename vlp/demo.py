@@ -31,7 +31,7 @@ def results_table(rows: list[dict]) -> str:
 
 
 def run_demo(out_dir: str = "runs/demo", overrides: Optional[list[str]] = None, config: Optional[str] = None) -> list[dict]:
-    from data_pipelines.sources.openmoji import prepare_shards
+    from data_pipelines.embedded import prepare_shards
     from vlp.train.loop import Trainer
 
     t0 = time.time()

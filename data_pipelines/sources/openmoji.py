@@ -263,24 +263,5 @@ def load_pairs(
     return pairs
 
 
-SHARD_CACHE = Path(".cache") / "shards" / "openmoji"  # relative: under the working directory
-
-
-def prepare_shards(root: str | os.PathLike = SHARD_CACHE, splits: tuple[str, ...] = ("train", "eval")) -> dict[str, str]:
-    """Render the pairs (cached) and write the shards of ``splits`` ('train' and 'eval', or the
-    study's 'fit', 'val' and 'test') under ``root`` once (a folder with its sizes.json is reused);
-    return {split: shard spec}. Used by `vlp demo`, `vlp compare` on the embedded data, the
-    benchmarks and the tests."""
-    from data_pipelines.write import shard_spec, write_shards
-
-    specs = {}
-    for split in splits:
-        out = Path(root) / split
-        if not (out / "sizes.json").is_file():
-            write_shards(load_pairs(split), out, prefix=split, samples_per_shard=500, overwrite=True)
-        specs[split] = shard_spec(out, prefix=split)
-    return specs
-
-
 ATTRIBUTION = "All emojis designed by OpenMoji - the open-source emoji and icon project. " \
     "License: CC BY-SA 4.0"

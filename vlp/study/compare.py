@@ -246,7 +246,7 @@ def expand_grid(grid: GridSpec) -> list[RunSpec]:
 
 def resolve_data(base: dict, acc) -> dict:
     """data.train_shards '' or 'openmoji': the embedded OpenMoji shards (train + held-out eval)."""
-    from data_pipelines.sources.openmoji import SHARD_CACHE
+    from data_pipelines.embedded import SHARD_CACHE
 
     specs = embedded_shards(base, acc, ("train", "eval"), SHARD_CACHE)
     if specs is not None:

@@ -126,7 +126,7 @@ def embedded_shards(base: dict, acc, splits: tuple[str, ...], root: Path) -> Opt
     data."""
     if base.setdefault("data", {}).get("train_shards") not in (None, "", "openmoji"):
         return None
-    from data_pipelines.sources.openmoji import prepare_shards
+    from data_pipelines.embedded import prepare_shards
 
     if acc.is_main_process:  # renders and writes once; the others then only read the specs
         prepare_shards(root, splits)

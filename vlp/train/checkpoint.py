@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from data_pipelines.messages import first_line
+from vlp.distributed import barrier, get_rank, is_distributed
 
 CKPT_RE = re.compile(r"^step_(\d+)(\.pt)?$")  # step_N.pt file (replicated) or step_N/ DCP directory (sharded)
 META_FILE = "meta.pt"  # a DCP checkpoint's non-tensor state (step, RNG, config, ...), written by rank 0
@@ -191,13 +192,13 @@ def save_rank_files(folder: str | Path, obj, rank: int, world: int) -> None:
         for stale in folder.parent.glob(".step_*.ranks.tmp"):  # this save's, or a killed one's
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier()
+    barrier()
     atomic_save(obj, rank_file(tmp, rank, world))
-    _barrier()
+    barrier()
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
-    _barrier()
+    barrier()
 
 
 def load_rank_files(path: str | Path, ranks: list[int], world: int):
@@ -253,25 +254,6 @@ def _tuplify(x):
 # ranks (one filesystem), as for any multi-node checkpoint.
 
 
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if _distributed() else 0
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if _distributed():
-        dist.barrier()
-
-
 def save_sharded(state: dict, meta: dict, path: str | Path) -> None:
     """Write a DCP checkpoint directory atomically. Collective: every rank passes its own shards
     in `state` (parallel.sharded_state); rank 0's `meta` (plain tensors and containers) goes into
@@ -280,15 +262,15 @@ def save_sharded(state: dict, meta: dict, path: str | Path) -> None:
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    main = _rank() == 0
+    main = get_rank() == 0
     if main:
         path.parent.mkdir(parents=True, exist_ok=True)
         for stale in path.parent.glob(".step_*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
-    _barrier()
+    barrier()
     try:
         # returns on every rank once all shards and .metadata are written
-        dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
+        dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
         if main:
             atomic_save(meta, tmp / META_FILE)
             if path.exists():  # the same step saved again (e.g. the last good state before a stop)
@@ -298,7 +280,7 @@ def save_sharded(state: dict, meta: dict, path: str | Path) -> None:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"cannot write checkpoint {path}: {_reason(e)}; earlier checkpoints are unchanged") from None
-    _barrier()
+    barrier()
 
 
 def load_sharded_meta(path: str | Path) -> dict:
@@ -346,7 +328,7 @@ def load_sharded(state: dict, path: str | Path) -> None:
     try:
         with warnings.catch_warnings():  # one process on purpose (e.g. a 2-rank checkpoint on 1 rank)
             warnings.filterwarnings("ignore", message="torch.distributed is ")
-            dcp.load(state, checkpoint_id=Path(path), no_dist=not _distributed())
+            dcp.load(state, checkpoint_id=Path(path), no_dist=not is_distributed())
     except (OSError, RuntimeError, KeyError) as e:
         raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {first_line(e)}") from None
 

@@ -33,6 +33,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from vlp.distributed import all_reduce, get_world_size
+
 def transformer_blocks(clip: nn.Module) -> list[nn.Module]:
     """The residual blocks of both towers (open_clip `ResidualAttentionBlock`s), image tower first:
     `clip.visual.transformer`, then CLIP's own `clip.transformer` or CustomTextCLIP's
@@ -68,13 +70,12 @@ def apply_fsdp(model: nn.Module, device_type: str, precision: str = "fp32") -> n
     """Shard `model` (a DualEncoder: `.clip` is the open_clip model) in place with FSDP2 over all
     ranks of the default process group; returns it. Call on every rank, after moving the model to
     its device and before building the optimizer (the parameters are replaced by DTensors)."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     # DualEncoder returns logit_scale/bias as 0-d views; nothing writes to them in place
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    mesh = init_device_mesh(device_type, (get_world_size(),))
     kwargs = {"mesh": mesh, "mp_policy": mixed_precision_policy(precision)}
     clip = model.clip
     kwargs_root = dict(kwargs, ignored_params=set(scalar_params(model)))
@@ -106,14 +107,10 @@ def sync_replicated_grads(model: nn.Module) -> None:
     """Average the gradients of the parameters FSDP leaves replicated (`scalar_params`) over
     ranks, as DDP would: one all-reduce of their concatenation (SUM / world: gloo has no AVG).
     Collective: call on every rank after the last backward of a step."""
-    import torch.distributed as dist
-
     params = [p for p in scalar_params(model) if p.grad is not None]
     if not params:
         return
-    flat = torch.stack([p.grad.reshape(()) for p in params])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    flat /= dist.get_world_size()
+    flat = all_reduce(torch.stack([p.grad.reshape(()) for p in params]), op="mean")
     for p, g in zip(params, flat):
         p.grad.copy_(g)
 
