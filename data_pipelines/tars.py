@@ -78,7 +78,7 @@ def expand_sources(urls: str, *, retry: Retry = Retry(), tables: Tables | None =
             continue
         paths = []
         for path in brace_expand(part):
-            if is_remote(path):
+            if _maybe_remote(path) and is_remote(path):
                 paths += (_remote_dir(path, retry, tables) if path.endswith("/") and is_url(path)
                           else [path])
             elif _listed(path, tables):
@@ -105,13 +105,29 @@ def expand_sources(urls: str, *, retry: Retry = Retry(), tables: Tables | None =
     return sources
 
 
+def _maybe_remote(path: str) -> bool:
+    """A cheap pre-check: is_remote(path) can only hold if this does."""
+    return "://" in path or path.startswith(PIPE)
+
+
+def _split(path: str) -> tuple[str, str]:
+    """os.path.split for the common case (POSIX, 'dir/name'), a string op cheaper than it."""
+    if os.altsep is None:
+        directory, sep, name = path.rpartition(os.sep)
+        if directory and not directory.endswith(os.sep):
+            return directory, name
+        if not sep:
+            return "", name
+    return os.path.split(path)
+
+
 def _listed(path: str, tables: Tables) -> bool:
     """Whether a local path names a file-like entry of its directory's listing (cached per
     directory): a cheap existence check for many shards of one directory. False means
     'not known': the caller checks the slow way."""
     if not path.endswith(".tar"):
         return False
-    directory, name = os.path.split(path)
+    directory, name = _split(path)
     key = ("ls", directory)
     names = tables.get(key)
     if names is None:
@@ -156,6 +172,8 @@ def _read_sizes(directory: str) -> dict[str, int]:
 
 
 def _parse_sizes(data, where: str) -> dict[str, int]:
+    if isinstance(data, dict) and all(type(v) is int for v in data.values()):
+        return data  # JSON keys are strings: the common case needs no copy
     try:
         return {str(k): int(v) for k, v in data.items()}
     except (ValueError, AttributeError, TypeError) as e:
@@ -223,8 +241,8 @@ def shard_sizes(paths: list[str], num_samples: int | None = None, *, retry: Retr
     stats_wanted: dict[int, str] = {}
     local_dirs: dict[str, dict[str, int]] = {}  # directory as written -> its table
     for i, path in enumerate(paths):
-        if not is_remote(path):
-            directory, name = os.path.split(path)
+        if not (_maybe_remote(path) and is_remote(path)):
+            directory, name = _split(path)
             table = local_dirs.get(directory)
             if table is None:
                 table = local_dirs[directory] = _local_table(directory or ".", tables)
