@@ -808,7 +808,8 @@ def make_loader(
                  keeping both sides >= it, the box then drawn on the downscaled image.
     pieces:      split mode: read these (shard index, begin, end) pieces as the epoch instead
                  of all shards (the rest of an epoch begun under another layout; see
-                 ``Loader.rest_of_epoch``).
+                 ``Loader.rest_of_epoch``: explicit pieces, or its compact form with SEQ
+                 pieces and headers, expanded here against the shards' sizes).
     io_retries, io_backoff_s: a failed shard open or read is retried this often, waiting
                  io_backoff_s * 2**k, continuing at the same byte; then it counts 'bad_shard'.
     """
