@@ -240,6 +240,7 @@ def shard_sizes(paths: list[str], num_samples: int | None = None, *, retry: Retr
     sizes: list[int | None] = []
     stats_wanted: dict[int, str] = {}
     local_dirs: dict[str, dict[str, int]] = {}  # directory as written -> its table
+    remote_dirs: dict[str, dict[str, int]] = {}
     for i, path in enumerate(paths):
         if not (_maybe_remote(path) and is_remote(path)):
             directory, name = _split(path)
@@ -254,7 +255,9 @@ def shard_sizes(paths: list[str], num_samples: int | None = None, *, retry: Retr
         if where is None:
             continue
         directory, name = where
-        table = _table(directory, retry, tables)
+        table = remote_dirs.get(directory)
+        if table is None:
+            table = remote_dirs[directory] = _table(directory, retry, tables)
         if name in table:
             sizes[i] = table[name]
         else:
