@@ -9,8 +9,9 @@ Each layout is N symlinks to one real 10,000-sample shard (32x32 JPEGs) plus its
 
 Figures per N (local symlinks; over a loopback http.server for the --http sizes):
 * ``first_step_s``: `vlp train` (vlp-micro, batch 8, 2 workers, buffer 1000, 2 steps, a
-  checkpoint at step 2) from exec to its first step in log.jsonl (the least of --rounds runs); ``startup_extra_s`` =
-  first_step_s(N) - first_step_s(1 shard, local); ``train_s``: the whole run, to exit.
+  checkpoint at step 2) from exec to its first step in log.jsonl (the least of --rounds runs,
+  the sizes alternated in each round); ``startup_extra_s`` =
+  first_step_s(N) - first_step_s(1 shard, same source); ``train_s``: the whole run, to exit.
 * in-process planning parts: ``expand_s`` (brace expansion + existence), ``sizes_s``
   (sizes.json), ``loader_s`` (make_loader: both, the epoch plan and the first-shard probe),
   ``rest_s`` (rest_of_epoch of a fresh loader), ``first_batch_s`` (first batch, 0 workers).
@@ -169,43 +170,48 @@ def late_rest_bytes(spec: str, batches: int = 400) -> int:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 10_000, 41_455, 231_350])
-    ap.add_argument("--http", type=int, nargs="*", default=[41_455, 231_350],
+    ap.add_argument("--http", type=int, nargs="*", default=[1, 41_455, 231_350],
                     help="shard counts also run over a loopback HTTP server")
     ap.add_argument("--keep", help="build the layouts here (kept; default: a temp dir)")
     ap.add_argument("--quick", action="store_true", help="1 and 200 shards (smoke test)")
-    ap.add_argument("--rounds", type=int, default=2, help="vlp train runs per size (min reported)")
+    ap.add_argument("--rounds", type=int, default=3, help="vlp train runs per size, alternated (min reported)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.sizes, args.http, args.rounds = [1, 200], [200], 1
+        args.sizes, args.http, args.rounds = [1, 200], [1, 200], 1
     header(f"scale: vlp train start-up over {args.sizes} shards x {DECLARED} declared samples")
     with tempfile.TemporaryDirectory(prefix="bench_scale_") as tmp:
         root = Path(args.keep or tmp)
         real = real_shard(root)
         srv, base = serve(root)
-        rows = []
-        base_wall = None
+        configs = []
         for n in args.sizes:
             t = time.perf_counter()
             _, rel = layout(root, n, real)
-            build = time.perf_counter() - t
+            print(f"  layout of {n} shards: {time.perf_counter() - t:.1f} s", flush=True)
             for where in ["local"] + (["http"] if n in args.http else []):
-                spec = f"{root}/{rel}" if where == "local" else f"{base}/{rel}"
-                parts = planning(spec)
-                runs = [train(spec, root / f"run_{n}_{where}") for _ in range(args.rounds)]
-                first, wall, state = min(runs)  # the least disturbed run (a shared machine)
-                if base_wall is None:
-                    base_wall = first
-                row = {"shards": n, "where": where, "first_step_s": first, "train_s": wall,
-                       "startup_extra_s": first - base_wall, **parts, "ckpt_loader_state_bytes": state}
-                if where == "local" and n == args.sizes[-1]:
-                    row["rest_bytes_after_400_batches"] = late_rest_bytes(spec)
-                rows.append(row)
-                print(f"  {n:>7} {where:5} layout {build:5.1f}s  " + "  ".join(
-                    f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                    for k, v in row.items() if k not in ("shards", "where")), flush=True)
-                for k, v in row.items():
-                    if k not in ("shards", "where"):
-                        figure(f"scale_{k} {n} {where}", v, "s" if k.endswith("_s") else "bytes")
+                configs.append((n, where, f"{root}/{rel}" if where == "local" else f"{base}/{rel}"))
+        parts = {(n, where): planning(spec) for n, where, spec in configs}
+        runs: dict[tuple, list] = {(n, where): [] for n, where, _ in configs}
+        for r in range(args.rounds):  # A B C .. then again, rotated: load drift hits all alike
+            order = configs[r % len(configs):] + configs[:r % len(configs)]
+            for n, where, spec in order:
+                runs[n, where].append(train(spec, root / f"run_{n}_{where}"))
+                print(f"  round {r}: {n} {where}: first step {runs[n, where][-1][0]:.2f} s", flush=True)
+        rows = []
+        for n, where, spec in configs:
+            first, wall, state = min(runs[n, where])  # the least disturbed run (a shared machine)
+            base = min(runs[args.sizes[0], where])[0]  # the first size (1 shard), same source
+            row = {"shards": n, "where": where, "first_step_s": first, "train_s": wall,
+                   "startup_extra_s": first - base, **parts[n, where], "ckpt_loader_state_bytes": state}
+            if where == "local" and n == args.sizes[-1]:
+                row["rest_bytes_after_400_batches"] = late_rest_bytes(spec)
+            rows.append(row)
+            print(f"  {n:>7} {where:5} " + "  ".join(
+                f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in row.items() if k not in ("shards", "where")), flush=True)
+            for k, v in row.items():
+                if k not in ("shards", "where"):
+                    figure(f"scale_{k} {n} {where}", v, "s" if k.endswith("_s") else "bytes")
         srv.shutdown()
         print("\n| shards | source | first step (s) | + vs 1 shard (s) | whole run (s) | expand (s) | "
               "sizes (s) | make_loader (s) | rest_of_epoch (s) | first batch (s) | loader state / ckpt (bytes) |")
