@@ -136,15 +136,22 @@ def _segments(pieces: list[tuple[int, int, int]], n: int, start: int, stop: int,
     ``bounds``: _bounds(pieces), when the caller has it (one O(shards) pass less per call)."""
     if bounds is None:
         bounds = _bounds(pieces)
-    out = []
+    out: list[tuple[int, int, int]] = []
     pos = start
-    while pos < stop:
-        p = pos % n
-        k = bisect.bisect_right(bounds, p) - 1
-        take = min(bounds[k + 1] - p, n - p, stop - pos)
-        shard, begin, _ = pieces[k]
-        out.append((shard, begin + p - bounds[k], begin + p - bounds[k] + take))
-        pos += take
+    while pos < stop:  # one chunk per pass over the sequence: [a, b) within [0, n)
+        a = pos % n
+        b = min(n, a + stop - pos)
+        first = bisect.bisect_right(bounds, a) - 1
+        last = bisect.bisect_right(bounds, b - 1) - 1
+        shard, begin, end = pieces[first]
+        if first == last:
+            out.append((shard, begin + a - bounds[first], begin + b - bounds[first]))
+        else:
+            out.append((shard, begin + a - bounds[first], end))
+            out += [piece for piece in pieces[first + 1:last] if piece[2] > piece[1]]
+            shard, begin, _ = pieces[last]
+            out.append((shard, begin, begin + b - bounds[last]))
+        pos += b - a
     return out
 
 

@@ -285,3 +285,37 @@ def test_sizes_table_shared_by_expand_and_sizes(tmp_path):
     paths = [p for src in expand_sources(str(root), tables=tables) for p in src]
     (root / "sizes.json").unlink()  # shard_sizes uses the table expand_sources read (else: 12)
     assert len(paths) == 50 and shard_sizes(paths, tables=tables) == [99] * 50
+
+
+def _segments_loop(pieces, n, start, stop):
+    """The per-piece loop _segments replaced (its reference)."""
+    bounds = [0]
+    for _, begin, end in pieces:
+        bounds.append(bounds[-1] + end - begin)
+    out, pos = [], start
+    while pos < stop:
+        p = pos % n
+        k = __import__("bisect").bisect_right(bounds, p) - 1
+        take = min(bounds[k + 1] - p, n - p, stop - pos)
+        shard, begin, _ = pieces[k]
+        out.append((shard, begin + p - bounds[k], begin + p - bounds[k] + take))
+        pos += take
+    return out
+
+
+def test_segments_equal_the_per_piece_loop():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(400):
+        pieces = []
+        for shard in range(rng.randint(1, 12)):
+            begin = rng.randint(0, 5)
+            pieces.append((shard, begin, begin + rng.choice([0, 1, 2, 7, 30])))
+        total = sum(e - b for _, b, e in pieces)
+        if not total:
+            continue
+        n = rng.randint(1, total)
+        start = rng.randint(0, 3 * n)
+        stop = start + rng.randint(0, 3 * n)
+        assert stream._segments(pieces, n, start, stop) == _segments_loop(pieces, n, start, stop)
