@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import PYTHON, REPO, bench_env, figure, header, run  # noqa: E402
+from bench._common import PYTHON, REPO, bench_env, figure, header  # noqa: E402
 
 DECLARED = 10_000
 REAL = DECLARED  # one real 10,000-sample shard (32x32 JPEGs, ~10 MB), linked N times
