@@ -40,13 +40,15 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import math
+import itertools
 import os
 import random
+import zlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from data_pipelines.decode import image_decoder
@@ -66,34 +68,122 @@ def _rng(*parts: Any) -> random.Random:
     return random.Random(int.from_bytes(digest[:8], "big"))
 
 
-def _batch_sizes(mode: str, n: int, batch: int, world: int, drop_last: bool) -> list[int]:
+class BatchSizes(Sequence):
+    """The sizes of a rank's batches: ``count`` batches of ``size``, the last one ``last``
+    (a list's interface in O(1) memory: 2.3 B samples are 289 M batches of 8)."""
+
+    def __init__(self, count: int, size: int, last: int | None = None):
+        self.count, self.size = int(count), int(size)
+        self.last = self.size if last is None else int(last)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, j):
+        if isinstance(j, slice):
+            return [self[i] for i in range(*j.indices(self.count))]
+        if j < 0:
+            j += self.count
+        if not 0 <= j < self.count:
+            raise IndexError(j)
+        return self.last if j == self.count - 1 else self.size
+
+    def __iter__(self):
+        if self.count:
+            yield from itertools.repeat(self.size, self.count - 1)
+            yield self.last
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other) if isinstance(other, (list, BatchSizes)) else NotImplemented
+
+    def __repr__(self) -> str:
+        return f"BatchSizes({self.count}, {self.size}, last={self.last})"
+
+    @property
+    def total(self) -> int:
+        return (self.count - 1) * self.size + self.last if self.count else 0
+
+    def of_worker(self, worker: int, workers: int) -> int:
+        """Samples in the batches j = worker (mod workers)."""
+        mine = len(range(worker, self.count, workers))
+        short = self.size - self.last if self.count and (self.count - 1) % workers == worker else 0
+        return mine * self.size - short
+
+
+def _batch_sizes(mode: str, n: int, batch: int, world: int, drop_last: bool) -> BatchSizes:
     """Batch sizes of one rank for split/resampled (same on every rank)."""
     if drop_last or mode == "resampled":
-        count = n // (batch * world) if drop_last else math.ceil(n / (batch * world))
-        return [batch] * count
-    per_rank = math.ceil(n / world)
-    count = math.ceil(per_rank / batch)
-    return [batch] * (count - 1) + [per_rank - (count - 1) * batch] if count else []
+        count = n // (batch * world) if drop_last else -(-n // (batch * world))
+        return BatchSizes(count, batch)
+    per_rank = -(-n // world)
+    count = -(-per_rank // batch)
+    return BatchSizes(count, batch, per_rank - (count - 1) * batch) if count else BatchSizes(0, batch)
 
 
-def _segments(pieces: list[tuple[int, int, int]], n: int, start: int, stop: int):
+def _bounds(pieces: list[tuple[int, int, int]]) -> list[int]:
+    """Virtual start of each piece, and the total last: [0, len0, len0 + len1, ...] (int64)."""
+    lengths = np.fromiter((end - begin for _, begin, end in pieces), dtype=np.int64,
+                          count=len(pieces))
+    return [0] + np.cumsum(lengths, dtype=np.int64).tolist()
+
+
+def _segments(pieces: list[tuple[int, int, int]], n: int, start: int, stop: int,
+              bounds: list[int] | None = None):
     """Shard pieces (shard, begin, end) of virtual positions [start, stop), wrapping at n.
 
     ``pieces`` lays out the epoch's virtual sequence: ``[(shard, 0, size), ...]`` in shard order
-    for a normal epoch, or the samples left of an epoch begun under another layout."""
-    bounds = [0]
-    for _, begin, end in pieces:
-        bounds.append(bounds[-1] + end - begin)
-    out = []
+    for a normal epoch, or the samples left of an epoch begun under another layout.
+    ``bounds``: _bounds(pieces), when the caller has it (one O(shards) pass less per call)."""
+    if bounds is None:
+        bounds = _bounds(pieces)
+    out: list[tuple[int, int, int]] = []
     pos = start
-    while pos < stop:
-        p = pos % n
-        k = bisect.bisect_right(bounds, p) - 1
-        take = min(bounds[k + 1] - p, n - p, stop - pos)
-        shard, begin, _ = pieces[k]
-        out.append((shard, begin + p - bounds[k], begin + p - bounds[k] + take))
+    while pos < stop:  # one chunk per pass over the sequence: [a, b) within [0, n)
+        a = pos % n
+        b = min(n, a + stop - pos)
+        first = bisect.bisect_right(bounds, a) - 1
+        last = bisect.bisect_right(bounds, b - 1) - 1
+        shard, begin, end = pieces[first]
+        if first == last:
+            out.append((shard, begin + a - bounds[first], begin + b - bounds[first]))
+        else:
+            out.append((shard, begin + a - bounds[first], end))
+            out += [piece for piece in pieces[first + 1:last] if piece[2] > piece[1]]
+            shard, begin, _ = pieces[last]
+            out.append((shard, begin, begin + b - bounds[last]))
+        pos += b - a
+    return out
+
+
+# The rest of an epoch (Loader.rest_of_epoch) in a compact form: still a list of 3-tuples
+# (shard, begin, end), so that ranks' lists concatenate and ``sum(end - begin)`` counts the
+# samples left, but with two kinds of special "shard": a SEQ piece (SEQ, a, b) stands for the
+# virtual positions [a, b) of the epoch's sequence (the shard order shuffled with (seed,
+# epoch), _Plan.shuffled_pieces), and zero-length headers (SEED, s, s), (EPOCH, e, e),
+# (LAYOUT, c, c) say which sequence (c: a checksum of the shard sizes, so a rest is never
+# read against other sizes). What a worker has read but not yielded (its shuffle buffer)
+# stays explicit, one piece per run of samples. Hence a rank's rest holds 3 headers, at most
+# 2 SEQ pieces and shuffle_buffer pieces per worker: bounded, whatever the shard count.
+# Only the rest of an epoch that was itself begun from a rest (a second layout change within
+# one epoch) is written out explicitly (O(shards) pieces, as before).
+SEQ, SEED, EPOCH, LAYOUT = -1, -2, -3, -4
+_HEADERS = (SEED, EPOCH, LAYOUT)
+
+
+def _seq_parts(lo: int, hi: int, n: int) -> list[tuple[int, int, int]]:
+    """SEQ pieces for virtual positions [lo, hi) of a sequence of n, wrapping at n."""
+    out, pos = [], lo
+    while pos < hi:
+        a = pos % n
+        take = min(n - a, hi - pos)
+        out.append((SEQ, a, a + take))
         pos += take
     return out
+
+
+def rest_samples(pieces) -> int:
+    """Samples in a rest of an epoch (either form; headers count 0)."""
+    return sum(end - begin for shard, begin, end in pieces if shard not in _HEADERS)
 
 
 def merge_pieces(pieces) -> list[tuple[int, int, int]]:
@@ -115,16 +205,20 @@ class _Plan:
     retry: Retry = Retry()  # shard read retries (make_loader: data.io_retries, io_backoff_s)
 
     def __init__(self, sources, weights, mode, batch_size, world_size, rank, seed,
-                 num_samples, drop_last, shuffle_buffer, num_workers, pieces=None):
+                 num_samples, drop_last, shuffle_buffer, num_workers, pieces=None,
+                 retry: Retry | None = None, tables=None):
+        if retry is not None:
+            self.retry = retry
         self.paths = [p for src in sources for p in src]
-        self.sizes = shard_sizes(self.paths, num_samples)
+        self.sizes = shard_sizes(self.paths, num_samples, retry=self.retry, tables=tables)
         self.weights = [w for src, w in zip(sources, weights) for _ in src]
         self.mode, self.batch, self.world, self.rank = mode, batch_size, world_size, rank
         self.seed, self.drop_last, self.buffer = seed, drop_last, shuffle_buffer
         self.workers = max(1, num_workers)
         # pieces: this epoch's virtual sequence is given (the samples left of an epoch begun
         # under another layout, see Loader.resume_state) instead of the shuffled shard order
-        self.pieces = None if pieces is None else merge_pieces(pieces)
+        self._cache: dict = {}  # per process, not pickled (see __getstate__)
+        self.pieces = None if pieces is None else merge_pieces(self.expand(pieces))
         total = sum(self.sizes)
         self.n = total if num_samples is None else int(num_samples)
         if self.pieces is not None:
@@ -136,22 +230,95 @@ class _Plan:
                              "use mode='resampled' to draw more than one pass")
         if mode == "sequential":
             lo, hi = self.rank_range()
-            self.sizes_per_batch = [min(batch_size, hi - s) for s in range(lo, hi, batch_size)]
+            count = -(-(hi - lo) // batch_size)
+            self.sizes_per_batch = BatchSizes(count, batch_size, hi - lo - (count - 1) * batch_size)
         else:
             self.sizes_per_batch = _batch_sizes(mode, self.n, batch_size, world_size, drop_last)
         if not self.sizes_per_batch and mode != "sequential":
             raise ValueError(f"{self.n} samples cannot fill one batch of {batch_size} on each "
                              f"of {world_size} ranks")
 
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_cache": {}}  # workers rebuild what they need
+
     def sample_id(self, shard: int, index: int) -> int:
         """A stable id in [0, sum(sizes)): the sample's position in the (unshuffled) shard list.
         The same for any world size, worker count, epoch or mode, so per-sample state (SogCLR's
-        normalisers) follows the sample across layouts."""
-        if not hasattr(self, "_id_base"):
-            self._id_base = [0]
-            for size in self.sizes[:-1]:
-                self._id_base.append(self._id_base[-1] + size)
-        return self._id_base[shard] + index
+        normalisers) follows the sample across layouts. A Python int (64-bit in the batch's
+        tensor): past 2**31 at LAION scale."""
+        base = self._cache.get("id_base")
+        if base is None:
+            base = self._cache["id_base"] = np.concatenate(
+                ([0], np.cumsum(np.asarray(self.sizes, dtype=np.int64), dtype=np.int64)))
+        return int(base[shard]) + int(index)
+
+    def layout_sum(self) -> int:
+        """A checksum of the shard sizes (the LAYOUT header of a compact rest)."""
+        if "crc" not in self._cache:
+            sizes = np.asarray(self.sizes, dtype=np.int64)
+            self._cache["crc"] = zlib.crc32(np.int64(len(sizes)).tobytes() + sizes.tobytes())
+        return self._cache["crc"]
+
+    def shuffled_pieces(self, seed: int, epoch: int) -> tuple[list, list[int]]:
+        """(pieces, _bounds(pieces)) of every shard in the order shuffled with (seed, epoch),
+        identically on every rank; the last one is cached."""
+        key = ("order", seed, epoch)
+        if key not in self._cache:
+            order = list(range(len(self.paths)))
+            _rng(seed, epoch, "shard-order").shuffle(order)
+            sizes = self.sizes
+            pieces = [(shard, 0, sizes[shard]) for shard in order]
+            for old in [k for k in self._cache if k[0] == "order"]:
+                del self._cache[old]
+            self._cache[key] = (pieces, _bounds(pieces))
+        return self._cache[key]
+
+    def expand(self, pieces) -> list[tuple[int, int, int]]:
+        """Explicit (shard, begin, end) pieces of a rest of an epoch in either form (see SEQ)."""
+        heads: dict[int, int] = {}
+        parts = []
+        for shard, begin, end in pieces:
+            shard, begin, end = int(shard), int(begin), int(end)
+            if shard in _HEADERS:
+                if heads.setdefault(shard, begin) != begin:
+                    raise ValueError("pieces: the rests of different epochs or seeds were joined")
+            elif shard == SEQ or 0 <= shard < len(self.paths):
+                parts.append((shard, begin, end))
+            else:
+                raise ValueError(f"pieces: shard {shard} not in the {len(self.paths)} shards")
+        if all(shard != SEQ for shard, _, _ in parts):
+            return parts
+        if SEED not in heads or EPOCH not in heads:
+            raise ValueError("pieces: SEQ pieces without the (seed, epoch) headers of their sequence")
+        if heads.get(LAYOUT) != self.layout_sum():
+            raise ValueError("pieces: this rest of an epoch was laid out over other shard sizes "
+                             "(a changed shard list or data.num_samples); resume with the old ones")
+        seq, bounds = self.shuffled_pieces(heads[SEED], heads[EPOCH])
+        total = bounds[-1]
+        out = []
+        for shard, begin, end in parts:
+            if shard != SEQ:
+                out.append((shard, begin, end))
+            elif not 0 <= begin <= end <= total:
+                raise ValueError(f"pieces: positions [{begin}, {end}) not in the {total} samples")
+            else:
+                out += _segments(seq, total, begin, end, bounds)
+        return out
+
+    def describe_rest(self, parts, epoch: int) -> list[tuple[int, int, int]]:
+        """The public form of a rest (Loader.rest_of_epoch) from workers' parts, whose SEQ pieces
+        refer to this plan's sequence of ``epoch``: compact with its headers, or explicit when
+        the sequence was itself a given rest (then no seed/epoch describes it)."""
+        parts = merge_pieces(parts)
+        if self.pieces is not None:
+            seq, bounds = self.epoch_sequence(epoch)
+            out = []
+            for shard, begin, end in parts:
+                out += [(shard, begin, end)] if shard != SEQ else \
+                    _segments(seq, bounds[-1], begin, end, bounds)
+            return merge_pieces(out)
+        return [(SEED, self.seed, self.seed), (EPOCH, epoch, epoch),
+                (LAYOUT, self.layout_sum(), self.layout_sum())] + parts
 
     def rank_range(self) -> tuple[int, int]:
         """Sequential mode: near-equal contiguous ranges covering every sample once."""
@@ -159,26 +326,35 @@ class _Plan:
         lo = self.rank * base + min(self.rank, extra)
         return lo, lo + base + (1 if self.rank < extra else 0)
 
-    def worker_batches(self, worker: int) -> list[int]:
-        return list(range(worker, len(self.sizes_per_batch), self.workers))
+    def worker_batches(self, worker: int) -> range:
+        return range(worker, len(self.sizes_per_batch), self.workers)
 
     def epoch_pieces(self, epoch: int) -> list[tuple[int, int, int]]:
         """The epoch's virtual sequence as shard pieces: every shard, in an order shuffled with
         (seed, epoch) identically on every rank (or the given rest of an epoch)."""
-        if self.pieces is not None:
-            return self.pieces
-        order = list(range(len(self.paths)))
-        _rng(self.seed, epoch, "shard-order").shuffle(order)
-        return [(shard, 0, self.sizes[shard]) for shard in order]
+        return self.epoch_sequence(epoch)[0]
+
+    def epoch_sequence(self, epoch: int) -> tuple[list, list[int]]:
+        """(epoch_pieces(epoch), their _bounds), cached."""
+        if self.pieces is None:
+            return self.shuffled_pieces(self.seed, epoch)
+        if "given" not in self._cache:
+            self._cache["given"] = (self.pieces, _bounds(self.pieces))
+        return self._cache["given"]
+
+    def worker_span(self, worker: int) -> tuple[int, int]:
+        """Split mode: the virtual positions [lo, hi) of the epoch's sequence that worker
+        ``worker`` of this rank reads (hi may pass n: then it wraps; drop_last=False)."""
+        sizes, workers = self.sizes_per_batch, self.workers
+        before = sum(sizes.of_worker(w, workers) for w in range(worker))
+        lo = self.rank * sizes.total + before
+        return lo, lo + sizes.of_worker(worker, workers)
 
     def worker_range(self, epoch: int, worker: int) -> list[tuple[int, int, int]]:
         """Split mode: the shard pieces worker ``worker`` of this rank reads in ``epoch``."""
-        per_rank = sum(self.sizes_per_batch)
-        mine = self.worker_batches(worker)
-        before = sum(size for j, size in enumerate(self.sizes_per_batch) if j % self.workers < worker)
-        lo = self.rank * per_rank + before
-        return _segments(self.epoch_pieces(epoch), self.n, lo,
-                         lo + sum(self.sizes_per_batch[j] for j in mine))
+        lo, hi = self.worker_span(worker)
+        seq, bounds = self.epoch_sequence(epoch)
+        return _segments(seq, self.n, lo, hi, bounds)
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -199,6 +375,8 @@ class _Stream:
         self.seen_exts: set[str] = set()
         # what is read and what waits in the shuffle buffer: see ``remaining``
         self.range: list[tuple[int, int, int]] = []
+        self.span: tuple[int, int] = (0, 0)  # virtual positions of self.range (worker_span)
+        self.starts: list[int] = [0]         # virtual offset of each piece of self.range
         self.read_to: tuple[int, int | None] = (0, None)
         self.pending: list[tuple] = []
         self.passes = 0
@@ -229,24 +407,29 @@ class _Stream:
         """Split mode: the pieces of this worker's range not consumed yet (samples waiting in
         the shuffle buffer, then the unread rest), so that a run resumed under another layout
         can finish the epoch without repeating or skipping a sample. [] after a second pass
-        (which only re-reads to make up for skipped samples)."""
+        (which only re-reads to make up for skipped samples). The unread rest is SEQ pieces
+        (positions of the epoch's sequence, see SEQ): the size of this does not grow with the
+        shards in the range; the buffer's samples are explicit pieces."""
         if self.plan.mode != "split":
             return None
-        if self.passes:
+        if self.passes or not self.range:
             return []
         k, index = self.read_to
-        tail = []
+        lo, hi = self.span
         if k < len(self.range):
-            shard, begin, end = self.range[k]
-            tail = [(shard, begin if index is None else index, end)] + self.range[k + 1:]
+            begin = self.range[k][1]
+            at = lo + self.starts[k] + (0 if index is None else index - begin)
+        else:
+            at = hi
         waiting = sorted((s, i, i + 1) for *_, (s, i) in self.pending)
-        return merge_pieces(waiting + tail)
+        return merge_pieces(waiting + _seq_parts(at, hi, self.plan.n))
 
     def split(self, pieces) -> Iterator[tuple]:
         """Shuffled passes over this worker's range; a pass after the first only happens
         when skipped samples left the worker short of its quota."""
         rng = self.rng("buffer")
         self.range = pieces
+        self.starts = _bounds(pieces)
         while True:
             found = 0
             for sample in self.shuffled(self.valid(pieces), rng):
@@ -270,9 +453,10 @@ class _Stream:
     def resampled(self) -> Iterator[tuple]:
         rng = self.rng("shards")
         p, picks_without = self.plan, 0
-        indices = list(range(len(p.paths)))
+        indices = range(len(p.paths))
+        cum_weights = list(itertools.accumulate(p.weights))  # what choices(weights=) computes
         while True:
-            shard = rng.choices(indices, weights=p.weights)[0]
+            shard = rng.choices(indices, cum_weights=cum_weights)[0]
             got = 0
             for sample in self.valid([(shard, 0, None)]):
                 got += 1
@@ -308,6 +492,7 @@ class _Stream:
         if p.mode == "resampled":
             samples = self.shuffled(self.resampled(), self.rng("buffer"))
         else:
+            self.span = p.worker_span(self.worker)
             samples = self.split(p.worker_range(self.epoch, self.worker))
         for j in mine:
             chunk = [next(samples) for _ in range(p.sizes_per_batch[j])]
@@ -408,7 +593,8 @@ class _Stream:
         text = self.tokenize([s[2] for s in decoded])
         ids = {}
         if all(len(s) == 4 for s in decoded):  # per-sample state (SogCLR) is keyed by this id
-            ids["sample_id"] = torch.tensor([self.plan.sample_id(*s[3]) for s in decoded])
+            ids["sample_id"] = torch.tensor([self.plan.sample_id(*s[3]) for s in decoded],
+                                            dtype=torch.int64)
         return {"image": images, "text": text, "key": keys, "skipped": self._take_skipped(),
                 "index": index, "epoch": self.epoch, **ids, **self.position()}
 
@@ -470,7 +656,7 @@ class Loader:
     @property
     def num_samples(self) -> int:
         """Samples this rank yields per epoch."""
-        return sum(self.plan.sizes_per_batch)
+        return self.plan.sizes_per_batch.total
 
     def __len__(self) -> int:
         return self.num_batches
@@ -536,14 +722,17 @@ class Loader:
         """Split mode: the shard pieces of ``epoch`` this rank has not consumed, as of the last
         batch ``epochs()`` yielded (None in resampled mode). The ranks' lists, concatenated in
         rank order, are the ``pieces`` with which another layout finishes the epoch without
-        repeating or skipping a sample (vlp.train.resume)."""
+        repeating or skipping a sample (vlp.train.resume). Compact (see SEQ): 3 headers, <= 2 pieces
+        plus the shuffle buffer's runs per worker, whatever the shard count;
+        ``rest_samples(pieces)`` counts what is left."""
         if self.plan.mode != "split":
             return None
         known = self._rest if self._rest_epoch == epoch else {}
         out: list[tuple[int, int, int]] = []
         for worker in range(self.plan.workers):
-            out += known[worker] if worker in known else self.plan.worker_range(epoch, worker)
-        return merge_pieces(out)
+            out += known[worker] if worker in known else _seq_parts(
+                *self.plan.worker_span(worker), self.plan.n)
+        return self.plan.describe_rest(out, epoch)
 
     def __iter__(self) -> Iterator[dict]:
         start, self.start_batch = self.start_batch, 0
@@ -626,7 +815,8 @@ def make_loader(
                  keeping both sides >= it, the box then drawn on the downscaled image.
     pieces:      split mode: read these (shard index, begin, end) pieces as the epoch instead
                  of all shards (the rest of an epoch begun under another layout; see
-                 ``Loader.rest_of_epoch``).
+                 ``Loader.rest_of_epoch``: explicit pieces, or its compact form with SEQ
+                 pieces and headers, expanded here against the shards' sizes).
     io_retries, io_backoff_s: a failed shard open or read is retried this often, waiting
                  io_backoff_s * 2**k, continuing at the same byte; then it counts 'bad_shard'.
     """
@@ -635,13 +825,14 @@ def make_loader(
     if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size or num_workers < 0:
         raise ValueError(f"bad sizes: batch_size={batch_size} rank={rank} "
                          f"world_size={world_size} num_workers={num_workers}")
-    sources = expand_sources(urls)
+    retry, tables = Retry(io_retries, io_backoff_s), {}
+    sources = expand_sources(urls, retry=retry, tables=tables)  # each sizes.json read once
     source_weights = _parse_weights(weights, len(sources))
     if weights is not None and mode != "resampled" and len(set(source_weights)) > 1:
         raise ValueError("per-source weights need mode='resampled'")
     plan = _Plan(sources, source_weights, mode, batch_size, world_size, rank, seed,
-                 num_samples, drop_last, shuffle_buffer, num_workers, pieces=pieces)
-    plan.retry = Retry(io_retries, io_backoff_s)
+                 num_samples, drop_last, shuffle_buffer, num_workers, pieces=pieces,
+                 retry=retry, tables=tables)
     _probe(plan.paths, plan.retry)
     return Loader(plan, transform, tokenize, epoch, start_batch, num_workers, decode_size)
 

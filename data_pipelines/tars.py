@@ -10,6 +10,7 @@ import glob
 import io
 import json
 import os
+import re
 import sys
 import tarfile
 from collections import Counter
@@ -25,27 +26,65 @@ TEXT_EXTS = ("txt", "text", "caption")
 
 
 # ----------------------------------------------------------------------------- shard lists
-def expand_sources(urls: str) -> list[list[str]]:
+class SizesFetchError(ConnectionError, ValueError):
+    """A remote sizes.json (or *_stats.json) that could not be fetched after data.io_retries:
+    the server is down or unreachable. Names the URL. A ValueError too, so that `vlp` reports
+    it as one line."""
+
+
+# Per-directory metadata read while building one loader: {directory: {shard name: samples}}
+# (sizes.json, {} where there is none) and {("ls", directory): set of names}. expand_sources
+# and shard_sizes share one (make_loader passes it), so that each directory's sizes.json is
+# read or fetched once, whatever the number of shards in it.
+Tables = dict
+
+_RANGE = re.compile(r"^([^{}\\]*)\{(\d+)\.\.(\d+)\}([^{}\\]*)$")
+
+
+def brace_expand(part: str) -> list[str]:
+    """braceexpand's result, with a fast path for the common 'prefix{000000..231349}suffix'
+    (one ascending numeric range: a list comprehension instead of a generator chain)."""
+    m = _RANGE.match(part)
+    if m:
+        prefix, lo, hi, suffix = m.groups()
+        if int(lo) <= int(hi):
+            padded = any(s.startswith("0") for s in (lo, hi) if s != "0")
+            width = max(len(lo), len(hi)) if padded else 0
+            return [f"{prefix}{i:0{width}d}{suffix}" for i in range(int(lo), int(hi) + 1)]
+    import braceexpand
+
+    return list(braceexpand.braceexpand(part))
+
+
+def expand_sources(urls: str, *, retry: Retry = Retry(), tables: Tables | None = None
+                   ) -> list[list[str]]:
     """'a-{0..3}.tar::b.tar' -> [[a-0.tar, .., a-3.tar], [b.tar]]; raises FileNotFoundError
     for a missing local path. A directory stands for the shards listed in its sizes.json (else
     its *.tar, sorted); a glob ('d/*.tar') for its sorted matches.
 
     Remote elements (fsspec URLs, ``pipe:`` commands; data_pipelines.shard_io) are taken as
     written, not checked here (a missing one fails when read, as a 'bad_shard'); a URL ending in
-    '/' stands for the shards its sizes.json lists. Remote globs are not expanded: use braces."""
-    import braceexpand
+    '/' stands for the shards its sizes.json lists. Remote globs are not expanded: use braces.
 
+    Linear in the shards: a local shard is checked against its directory's listing (one
+    listdir per directory; only names missing from it are stat'ed, so a dangling symlink
+    listed there fails when read, as a 'bad_shard'). ``retry``: for a remote sizes.json;
+    ``tables``: the per-directory cache to share with shard_sizes (Tables)."""
+    tables = {} if tables is None else tables
     sources, missing = [], []
     for part in str(urls).split("::"):
         part = part.strip()
         if not part:
             continue
         paths = []
-        for path in braceexpand.braceexpand(part):
-            if is_remote(path):
-                paths += _remote_dir(path) if path.endswith("/") and is_url(path) else [path]
+        for path in brace_expand(part):
+            if _maybe_remote(path) and is_remote(path):
+                paths += (_remote_dir(path, retry, tables) if path.endswith("/") and is_url(path)
+                          else [path])
+            elif _listed(path, tables):
+                paths.append(path)
             elif os.path.isdir(path):
-                names = list(_read_sizes(path)) or sorted(glob.glob("*.tar", root_dir=path))
+                names = list(_local_table(path, tables)) or sorted(glob.glob("*.tar", root_dir=path))
                 paths += [os.path.join(path, n) for n in names]
             elif any(ch in path for ch in "*?["):
                 matches = sorted(glob.glob(path))
@@ -66,12 +105,62 @@ def expand_sources(urls: str) -> list[list[str]]:
     return sources
 
 
-def _remote_dir(url: str) -> list[str]:
-    table = _remote_sizes(url.rstrip("/"))
+def _maybe_remote(path: str) -> bool:
+    """A cheap pre-check: is_remote(path) can only hold if this does."""
+    return "://" in path or path.startswith(PIPE)
+
+
+def _split(path: str) -> tuple[str, str]:
+    """os.path.split for the common case (POSIX, 'dir/name'), a string op cheaper than it."""
+    if os.altsep is None:
+        directory, sep, name = path.rpartition(os.sep)
+        if directory and not directory.endswith(os.sep):
+            return directory, name
+        if not sep:
+            return "", name
+    return os.path.split(path)
+
+
+def _listed(path: str, tables: Tables) -> bool:
+    """Whether a local path names a file-like entry of its directory's listing (cached per
+    directory): a cheap existence check for many shards of one directory. False means
+    'not known': the caller checks the slow way."""
+    if not path.endswith(".tar"):
+        return False
+    directory, name = _split(path)
+    key = ("ls", directory)
+    names = tables.get(key)
+    if names is None:
+        try:
+            names = set(os.listdir(directory or "."))
+        except OSError:
+            names = set()
+        tables[key] = names
+    return name in names
+
+
+def _remote_dir(url: str, retry: Retry, tables: Tables) -> list[str]:
+    table = _table(url.rstrip("/"), retry, tables)
     if not table:
         raise FileNotFoundError(f"{url}sizes.json not found: a remote directory needs a sizes.json "
                                 "listing its shards (or give the shards with braces)")
     return [url + name for name in table]
+
+
+def _local_table(directory: str, tables: Tables) -> dict[str, int]:
+    key = os.path.abspath(directory)
+    if key not in tables:
+        tables[key] = _read_sizes(key)
+    return tables[key]
+
+
+def _table(directory: str, retry: Retry, tables: Tables) -> dict[str, int]:
+    """The sizes.json of a directory (local path or remote URL), read once per ``tables``."""
+    if not is_remote(directory):
+        return _local_table(directory, tables)
+    if directory not in tables:
+        tables[directory] = _remote_sizes(directory, retry)
+    return tables[directory]
 
 
 def _read_sizes(directory: str) -> dict[str, int]:
@@ -79,21 +168,36 @@ def _read_sizes(directory: str) -> dict[str, int]:
     if not os.path.isfile(path):
         return {}
     with open(path) as f:
-        return {str(k): int(v) for k, v in json.load(f).items()}
+        return _parse_sizes(json.load(f), path)
 
 
-def _remote_sizes(directory: str) -> dict[str, int]:
-    """{shard name: samples} of the sizes.json at a remote directory URL ({} if it has none)."""
+def _parse_sizes(data, where: str) -> dict[str, int]:
+    if isinstance(data, dict) and all(type(v) is int for v in data.values()):
+        return data  # JSON keys are strings: the common case needs no copy
     try:
-        data = read_small(f"{directory}/sizes.json")
+        return {str(k): int(v) for k, v in data.items()}
+    except (ValueError, AttributeError, TypeError) as e:
+        raise ValueError(f"{where} is not a {{shard name: samples}} map: {e}") from None
+
+
+def _remote_sizes(directory: str, retry: Retry = Retry()) -> dict[str, int]:
+    """{shard name: samples} of the sizes.json at a remote directory URL ({} if it has none).
+    Fetched with ``retry`` (data.io_retries / io_backoff_s); a source that still fails raises
+    SizesFetchError naming the URL."""
+    url = f"{directory}/sizes.json"
+    try:
+        data = read_small(url, retry)
     except ShardReadError as e:
-        raise ValueError(f"reading shard sizes: {e}") from None
+        cause = e.__cause__ if e.__cause__ is not None else e
+        raise SizesFetchError(
+            f"cannot fetch the shard sizes {url} (after data.io_retries={retry.retries}): "
+            f"{type(cause).__name__}: {cause}") from None
     if data is None:
         return {}
     try:
-        return {str(k): int(v) for k, v in json.loads(data).items()}
-    except (ValueError, AttributeError, TypeError) as e:
-        raise ValueError(f"{directory}/sizes.json is not a {{shard name: samples}} map: {e}") from None
+        return _parse_sizes(json.loads(data), url)
+    except ValueError as e:
+        raise ValueError(f"{url} is not a {{shard name: samples}} map: {e}") from None
 
 
 def _metadata_location(spec: str) -> tuple[str, str] | None:
@@ -111,7 +215,8 @@ def _metadata_location(spec: str) -> tuple[str, str] | None:
     return directory, name
 
 
-def shard_sizes(paths: list[str], num_samples: int | None = None) -> list[int]:
+def shard_sizes(paths: list[str], num_samples: int | None = None, *, retry: Retry = Retry(),
+                tables: Tables | None = None) -> list[int]:
     """Samples per shard, from metadata only for remote shards:
 
     1. ``sizes.json`` beside the shards ({name: samples}; what data_pipelines.write writes);
@@ -127,31 +232,38 @@ def shard_sizes(paths: list[str], num_samples: int | None = None) -> list[int]:
        once": a shorter shard gives short batches, a longer one's tail is not read.
     Remote shards never get counted (that would read the whole dataset at start): without
     1, 2 or 4 this raises a one-line ValueError saying which to provide.
+
+    Each directory's sizes.json is read (remote: fetched, with ``retry``) once, cached in
+    ``tables`` (Tables; shared with expand_sources by make_loader); one pass over the paths.
     """
-    local_tables: dict[str, dict[str, int]] = {}
-    remote_tables: dict[str, dict[str, int]] = {}
+    tables = {} if tables is None else tables
     sizes: list[int | None] = []
     stats_wanted: dict[int, str] = {}
+    local_dirs: dict[str, dict[str, int]] = {}  # directory as written -> its table
+    remote_dirs: dict[str, dict[str, int]] = {}
     for i, path in enumerate(paths):
-        if not is_remote(path):
-            directory, name = os.path.split(os.path.abspath(path))
-            table = local_tables.setdefault(directory, _read_sizes(directory))
-            sizes.append(table[name] if name in table else _count_samples(path))
+        if not (_maybe_remote(path) and is_remote(path)):
+            directory, name = _split(path)
+            table = local_dirs.get(directory)
+            if table is None:
+                table = local_dirs[directory] = _local_table(directory or ".", tables)
+            size = table.get(name)
+            sizes.append(size if size is not None else _count_samples(path))
             continue
         where = _metadata_location(path)
         sizes.append(None)
         if where is None:
             continue
         directory, name = where
-        if directory not in remote_tables:
-            remote_tables[directory] = (_read_sizes(directory) if not is_remote(directory)
-                                        else _remote_sizes(directory))
-        if name in remote_tables[directory]:
-            sizes[i] = remote_tables[directory][name]
+        table = remote_dirs.get(directory)
+        if table is None:
+            table = remote_dirs[directory] = _table(directory, retry, tables)
+        if name in table:
+            sizes[i] = table[name]
         else:
             stem = name[:-len(".tar")] if name.endswith(".tar") else name
             stats_wanted[i] = f"{directory}/{stem}_stats.json"
-    for i, count in _stats_successes(stats_wanted).items():
+    for i, count in _stats_successes(stats_wanted, retry).items():
         sizes[i] = count
     unknown = [i for i, s in enumerate(sizes) if s is None]
     if not unknown:
@@ -171,9 +283,9 @@ def shard_sizes(paths: list[str], num_samples: int | None = None) -> list[int]:
     return sizes
 
 
-def _stats_successes(wanted: dict[int, str]) -> dict[int, int]:
+def _stats_successes(wanted: dict[int, str], retry: Retry = Retry()) -> dict[int, int]:
     """{index: successes} from img2dataset stats files that exist (local or remote URLs; remote
-    ones fetched concurrently per filesystem)."""
+    ones fetched concurrently per filesystem, one batch per directory's shards)."""
     found: dict[str, bytes | None] = {}
     remote = sorted({url for url in wanted.values() if is_url(url)})
     by_scheme: dict[str, list[str]] = {}
@@ -186,7 +298,7 @@ def _stats_successes(wanted: dict[int, str]) -> dict[int, int]:
             raise ValueError(f"reading img2dataset stats: {e}") from None
     out = {}
     for i, url in wanted.items():
-        data = found[url] if url in found else read_small(url)
+        data = found[url] if url in found else read_small(url, retry)
         if data is None:
             continue
         try:
@@ -198,7 +310,9 @@ def _stats_successes(wanted: dict[int, str]) -> dict[int, int]:
 
 def sizes_from_spec(urls: str, num_samples: int | None = None) -> int:
     """Total samples of a (brace / '::') shard spec, from sizes.json (see shard_sizes)."""
-    return sum(shard_sizes([p for src in expand_sources(urls) for p in src], num_samples))
+    tables: Tables = {}
+    paths = [p for src in expand_sources(urls, tables=tables) for p in src]
+    return sum(shard_sizes(paths, num_samples, tables=tables))
 
 
 def _count_samples(path: str) -> int:
