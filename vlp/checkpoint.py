@@ -4,6 +4,11 @@ A checkpoint is one `torch.save` file of plain tensors and containers, so it is 
 `torch.load(weights_only=True)`: nothing from a file is unpickled as an arbitrary object.
 It is written to a temporary name in the same folder, fsynced, then renamed: a crash while
 writing leaves the previous checkpoint intact and never a half-written file under a final name.
+A manifest of SHA-256 checksums is written last (vlp.integrity: `step_N.pt.manifest.json`, or
+`manifest.json` inside a DCP directory) and checked before torch.load or DCP read a byte: a
+damaged or changed checkpoint is refused by name (resume falls back past it). A checkpoint from
+before manifests loads with a warning that it is unverified; one written since (it carries
+MARK_KEY) whose manifest is missing never finished its save and is refused.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from typing import Optional
 import torch
 
 from data_pipelines.messages import first_line
+from vlp import integrity
 
 CKPT_RE = re.compile(r"^step_(\d+)(\.pt)?$")  # step_N.pt file (replicated) or step_N/ DCP directory (sharded)
 META_FILE = "meta.pt"  # a DCP checkpoint's non-tensor state (step, RNG, config, ...), written by rank 0
+MARK_KEY = "integrity"  # in every checkpoint vlp writes with a manifest: its manifest must exist
 
 
 class CheckpointError(ValueError):
@@ -29,17 +36,26 @@ class CheckpointError(ValueError):
 
 
 STATE_KEYS = ("model", "optimizer", "scheduler", "step", "epoch", "batch_in_epoch", "world_size", "rng", "config")
-TEMP_PATTERN = r"\.(step_\d+\.pt)\.tmp-(\d+)"  # atomic_save's temp name; the last group is the PID
+# atomic_save's temp names (the checkpoint's and its manifest's); the last group is the PID
+TEMP_PATTERN = r"\.(step_\d+\.pt(?:\.manifest\.json)?)\.tmp-(\d+)"
 
 
-def atomic_save(obj, path: str | Path) -> None:
-    """Write `obj` to `path` through a fsynced temp file and a rename. A failed write (disk full,
-    quota, I/O error) removes the temp file and raises CheckpointError: `path` and every earlier
-    checkpoint stay as they were."""
+def atomic_save(obj, path: str | Path, manifest: bool = True) -> None:
+    """Write `obj` to `path` through a fsynced temp file and a rename, then (manifest) its
+    checksum manifest, last. A dict `obj` is saved with MARK_KEY, so a later load knows a
+    manifest must exist. A failed write (disk full, quota, I/O error) removes the temp file and
+    raises CheckpointError: every earlier checkpoint stays as it was."""
     from data_pipelines.tempfiles import atomic_write
 
+    path = Path(path)
+    if manifest and isinstance(obj, dict):
+        obj = {**obj, MARK_KEY: integrity.FORMAT}
     try:
+        if manifest:  # the same step saved again: its old manifest would not fit the new bytes
+            integrity.manifest_path(path).unlink(missing_ok=True)
         atomic_write(path, lambda f: torch.save(obj, f), fsync=True)
+        if manifest:
+            integrity.write_manifest(path)
     except (OSError, RuntimeError) as e:  # torch wraps a failed write in a RuntimeError
         raise CheckpointError(f"cannot write checkpoint {path}: {_reason(e)}; earlier checkpoints are unchanged") from None
 
@@ -54,16 +70,63 @@ def _reason(error: BaseException) -> str:
     return first_line(error)
 
 
-def load(path: str | Path) -> dict:
+def load(path: str | Path, manifest: bool = True) -> dict:
+    """torch.load(weights_only) of a checkpoint or export file, after checking it against its
+    manifest (manifest=False: a DCP directory's meta.pt, covered by the directory's manifest)."""
+    state, verified = load_checked(path, manifest)
+    if not verified:
+        warn_unverified(path, state)
+    return state
+
+
+def load_checked(path: str | Path, manifest: bool = True) -> tuple[object, bool]:
+    """(state, whether a manifest verified it); a vlp checkpoint that should have one and has
+    none is refused."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if path.stat().st_size == 0:
         raise CheckpointError(f"checkpoint {path} is empty (0 bytes)")
+    verified = _verify(path) if manifest else True
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated file, wrong format, pickled objects
         raise CheckpointError(f"checkpoint {path} cannot be read safely: {first_line(e)}") from None
+    if not verified:
+        _refuse_unfinished(path, state)
+    return state, verified
+
+
+def _verify(path: Path) -> bool:
+    """integrity.verify as a CheckpointError: True verified, False no manifest."""
+    try:
+        return integrity.verify(path)
+    except integrity.IntegrityError as e:
+        raise CheckpointError(f"checkpoint {e}") from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path} cannot be checked: {_reason(e)}") from None
+
+
+_warned: set[str] = set()
+
+
+def _refuse_unfinished(path: Path, state) -> None:
+    """A checkpoint without a manifest that vlp wrote with one: its save was cut off before the
+    manifest (or the manifest was lost), so nothing vouches for its bytes."""
+    if isinstance(state, dict) and state.get(MARK_KEY):
+        raise CheckpointError(f"checkpoint {path} has no manifest ({integrity.manifest_path(path).name}): "
+                              "its save did not finish")
+
+
+def warn_unverified(path: Path, state) -> None:
+    """One warning per file for a vlp checkpoint or export from before manifests."""
+    if isinstance(state, dict) and ("config" in state or "preprocess_cfg" in state) and str(path) not in _warned:
+        _warned.add(str(path))
+        if _rank() == 0:
+            import sys
+
+            print(f"vlp: warning: checkpoint {path} has no checksum manifest (written before vlp kept them): "
+                  "loaded unverified", file=sys.stderr, flush=True)
 
 
 def check_state(state, path: str | Path) -> dict:
@@ -85,7 +148,11 @@ def load_valid(path: str | Path) -> dict:
     directory: its meta dict, checked by `load_sharded_meta` (the tensors load later, per rank)."""
     if Path(path).is_dir():
         return load_sharded_meta(path)
-    return check_state(load(path), path)
+    state, verified = load_checked(path, True)
+    check_state(state, path)
+    if not verified:  # only once it is known to be usable
+        warn_unverified(path, state)
+    return state
 
 
 def nonfinite_tensors(weights) -> list[str]:
@@ -118,6 +185,9 @@ def set_aside(path: str | Path) -> Path:
     (so neither resumed from, pruned, nor overwritten by the step that is written again)."""
     path = Path(path)
     target = path.with_name(path.name + ".corrupt")
+    sidecar = integrity.manifest_path(path)
+    if path.is_file() and sidecar.exists():  # a DCP directory's manifest moves with it
+        os.replace(sidecar, integrity.manifest_path(target))
     os.replace(path, target)
     return target
 
@@ -165,6 +235,7 @@ def prune(ckpt_dir: str | Path, keep_last: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             old.unlink(missing_ok=True)
+            integrity.manifest_path(old).unlink(missing_ok=True)
 
 
 def rank_skipped(state: dict, rank: int, world: int) -> dict[str, int]:
@@ -242,8 +313,10 @@ def save_sharded(state: dict, meta: dict, path: str | Path) -> None:
     try:
         # returns on every rank once all shards and .metadata are written
         dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
+        digests = _gather_digests(tmp)  # each rank hashes the files it wrote
         if main:
-            atomic_save(meta, tmp / META_FILE)
+            atomic_save({**meta, MARK_KEY: integrity.FORMAT}, tmp / META_FILE, manifest=False)
+            integrity.write_manifest(tmp, digests)  # last: .metadata and meta.pt hashed here
             if path.exists():  # the same step saved again (e.g. the last good state before a stop)
                 shutil.rmtree(path)
             os.replace(tmp, path)
@@ -254,19 +327,38 @@ def save_sharded(state: dict, meta: dict, path: str | Path) -> None:
     _barrier()
 
 
+def _gather_digests(folder: Path) -> dict[str, dict]:
+    """{file name: integrity.entry} of the DCP files of every rank (`__<rank>_*.distcp`): each
+    rank hashes its own (O(checkpoint / world) each), rank 0 receives them all."""
+    mine = {f.name: integrity.entry(f) for f in sorted(folder.glob(f"__{_rank()}_*.distcp"))}
+    if not _distributed():
+        return mine
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {name: e for part in every for name, e in part.items()}
+
+
 def load_sharded_meta(path: str | Path) -> dict:
-    """The meta dict of a DCP checkpoint directory, after checking the directory is complete."""
+    """The meta dict of a DCP checkpoint directory, after checking the directory is complete and
+    (when it has a manifest) every file against its checksum."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     for name in (".metadata", META_FILE):
         if not (path / name).is_file():
             raise CheckpointError(f"checkpoint {path} is incomplete: no {name}")
-    meta = load(path / META_FILE)
+    verified = _verify(path)  # before meta.pt or .metadata is parsed
+    meta = load(path / META_FILE, manifest=False)
+    if not verified:
+        _refuse_unfinished(path, meta)
     missing = [k for k in STATE_KEYS if k not in ("model", "optimizer") and k not in meta]
     if missing:
         raise CheckpointError(f"checkpoint {path} is not a vlp training checkpoint: missing {', '.join(missing)}")
     _check_shard_files(path)
+    if not verified:
+        warn_unverified(path, meta)
     return meta
 
 

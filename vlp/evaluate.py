@@ -17,7 +17,8 @@ def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, devi
     (train.parallel=fsdp), or an open_clip state-dict file."""
     from vlp.model import build_model, state_dict_mismatch
 
-    state = ckpt.load_sharded_full(path) if Path(path).is_dir() else ckpt.load(path)  # DCP dir or file
+    # DCP dir or file, checked against its checksum manifest (a damaged one is refused by name)
+    state, verified = (ckpt.load_sharded_full(path), True) if Path(path).is_dir() else ckpt.load_checked(path)
     if not isinstance(state, dict):
         raise ckpt.CheckpointError(f"{path} is not a checkpoint: it holds a {type(state).__name__}, not a dict of weights")
     if "model" in state and "config" in state:  # a vlp training checkpoint
@@ -55,6 +56,8 @@ def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, devi
         raise ckpt.CheckpointError(f"checkpoint {path} does not fit model '{model_cfg.name}'{hint}: "
                                    f"{state_dict_mismatch(e)}") from None
     model.eval()
+    if not verified:  # usable, but from before manifests: say so once
+        ckpt.warn_unverified(path, state)
     return model, tokenizer, eval_tf
 
 
