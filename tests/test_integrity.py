@@ -260,3 +260,27 @@ def test_dcp_checkpoint_without_manifest(dcp_copy, capsys):
     torch.save(meta, newest / "meta.pt")  # as written before manifests: loads, with a warning
     assert ckpt.latest_valid(dcp_copy)[0].name == "step_00000002"
     assert "no checksum manifest" in capsys.readouterr().err
+
+
+def _save_two_ranks(rank, world, folder):
+    """Two gloo ranks, FSDP2-sharded vlp-micro: save_sharded, each rank hashing its own file."""
+    from vlp import parallel
+    from vlp.config import LossConfig, ModelConfig
+    from vlp.model import build_model
+
+    torch.manual_seed(0)
+    model = parallel.apply_fsdp(build_model(ModelConfig(name="vlp-micro"), LossConfig())[0], "cpu", "fp32")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    meta = {"scheduler": {}, "step": 1, "epoch": 0, "batch_in_epoch": 1, "world_size": world, "rng": [], "config": {}}
+    ckpt.save_sharded(parallel.sharded_state(model, opt), meta, Path(folder) / "step_00000001")
+    return 0
+
+
+def test_two_ranks_each_hash_their_own_dcp_file(tmp_path):
+    from _dist_utils import run_distributed
+
+    run_distributed(_save_two_ranks, 2, (str(tmp_path),))
+    folder = tmp_path / "step_00000001"
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"} <= set(integrity.read_manifest(folder))
+    assert integrity.verify(folder)
+    assert ckpt.load_sharded_meta(folder)["world_size"] == 2

@@ -50,12 +50,19 @@ def atomic_save(obj, path: str | Path, manifest: bool = True) -> None:
     path = Path(path)
     if manifest and isinstance(obj, dict):
         obj = {**obj, MARK_KEY: integrity.FORMAT}
+    written = {}
+
+    def write(f) -> None:  # hashed on the way out: no second read of the file
+        out = integrity.HashingWriter(f)
+        torch.save(obj, out)
+        written[path.name] = out.entry()
+
     try:
         if manifest:  # the same step saved again: its old manifest would not fit the new bytes
             integrity.manifest_path(path).unlink(missing_ok=True)
-        atomic_write(path, lambda f: torch.save(obj, f), fsync=True)
-        if manifest:
-            integrity.write_manifest(path)
+        atomic_write(path, write, fsync=True)
+        if manifest:  # a few hundred bytes: a kill between the rename and this leaves a refused file
+            integrity.write_manifest(path, written)
     except (OSError, RuntimeError) as e:  # torch wraps a failed write in a RuntimeError
         raise CheckpointError(f"cannot write checkpoint {path}: {_reason(e)}; earlier checkpoints are unchanged") from None
 

@@ -51,6 +51,28 @@ def entry(path: str | Path) -> dict:
     return {"size": Path(path).stat().st_size, ALGORITHM: file_digest(path)}
 
 
+class HashingWriter:
+    """A write-only file wrapper that hashes what passes through (torch.save only writes
+    forward), so a checkpoint's checksum costs no second read: `entry()` once written."""
+
+    def __init__(self, f):
+        self.f, self.hash, self.size = f, hashlib.new(ALGORITHM), 0
+
+    def write(self, data) -> int:
+        self.hash.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def tell(self) -> int:
+        return self.size
+
+    def entry(self) -> dict:
+        return {"size": self.size, ALGORITHM: self.hash.hexdigest()}
+
+
 def manifest_path(path: str | Path) -> Path:
     """Where the manifest of a checkpoint file or directory lives."""
     path = Path(path)
