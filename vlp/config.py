@@ -196,6 +196,9 @@ class TrainConfig:
     processes; precision fp32 or bf16). Checkpoints become DCP directories (step_N/)."""
     wandb_project: Optional[str] = None
     """Also log to Weights & Biases under this project (needs `pip install wandb`)."""
+    break_lock: bool = False
+    """Take over output_dir's lock (vlp.lock) even when its holder cannot be shown to be gone
+    (another host's run): only once that run is known to have ended (vlp/runlock.py)."""
 
 
 @dataclass
@@ -378,6 +381,7 @@ RULES: dict[str, Rule] = {
     "train.compile": ANY,
     "train.parallel": ANY,
     "train.wandb_project": TEXT,
+    "train.break_lock": ANY,
     "eval.batch_size": POSITIVE_INT,
     "eval.suite": FILE,
 }
