@@ -232,7 +232,7 @@ def test_zero_byte_and_keyless_checkpoints_are_one_line(capsys, run_copy, tmp_pa
 
 
 @pytest.mark.parametrize("change, needle", [
-    ("model.lock_image=true", "model.lock_image=False in the checkpoint, True now"),
+    ("model.lock_image=true", "model.lock_image: False -> True (the saved model has other parameters)"),
     ("model.name=vlp-tiny", "model.name"),
 ])
 def test_changed_model_on_resume_is_one_line(capsys, run_copy, change, needle):

@@ -208,11 +208,12 @@ def remove_stale_temps(ckpt_dir: str | Path) -> list[Path]:
 
 def changed_settings(saved: dict, current: dict) -> list[str]:
     """'section.key: saved -> current' for the config keys that shape the saved state (the
-    model's parameters and which of them train): resuming across a change cannot load it."""
-    keys = ("model.name", "model.hf_text_dir", "model.lock_image", "model.lock_image_unlocked_groups",
-            "model.lock_text", "model.lock_text_unlocked_layers", "loss.name", "loss.temperature")
+    model's parameters and which of them train): resuming across a change cannot load it.
+    Which keys: vlp.resume.RESUME_RULES (shapes_state)."""
+    from vlp.resume import STATE_KEYS
+
     out = []
-    for key in keys:
+    for key in STATE_KEYS:
         section, name = key.split(".")
         old, new = (saved or {}).get(section, {}).get(name), current[section][name]
         if old != new:

@@ -40,6 +40,7 @@ import yaml
 from eval import keys
 from eval.keys import EVAL_KEYS, RECALL_KS
 from vlp.compare_report import DIAG_KEYS, aggregate, markdown_table, read_log, write_report
+from vlp import resume as resume_rules
 from vlp.config import Config, ConfigError, LossConfig, apply_overrides, from_dict, set_dotted
 
 # = configs/compare_small_batch.yaml, shipped in the package (vlp/defaults/ links to configs/)
@@ -47,9 +48,9 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "defaults" / "compare_small_b
 LOSS_NAMES = typing.get_args(typing.get_type_hints(LossConfig)["name"])
 # Grid-controlled keys: a per-loss override of these would silently break the grid.
 GRID_KEYS = ("loss.name", "data.batch_per_device", "train.seed", "train.output_dir", "train.resume")
-# Keys that may change between a finished run and a rerun without making the run stale.
-HARMLESS_KEYS = ("train.resume", "train.output_dir", "train.checkpoint_every", "train.keep_last",
-                 "train.log_every", "eval.batch_size")
+# Keys that may change between a finished run and a rerun without making the run stale: the
+# resume rules table's keys that do not change results (vlp.resume.RESUME_RULES).
+HARMLESS_KEYS = resume_rules.HARMLESS_KEYS
 
 
 # ---------------------------------------------------------------------------- grid spec
