@@ -53,7 +53,12 @@ class Preemption:
             self.received = signum
 
     def install(self) -> "Preemption":
-        """Install the handlers (main thread only: Python's rule); returns self."""
+        """Install the handlers; returns self. Off the main thread (where Python allows no
+        handlers, e.g. a trainer run from a worker thread) it installs none."""
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return self
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
