@@ -155,12 +155,11 @@ def test_kill_during_checkpoint_write_keeps_previous_loadable(tmp_path):
     time.sleep(0.3)  # now inside a later write
     child.send_signal(signal.SIGKILL)
     child.wait()
-    from vlp.checkpoint import latest_valid, load
+    from vlp.checkpoint import latest_checkpoint, load
 
-    # the newest may have been killed between its rename and its manifest: resume passes over it
-    found = latest_valid(tmp_path, load_fn=load)
-    assert found is not None and len(found[2]) <= 1
-    assert found[1]["w"].numel() == 40_000_000
+    latest = latest_checkpoint(tmp_path)  # complete even if killed before its manifest was written
+    assert latest is not None
+    assert load(latest)["w"].numel() == 40_000_000
     assert any(p.name.startswith(".") for p in tmp_path.iterdir()) or True  # a temp file may remain, never a final name
 
 

@@ -6,9 +6,9 @@ It is written to a temporary name in the same folder, fsynced, then renamed: a c
 writing leaves the previous checkpoint intact and never a half-written file under a final name.
 A manifest of SHA-256 checksums is written last (vlp.integrity: `step_N.pt.manifest.json`, or
 `manifest.json` inside a DCP directory) and checked before torch.load or DCP read a byte: a
-damaged or changed checkpoint is refused by name (resume falls back past it). A checkpoint from
-before manifests loads with a warning that it is unverified; one written since (it carries
-MARK_KEY) whose manifest is missing never finished its save and is refused.
+damaged or changed checkpoint is refused by name (resume falls back past it). A `.pt` without
+its manifest (from before manifests, or copied alone) loads with one warning that it is
+unverified; a DCP directory written with MARK_KEY whose manifest is missing is refused.
 """
 
 from __future__ import annotations
@@ -99,8 +99,6 @@ def load_checked(path: str | Path, manifest: bool = True) -> tuple[object, bool]
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated file, wrong format, pickled objects
         raise CheckpointError(f"checkpoint {path} cannot be read safely: {first_line(e)}") from None
-    if not verified:
-        _refuse_unfinished(path, state)
     return state, verified
 
 
@@ -118,22 +116,32 @@ _warned: set[str] = set()
 
 
 def _refuse_unfinished(path: Path, state) -> None:
-    """A checkpoint without a manifest that vlp wrote with one: its save was cut off before the
-    manifest (or the manifest was lost), so nothing vouches for its bytes."""
+    """A DCP directory without the manifest vlp wrote into it: the manifest is written before
+    the directory gets its final name, so it was cut off (a store without rename) or removed
+    since, and nothing vouches for the rank files. (A `.pt` is renamed whole before its sidecar
+    manifest is written, and may be copied without it: it loads unverified, with a warning.)"""
     if isinstance(state, dict) and state.get(MARK_KEY):
-        raise CheckpointError(f"checkpoint {path} has no manifest ({integrity.manifest_path(path).name}): "
-                              "its save did not finish")
+        raise CheckpointError(f"checkpoint {path} has no manifest ({integrity.DIR_MANIFEST}): "
+                              "its save did not finish or the file was removed")
 
 
 def warn_unverified(path: Path, state) -> None:
-    """One warning per file for a vlp checkpoint or export from before manifests."""
-    if isinstance(state, dict) and ("config" in state or "preprocess_cfg" in state) and str(path) not in _warned:
-        _warned.add(str(path))
-        if _rank() == 0:
-            import sys
+    """One warning per file for a vlp checkpoint or export without a manifest: from before
+    manifests, or copied without its `.manifest.json`."""
+    if not isinstance(state, dict) or str(path) in _warned:
+        return
+    if state.get(MARK_KEY):
+        why = f"{integrity.manifest_path(path).name} is missing: copied without it?"
+    elif "config" in state or "preprocess_cfg" in state:
+        why = "written before vlp kept them"
+    else:
+        return  # someone else's weights file: nothing was promised
+    _warned.add(str(path))
+    if _rank() == 0:
+        import sys
 
-            print(f"vlp: warning: checkpoint {path} has no checksum manifest (written before vlp kept them): "
-                  "loaded unverified", file=sys.stderr, flush=True)
+        print(f"vlp: warning: checkpoint {path} has no checksum manifest ({why}): loaded unverified",
+              file=sys.stderr, flush=True)
 
 
 def check_state(state, path: str | Path) -> dict:
