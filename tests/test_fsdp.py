@@ -194,7 +194,8 @@ def test_dcp_reshards_two_ranks_to_one(runs):
     from vlp import parallel
 
     path = runs / "fsdp" / "checkpoints" / "step_00000012"
-    assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json",
+                                                      "meta.pt"]
     meta = ckpt.load_valid(path)
     assert meta["step"] == 12 and meta["world_size"] == 2 and len(meta["rng"]) == 2 and "model" not in meta
     full_model, full_optim = torch.load(runs / "fsdp_full_state.pt", weights_only=True)
