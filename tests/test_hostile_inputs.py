@@ -596,6 +596,13 @@ def test_over_long_path_component_is_one_line(capsys, tmp_path, key):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("flag", ["--classes", "--imagenet"])
+def test_over_long_eval_folder_is_one_line(capsys, tmp_path, exported, flag):
+    rc, _, err = run(capsys, "eval", "--checkpoint", exported, "--model", "vlp-micro", flag, tmp_path / ("d" * 300),
+                     "--out", tmp_path / "eval", "--device", "cpu")
+    one_error(rc, err, flag, "File name too long")
+
+
 def test_class_level_symlink_cycle_is_one_line(capsys, tmp_path, exported):
     root = _class_root(tmp_path)
     os.symlink("loop_b", root / "loop_a")  # two class folders pointing at each other
