@@ -4,7 +4,6 @@ is really trained with (the loaded optimizer and scheduler state would keep the 
 import json
 
 import pytest
-import torch
 
 from vlp import resume
 from vlp.cli import main

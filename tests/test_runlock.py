@@ -138,7 +138,8 @@ def test_second_vlp_train_on_a_locked_folder_is_one_line_and_writes_nothing(tmp_
     proc = holder(out)
     try:
         before = sorted(p.name for p in out.iterdir())
-        args = ["-m", "vlp", "train", "-c", str(REPO / "configs/demo.yaml"), f"data.train_shards={tiny_shards['train']}",
+        args = ["-m", "vlp", "train", "-c", str(REPO / "configs/demo.yaml"),
+                f"data.train_shards={tiny_shards['train']}",
                 f"train.output_dir={out}", "model.name=vlp-micro", "train.samples=32", "data.batch_per_device=16"]
         res = subprocess.run([sys.executable, *args], cwd=REPO, env=run_env(), capture_output=True, text=True,
                              timeout=300)

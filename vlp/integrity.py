@@ -136,7 +136,8 @@ def verify(path: str | Path, names: Optional[list[str]] = None) -> bool:
         if size != expected.get("size"):
             raise IntegrityError(f"{file} holds {size} bytes, its manifest says {expected.get('size')}")
         if file_digest(file) != expected.get(ALGORITHM):
-            raise IntegrityError(f"{file} does not match its {ALGORITHM} checksum (damaged or changed since it was written)")
+            raise IntegrityError(f"{file} does not match its {ALGORITHM} checksum "
+                                 "(damaged or changed since it was written)")
     return True
 
 
