@@ -658,3 +658,10 @@ def test_16_bit_pngs_are_scaled_to_8_bits_not_clipped(tmp_path):
     assert im.mode == "RGB"  # PIL keeps the high byte of 16-bit RGB: no clipping to handle
     pixels = np.asarray(decode_rgb(_png16_rgb(rgb16)))
     assert np.abs(pixels.astype(int) - (rgb16 >> 8)).max() == 0
+
+
+def test_duplicate_key_in_a_compare_config_is_one_line(capsys, tmp_path):
+    cfg = tmp_path / "grid.yaml"
+    cfg.write_text("grid:\n  losses: [infonce]\n  seeds: [0]\n  losses: [flatnce]\n")
+    rc, _, err = run(capsys, "compare", "-c", cfg, "--report-only")
+    one_error(rc, err, "duplicate key 'losses' on line 4 (first on line 2)")

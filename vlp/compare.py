@@ -41,7 +41,7 @@ from eval import keys
 from eval.keys import EVAL_KEYS, RECALL_KS
 from vlp.compare_report import DIAG_KEYS, aggregate, markdown_table, read_log, write_report
 from vlp import resume as resume_rules
-from vlp.config import Config, ConfigError, LossConfig, apply_overrides, from_dict, set_dotted
+from vlp.config import Config, ConfigError, LossConfig, apply_overrides, from_dict, load_yaml, set_dotted
 
 # = configs/compare_small_batch.yaml, shipped in the package (vlp/defaults/ links to configs/)
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "defaults" / "compare_small_batch.yaml"
@@ -220,7 +220,7 @@ def load_compare_config(path: str | Path, overrides: Sequence[str] = (), quick: 
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config: no such file: {path}")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = load_yaml(path.read_text(), str(path)) or {}  # a duplicate key is refused, not overwritten
     quick_sets = data.pop("quick", None)
     if quick:
         if not isinstance(quick_sets, dict) or not quick_sets:
