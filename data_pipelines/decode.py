@@ -16,7 +16,12 @@ s = 1 is bit-identical to the plain transform. The transforms after the crop run
 
 Everything else (non-JPEG images, transforms that do not start with a RandomResizedCrop,
 such as eval's Resize + CenterCrop, or an explicit ``decode_size``) takes the plain path:
-``decode_image`` then the transform.
+``decode_rgb`` then the transform.
+
+Every decoded image becomes RGB through ``to_rgb``, which scales 16-bit greyscale (PIL modes
+I;16 and I, e.g. a 16-bit PNG) to 8 bits instead of letting ``convert('RGB')`` clip every value
+above 255 to white. 16-bit RGB(A) PNGs need nothing: PIL opens them as RGB(A), keeping the high
+byte of each sample.
 """
 
 from __future__ import annotations
@@ -27,14 +32,39 @@ from collections.abc import Callable
 
 import torch
 
-from data_pipelines.tars import decode_image
-
 DCT_SCALES = (8, 4, 2, 1)  # the reductions libjpeg's DCT scaling offers through PIL's draft()
 
 
 def dct_scale(box_w: int, box_h: int, out_w: int, out_h: int) -> int:
     """Largest s in DCT_SCALES with box_w / s >= out_w and box_h / s >= out_h (1 if none)."""
     return next(s for s in DCT_SCALES if box_w >= s * out_w and box_h >= s * out_h or s == 1)
+
+
+WIDE_GREY_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # PIL's 16/32-bit integer greyscale
+
+
+def to_rgb(image):
+    """PIL image -> RGB. Integer greyscale wider than 8 bits is read as 16-bit (0..65535, the
+    range PNG and TIFF give; PIL opens a 16-bit PNG as I;16 or, in older versions, I) and
+    scaled to 0..255 with rounding, not clipped at 255."""
+    if image.mode not in WIDE_GREY_MODES:
+        return image.convert("RGB")
+    import numpy as np
+    from PIL import Image
+
+    wide = np.asarray(image).astype(np.int64).clip(0, 65535)
+    grey = ((wide * 255 + 32767) // 65535).astype(np.uint8)
+    return Image.fromarray(grey, mode="L").convert("RGB")
+
+
+def decode_rgb(data: bytes, decode_size: int | None = None):
+    """PIL RGB image from bytes (`to_rgb`); JPEGs are DCT-downscaled while both sides stay >= size."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(data))
+    if decode_size and image.format == "JPEG":
+        image.draft("RGB", (decode_size, decode_size))
+    return to_rgb(image)
 
 
 class PlainDecoder:
@@ -46,7 +76,7 @@ class PlainDecoder:
 
     def decode(self, data: bytes):
         """Everything that can fail on bad bytes (the caller replaces such samples)."""
-        return decode_image(data, self.decode_size)
+        return decode_rgb(data, self.decode_size)
 
     def finish(self, decoded):
         return self.transform(decoded)
@@ -64,14 +94,14 @@ class CropFirst:
 
     def decode(self, data: bytes):
         """(reduced RGB image, scale s, crop box (i, j, h, w) in full-size pixels), or a plain
-        decoded image for non-JPEG bytes. Raises on bad bytes like ``decode_image``; the
+        decoded image for non-JPEG bytes. Raises on bad bytes like ``decode_rgb``; the
         box's RNG draws are then undone, so a failed image consumes no randomness (as on
         the plain path, where the transform never runs for it)."""
         from PIL import Image
 
         image = Image.open(io.BytesIO(data))
         if image.format != "JPEG":
-            return image.convert("RGB")
+            return to_rgb(image)
         state = torch.random.get_rng_state()
         try:
             # get_params reads only .size (the header's), so the box equals the plain path's

@@ -63,8 +63,10 @@ def open_rgb(source) -> Image.Image | Skip:
     import io
 
     try:
+        from data_pipelines.decode import to_rgb
+
         with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as im:
-            return im.convert("RGB")
+            return to_rgb(im)  # 16-bit greyscale scaled to 8 bits, not clipped to white
     except Image.DecompressionBombError:
         return Skip("too_large")
     except (OSError, ValueError, SyntaxError, EOFError, Image.UnidentifiedImageError):
@@ -105,7 +107,16 @@ def collate_labeled(items: list) -> tuple[torch.Tensor, torch.Tensor, dict[str, 
 def _class_dirs(root: Union[str, os.PathLike]) -> list[str]:
     if not os.path.isdir(root):
         raise FileNotFoundError(f"dataset root {root} is not a directory")
-    dirs = sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith("."))
+    dirs = []
+    for entry in os.scandir(root):
+        try:
+            is_dir = entry.is_dir()
+        except OSError as e:  # a class-level symlink loop (ELOOP): its label cannot be used
+            raise ValueError(f"class folder {entry.path} cannot be opened: {e.strerror}; "
+                             "fix or remove that link (a class left out would change the metric)") from None
+        if is_dir and not entry.name.startswith("."):
+            dirs.append(entry.name)
+    dirs.sort()
     if not dirs:
         raise ValueError(f"{root} has no class folders")
     return dirs

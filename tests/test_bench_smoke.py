@@ -28,6 +28,7 @@ CASES = {  # longest first: they start first
     "eval_cost.py": ["--quick"],
     "augment_equivalence.py": ["--quick"],
     "fsdp_cost.py": ["--quick"],
+    "checksum_cost.py": ["--quick"],
 }
 
 EXPECTED = {
@@ -49,6 +50,8 @@ EXPECTED = {
                      "eval_retrieval_speedup trim", "eval_trim_max_abs_diff"],
     "remote_loading.py": ["remote_images_per_s local", "remote_images_per_s http", "remote_ratio http/local"],
     "fsdp_cost.py": ["fsdp_step_time_ratio fsdp/ddp", "fsdp_bytes_per_rank_ratio fsdp/ddp"],
+    "checksum_cost.py": ["checksum_verify_s_per_gb vlp-micro", "checksum_verify_s_per_gb 50MB",
+                         "checksum_save_overhead 50MB", "checksum_load_overhead 50MB"],
     "scaling.py": ["scaling_samples_per_s 1proc", "scaling_samples_per_s 2proc", "scaling_ratio 2proc/1proc"],
     "gpu_bench.py": ["gpu_synthetic_samples_per_s vlp", "gpu_synthetic_samples_per_s open_clip",
                      "gpu_synthetic_ratio vlp/open_clip", "gpu_flops_per_step", "gpu_real_ratio vlp/open_clip"],

@@ -111,7 +111,7 @@ def test_fsdp_params_are_dtensor_shards(runs):
 
 def test_fsdp_equals_ddp(runs):
     for name in ("fsdp", "ddp"):
-        ckpts = sorted(p.name for p in (runs / name / "checkpoints").iterdir())
+        ckpts = sorted(p.name for p in (runs / name / "checkpoints").iterdir() if not p.name.endswith(".manifest.json"))
         suffix = "" if name == "fsdp" else ".pt"
         assert ckpts == [f"step_{s:08d}{suffix}" for s in (4, 8, 12)], ckpts
     worst = _max_diff(_weights(runs / "fsdp"), _weights(runs / "ddp"))
@@ -194,7 +194,8 @@ def test_dcp_reshards_two_ranks_to_one(runs):
     from vlp.train import parallel
 
     path = runs / "fsdp" / "checkpoints" / "step_00000012"
-    assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json",
+                                                      "meta.pt"]
     meta = ckpt.load_valid(path)
     assert meta["step"] == 12 and meta["world_size"] == 2 and len(meta["rng"]) == 2 and "model" not in meta
     full_model, full_optim = torch.load(runs / "fsdp_full_state.pt", weights_only=True)
@@ -267,7 +268,7 @@ def test_trainer_resumes_a_two_rank_dcp_checkpoint_in_one_process(runs, tiny_sha
 def test_incomplete_dcp_checkpoints_are_refused_by_name(runs, tmp_path):
     from vlp.train import checkpoint as ckpt
 
-    for broken, what in [("__1_0.distcp", "__1_0.distcp should hold"), (".metadata", "no .metadata"),
+    for broken, what in [("__1_0.distcp", "__1_0.distcp holds .* bytes, its manifest says"), (".metadata", "no .metadata"),
                          ("meta.pt", "no meta.pt")]:
         path = tmp_path / broken / "step_00000008"
         shutil.copytree(runs / "fsdp" / "checkpoints" / "step_00000008", path)

@@ -222,7 +222,7 @@ def test_zero_byte_and_keyless_checkpoints_are_one_line(capsys, run_copy, tmp_pa
     one_error(rc, err, str(empty), "is empty (0 bytes)")
     keyless = tmp_path / "keyless.pt"
     state = torch.load(out / "checkpoints" / "step_00000002.pt", weights_only=True)
-    torch.save({k: v for k, v in state.items() if k not in ("world_size", "rng")}, keyless)
+    torch.save({k: v for k, v in state.items() if k not in ("world_size", "rng", "integrity")}, keyless)
     rc, _, err = run(capsys, *train(shards, tmp_path / "r2", f"train.resume={keyless}"))
     one_error(rc, err, "missing world_size, rng")
     foreign = tmp_path / "list.pt"
@@ -232,7 +232,7 @@ def test_zero_byte_and_keyless_checkpoints_are_one_line(capsys, run_copy, tmp_pa
 
 
 @pytest.mark.parametrize("change, needle", [
-    ("model.lock_image=true", "model.lock_image=False in the checkpoint, True now"),
+    ("model.lock_image=true", "model.lock_image: False -> True (the saved model has other parameters)"),
     ("model.name=vlp-tiny", "model.name"),
 ])
 def test_changed_model_on_resume_is_one_line(capsys, run_copy, change, needle):
@@ -256,7 +256,7 @@ def test_resume_falls_back_past_corrupt_checkpoints_and_cleans_temps(capsys, run
     rc, stdout, err = run(capsys, *train(shards, out, "train.resume=latest", "train.samples=96"))
     assert rc == 0, err[-2000:]
     assert f"removed {stale.name}" in stdout and not stale.exists()
-    assert "step_00000004.pt cannot be read safely" in stdout and "step_00000003.pt is empty" in stdout
+    assert "step_00000004.pt holds 5000 bytes, its manifest says" in stdout and "step_00000003.pt is empty" in stdout
     assert "falling back to step_00000002.pt" in stdout and "resumed from" in stdout
     assert (ckpts / "step_00000004.pt.corrupt").stat().st_size == 5000  # kept for inspection
     assert (ckpts / "step_00000003.pt.corrupt").exists()
@@ -338,7 +338,7 @@ def test_nonfinite_weights_are_never_saved(tiny_shards, tmp_path):
         t.train()
     first = tmp_path / "checkpoints" / "step_00000001.pt"
     assert "not finite" in str(e.value) and str(first) in str(e.value)
-    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [first.name]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [first.name, f"{first.name}.manifest.json"]
 
 
 # ----------------------------------------------------------------------------- model files
@@ -551,3 +551,117 @@ def test_csv_rows_pointing_at_special_files_are_counted(capsys, tmp_path, image_
     rc, stdout, err = run(capsys, "shards", tmp_path / "pairs.tsv", tmp_path / "out")
     assert rc == 0, err
     assert "wrote 1 samples" in stdout and "missing_image=1, special_file=4" in stdout, stdout
+
+
+# ----------------------------------------------------------------------------- issue 21: the last tracebacks
+@pytest.mark.parametrize("text, needle", [
+    ("optim:\n  lr: 1.0e-3\n  warmup_steps: 2\n  lr: 1.0e-5\n", "duplicate key 'lr' on line 4 (first on line 2)"),
+    ("optim: {lr: 1}\ntrain: {seed: 1}\noptim: {lr: 2}\n", "duplicate key 'optim' on line 3 (first on line 1)"),
+    ("model:\n  name: " + "m" * 10_000_000 + "\n", "model.name must be a non-empty string of at most 4096"),
+])
+def test_duplicate_yaml_keys_and_huge_values_are_one_short_line(capsys, tmp_path, text, needle):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    rc, _, err = run(capsys, "train", "-c", cfg, "data.train_shards=x.tar", f"train.output_dir={tmp_path / 'run'}")
+    line = one_error(rc, err, needle)
+    assert len(line) < 400
+    assert not (tmp_path / "run").exists()
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path):
+    from vlp.config import load_config
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("base: &b {lr: 1.0e-3, warmup_steps: 3}\noptim:\n  <<: *b\n  lr: 2.0e-3\n")
+    with pytest.raises(Exception, match="unknown key 'base'"):  # merge keys work; 'base' is just not a section
+        load_config(cfg)
+
+
+def test_every_error_line_is_capped():
+    from data_pipelines.messages import MAX_LINE, cap, first_line
+
+    long = "unknown model " + "x" * 10_000_000 + " (see vlp/model_configs)"
+    short = cap(long)
+    assert len(short) <= MAX_LINE and short.startswith("unknown model xxx") and short.endswith("(see vlp/model_configs)")
+    assert f"({len(long)} chars)" in short
+    assert len(first_line(ValueError(long))) <= MAX_LINE
+    assert cap("fits") == "fits"
+
+
+@pytest.mark.parametrize("key", ["train.output_dir", "eval.suite", "train.resume", "model.pretrained"])
+def test_over_long_path_component_is_one_line(capsys, tmp_path, key):
+    value = tmp_path / ("d" * 300) / "x.yaml"
+    rc, _, err = run(capsys, *train("x.tar", tmp_path / "run", f"{key}={value}"))
+    one_error(rc, err, f"{key} has a path component of 300 bytes", "allows 255")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flag", ["--classes", "--imagenet"])
+def test_over_long_eval_folder_is_one_line(capsys, tmp_path, exported, flag):
+    rc, _, err = run(capsys, "eval", "--checkpoint", exported, "--model", "vlp-micro", flag, tmp_path / ("d" * 300),
+                     "--out", tmp_path / "eval", "--device", "cpu")
+    one_error(rc, err, flag, "File name too long")
+
+
+def test_class_level_symlink_cycle_is_one_line(capsys, tmp_path, exported):
+    root = _class_root(tmp_path)
+    os.symlink("loop_b", root / "loop_a")  # two class folders pointing at each other
+    os.symlink("loop_a", root / "loop_b")
+    for flag in ("--classes", "--imagenet"):
+        rc, _, err = run(capsys, "eval", "--checkpoint", exported, "--model", "vlp-micro", flag, root,
+                         "--out", tmp_path / "eval", "--device", "cpu")
+        one_error(rc, err, "class folder", "loop_", "Too many levels of symbolic links")
+        assert not (tmp_path / "eval").exists()
+
+
+def _png16_rgb(rgb16) -> bytes:
+    """A 16-bit-per-channel RGB PNG (PIL cannot write one), from a (H, W, 3) uint16 array."""
+    import struct
+    import zlib
+
+    import numpy as np
+
+    h, w, _ = rgb16.shape
+    raw = b"".join(b"\0" + rgb16[y].astype(">u2").tobytes() for y in range(h))
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    assert rgb16.dtype == np.uint16
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+
+def test_16_bit_pngs_are_scaled_to_8_bits_not_clipped(tmp_path):
+    import numpy as np
+    from torchvision import transforms as T
+
+    from data_pipelines.decode import CropFirst, PlainDecoder, decode_rgb, to_rgb
+    from eval.datasets import open_rgb
+
+    ramp = (np.arange(32 * 32, dtype=np.uint32).reshape(32, 32) * 64).astype(np.uint16)  # 0 .. 65472
+    buf = io.BytesIO()
+    Image.fromarray(ramp).save(buf, format="PNG")
+    grey16 = buf.getvalue()
+    assert Image.open(io.BytesIO(grey16)).mode in ("I;16", "I")
+    assert np.asarray(Image.open(io.BytesIO(grey16)).convert("RGB")).mean() > 250  # what PIL alone gives: white
+    expected = np.round(ramp.astype(np.float64) / 257).astype(np.uint8)
+    for image in (decode_rgb(grey16), open_rgb(grey16), PlainDecoder(lambda x: x).decode(grey16),
+                  CropFirst(T.RandomResizedCrop(16), []).decode(grey16)):
+        pixels = np.asarray(image)
+        assert image.mode == "RGB" and np.abs(pixels[..., 0].astype(int) - expected).max() <= 1
+        assert (pixels[..., 0] == pixels[..., 2]).all()
+    as_i = np.asarray(to_rgb(Image.fromarray(ramp.astype(np.int32), mode="I")))[..., 0]  # mode I: same scale
+    assert np.abs(as_i.astype(int) - expected).max() <= 1
+    rgb16 = np.stack([ramp, 65535 - ramp, np.full_like(ramp, 32896)], axis=-1)
+    im = Image.open(io.BytesIO(_png16_rgb(rgb16)))
+    assert im.mode == "RGB"  # PIL keeps the high byte of 16-bit RGB: no clipping to handle
+    pixels = np.asarray(decode_rgb(_png16_rgb(rgb16)))
+    assert np.abs(pixels.astype(int) - (rgb16 >> 8)).max() == 0
+
+
+def test_duplicate_key_in_a_compare_config_is_one_line(capsys, tmp_path):
+    cfg = tmp_path / "grid.yaml"
+    cfg.write_text("grid:\n  losses: [infonce]\n  seeds: [0]\n  losses: [flatnce]\n")
+    rc, _, err = run(capsys, "compare", "-c", cfg, "--report-only")
+    one_error(rc, err, "duplicate key 'losses' on line 4 (first on line 2)")

@@ -196,12 +196,18 @@ def peer_failure(error: BaseException) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from data_pipelines.messages import cap
+    from vlp.train.preempt import EXIT_PREEMPTED, Preempted
+
     try:
         return args.func(args)
+    except Preempted as e:  # saved; the scheduler requeues on this status (launch/slurm.sbatch)
+        print(f"vlp: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except USER_ERRORS as e:
         if os.environ.get("VLP_DEBUG"):
             raise
-        print(f"vlp: error: {user_message(e)}", file=sys.stderr)
+        print(f"vlp: error: {cap(user_message(e))}", file=sys.stderr)
         return 2
     except OSError as e:
         # a full or read-only disk while writing logs, configs or results: the user's to fix

@@ -200,6 +200,9 @@ class TrainConfig:
     processes; precision fp32 or bf16). Checkpoints become DCP directories (step_N/)."""
     wandb_project: Optional[str] = None
     """Also log to Weights & Biases under this project (needs `pip install wandb`)."""
+    break_lock: bool = False
+    """Take over output_dir's lock (vlp.lock) even when its holder cannot be shown to be gone
+    (another host's run): only once that run is known to have ended (vlp/train/runlock.py)."""
 
 
 @dataclass
@@ -223,6 +226,11 @@ class Config:
     def validate(self) -> "Config":
         """Check every field against its rule in RULES, then the rules that join fields.
         Runs before any work (load_config), so a bad value never reaches the trainer."""
+        for key in PATH_KEYS:
+            value = _get(self, key)
+            why = _path_problem(value) if isinstance(value, str) and value else None
+            if why:
+                raise ConfigError(f"config: {key} {why}")
         for key, rule in RULES.items():
             rule.check(key, _get(self, key))
         if self.loss.temperature is None:
@@ -311,6 +319,8 @@ def _weights_ok(text: str) -> bool:
 
 ANY = Rule("a value of its type", lambda v: True)  # bools and choices: the type check says it all
 TEXT = Rule("a non-empty string", lambda v: bool(v.strip()), ("", "  "))
+NAME = Rule("a non-empty string of at most 4096 characters", lambda v: bool(v.strip()) and len(v) <= 4096,
+            ("", "  "))  # the length limit: tests/test_hostile_inputs.py (a long value prints shortened)
 FILE = Rule("an existing file", lambda v: Path(v).is_file(), ("/nonexistent/vlp-file",))
 POSITIVE_INT = number(0, lo_open=True, integer=True)
 WEIGHTS = Rule("an existing file, hf-hub:org/name or an open_clip pretrained tag",
@@ -319,7 +329,7 @@ COUNT = number(0, integer=True)
 
 RULES: dict[str, Rule] = {
     # one line per field of every config dataclass (tests/test_config_rules.py checks coverage)
-    "model.name": TEXT,
+    "model.name": NAME,
     "model.pretrained": WEIGHTS,
     "model.image_pretrained": WEIGHTS,
     "model.text_pretrained": WEIGHTS,
@@ -382,6 +392,7 @@ RULES: dict[str, Rule] = {
     "train.compile": ANY,
     "train.parallel": ANY,
     "train.wandb_project": TEXT,
+    "train.break_lock": ANY,
     "eval.batch_size": POSITIVE_INT,
     "eval.suite": FILE,
 }
@@ -478,6 +489,74 @@ def set_dotted(tree: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping with the same key twice (PyYAML keeps the last one
+    silently: `lr: 1e-3` ... `lr: 1e-5` would train with whichever came second)."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict = {}
+    for key_node, _ in node.value:  # the keys written here (a key may override one merged by <<)
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        try:
+            if key in seen:
+                raise ConfigError(f"duplicate key {_short(key)} on line {line} (first on line {seen[key]})")
+            seen[key] = line
+        except TypeError:  # an unhashable key: the base constructor names it
+            break
+    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def load_yaml(text: str, source: str = "config") -> Any:
+    """Parse YAML like yaml.safe_load, but a mapping with a duplicate key is a ConfigError
+    '<source>: duplicate key 'lr' on line 9 (first on line 4)' (for config, suite and compare files)."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except ConfigError as e:
+        raise ConfigError(f"config: {source}: {e}") from None
+
+
+def _path_problem(value: str) -> Optional[str]:
+    """Why `value` cannot be a path on this system (a component over the file system's name
+    limit, the whole over PATH_MAX), else None: caught here, not as an OSError traceback later."""
+    import os
+
+    parts = [p for p in Path(value).parts if p not in ("/", "")]
+    try:
+        limit = os.pathconf(_existing_parent(value), "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    for part in parts:
+        size = len(os.fsencode(part))
+        if size > limit:
+            return f"has a path component of {size} bytes ({_short(part, 40)}); the file system allows {limit}"
+    if len(os.fsencode(value)) > 4095:
+        return f"is {len(os.fsencode(value))} bytes long; paths are limited to 4095"
+    return None
+
+
+def _existing_parent(value: str) -> str:
+    path = Path(value).absolute()
+    for parent in [path, *path.parents]:
+        try:
+            if parent.is_dir():
+                return str(parent)
+        except OSError:
+            continue
+    return "/"
+
+
+PATH_KEYS = ("model.pretrained", "model.image_pretrained", "model.text_pretrained", "model.hf_text_dir",
+             "train.output_dir", "train.resume", "eval.suite")
+"""Fields holding a local path (or a tag): checked by `_path_problem` before their rules."""
+
+
 def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
     """YAML file (optional) + dotted overrides → validated Config."""
     data: dict = {}
@@ -486,9 +565,9 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
         if not path.is_file():
             raise ConfigError(f"config: no such file: {path}")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = load_yaml(path.read_text(), str(path)) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config: {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+            raise ConfigError(f"config: {path} is not valid YAML: {_short(str(e).splitlines()[0], 200)}") from None
         except UnicodeDecodeError:
             raise ConfigError(f"config: {path} is not UTF-8 text") from None
         if not isinstance(data, dict):

@@ -17,7 +17,8 @@ def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, devi
     (train.parallel=fsdp), or an open_clip state-dict file."""
     from vlp.models.model import build_model, state_dict_mismatch
 
-    state = ckpt.load_sharded_full(path) if Path(path).is_dir() else ckpt.load(path)  # DCP dir or file
+    # DCP dir or file, checked against its checksum manifest (a damaged one is refused by name)
+    state, verified = (ckpt.load_sharded_full(path), True) if Path(path).is_dir() else ckpt.load_checked(path)
     if not isinstance(state, dict):
         raise ckpt.CheckpointError(f"{path} is not a checkpoint: it holds a {type(state).__name__}, not a dict of weights")
     if "model" in state and "config" in state:  # a vlp training checkpoint
@@ -55,6 +56,8 @@ def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, devi
         raise ckpt.CheckpointError(f"checkpoint {path} does not fit model '{model_cfg.name}'{hint}: "
                                    f"{state_dict_mismatch(e)}") from None
     model.eval()
+    if not verified:  # usable, but from before manifests: say so once
+        ckpt.warn_unverified(path, state)
     return model, tokenizer, eval_tf
 
 
@@ -75,6 +78,21 @@ def load_published(model_name: str, pretrained: Optional[str], device: str = "cp
     return model.eval(), tokenizer, eval_tf
 
 
+def _is_dir(path: str, flag: str) -> bool:
+    """Path.is_dir, with the OS errors it passes on (a name over 255 bytes, a symlink loop, no
+    permission) as one ValueError line naming the flag."""
+    import os
+
+    try:
+        return Path(path).is_dir()
+    except OSError as e:
+        raise ValueError(f"{flag} {_clip(path)}: {os.strerror(e.errno) if e.errno else e}") from None
+
+
+def _clip(path: str, limit: int = 120) -> str:
+    return path if len(path) <= limit else path[:limit - 3] + "..."
+
+
 def build_suite(suite: Optional[str], shards: Optional[str], imagenet: Optional[str], templates: str,
                 batch_size: int, precision: str, classes: Sequence[str] = (), wds: Sequence[str] = ()) -> dict:
     """The suite `vlp eval` runs: --suite's file plus one entry per --shards, --imagenet, --classes
@@ -87,11 +105,11 @@ def build_suite(suite: Optional[str], shards: Optional[str], imagenet: Optional[
     if shards:
         spec.setdefault("retrieval", []).append({"name": "retrieval", "shards": shards})
     if imagenet:
-        if not Path(imagenet).is_dir():
+        if not _is_dir(imagenet, "--imagenet"):
             raise FileNotFoundError(f"ImageNet val folder not found: {imagenet}")
         spec.setdefault("classification", []).append({"name": "imagenet", "root": imagenet, "templates": templates})
     for folder in classes:
-        if not Path(folder).is_dir():
+        if not _is_dir(folder, "--classes"):
             raise FileNotFoundError(f"--classes: no such folder: {folder}")
         spec.setdefault("classification", []).append(
             {"name": Path(folder).resolve().name, "type": "folder", "root": folder, "templates": templates})

@@ -233,7 +233,7 @@ def test_compact_rest_reads_as_its_explicit_form(uneven, stop_after):
         consumed += keys_of([next(batches) for _ in range(stop_after)])
         rests.append(run.rest_of_epoch(0))
         batches.close()
-    joined = [p for rest in rests for p in rest]  # what vlp.resume concatenates
+    joined = [p for rest in rests for p in rest]  # what vlp.train.resume concatenates
     assert any(p[0] == SEQ for p in joined)
     explicit = loader(uneven, batch_size=4).plan.expand(joined)
     assert all(shard >= 0 for shard, _, _ in explicit)

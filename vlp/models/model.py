@@ -275,6 +275,9 @@ def load_pretrained(clip: nn.Module, source: str, model_name: str = "") -> None:
     path = towers.resolve_weights(source, model_name) if model_name else source
     if not Path(path).is_file():
         raise FileNotFoundError(f"model.pretrained: no such file: {path}")
+    from vlp.integrity import check_weights_file
+
+    check_weights_file(path, "model.pretrained")  # a vlp export's checksums, before unpickling
     try:
         open_clip.load_checkpoint(clip, path)
     except Exception as e:  # UnpicklingError, RuntimeError (size mismatch), KeyError, StopIteration, ...
@@ -306,8 +309,12 @@ def export_open_clip(model: DualEncoder, path: str | Path) -> None:
     """Write the open_clip state dict so `open_clip.create_model(name, pretrained=path)` loads it;
     "preprocess_cfg" (open_clip's hub-config name) keeps the tower's image preprocessing for
     `vlp eval`."""
+    from vlp.integrity import manifest_path, write_manifest
+
     state = {k: v.detach().cpu() for k, v in model.clip.state_dict().items()}
+    manifest_path(path).unlink(missing_ok=True)  # an older export's: never beside the new bytes
     torch.save({"state_dict": state, "preprocess_cfg": dict(model.preprocess)}, path)
+    write_manifest(path)  # last: readers (vlp eval, model.pretrained) check the bytes against it
 
 
 def save_model_config(name: str, path: str | Path) -> None:

@@ -39,8 +39,9 @@ import yaml
 
 from eval import keys
 from eval.keys import EVAL_KEYS, RECALL_KS
+from vlp.config import (PACKAGED_DEFAULTS, Config, ConfigError, LossConfig, apply_overrides, from_dict, load_yaml,
+                        set_dotted)
 from vlp.study.report import DIAG_KEYS, aggregate, markdown_table, read_log, write_report
-from vlp.config import PACKAGED_DEFAULTS, Config, ConfigError, LossConfig, apply_overrides, from_dict, set_dotted
 from vlp.study.runs import (_flatten, broadcast, embedded_shards, plan_runs, run_config, run_one, stale_key,  # noqa: F401
                             steps_for)
 
@@ -207,7 +208,7 @@ def load_compare_config(path: str | Path, overrides: Sequence[str] = (), quick: 
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config: no such file: {path}")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = load_yaml(path.read_text(), str(path)) or {}  # a duplicate key is refused, not overwritten
     quick_sets = data.pop("quick", None)
     if quick:
         if not isinstance(quick_sets, dict) or not quick_sets:

@@ -17,10 +17,11 @@ from typing import Any, Callable, Optional
 import yaml
 
 from vlp.config import Config, ConfigError, from_dict, set_dotted
+from vlp.train import resume as resume_rules
 
-# Keys that may change between a finished run and a rerun without making the run stale.
-HARMLESS_KEYS = ("train.resume", "train.output_dir", "train.checkpoint_every", "train.keep_last",
-                 "train.log_every", "eval.batch_size")
+# Keys that may change between a finished run and a rerun without making the run stale: the
+# resume rules table's keys that do not change results (vlp.train.resume.RESUME_RULES).
+HARMLESS_KEYS = resume_rules.HARMLESS_KEYS
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:

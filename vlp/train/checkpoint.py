@@ -4,6 +4,11 @@ A checkpoint is one `torch.save` file of plain tensors and containers, so it is 
 `torch.load(weights_only=True)`: nothing from a file is unpickled as an arbitrary object.
 It is written to a temporary name in the same folder, fsynced, then renamed: a crash while
 writing leaves the previous checkpoint intact and never a half-written file under a final name.
+A manifest of SHA-256 checksums is written last (vlp.integrity: `step_N.pt.manifest.json`, or
+`manifest.json` inside a DCP directory) and checked before torch.load or DCP read a byte: a
+damaged or changed checkpoint is refused by name (resume falls back past it). A `.pt` without
+its manifest (from before manifests, or copied alone) loads with one warning that it is
+unverified; a DCP directory written with MARK_KEY whose manifest is missing is refused.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ from typing import Optional
 import torch
 
 from data_pipelines.messages import first_line
-from vlp.distributed import barrier, get_rank, is_distributed
+from vlp import integrity
+from vlp.distributed import barrier, gather_object, get_rank, is_distributed
 
 CKPT_RE = re.compile(r"^step_(\d+)(\.pt)?$")  # step_N.pt file (replicated) or step_N/ DCP directory (sharded)
 META_FILE = "meta.pt"  # a DCP checkpoint's non-tensor state (step, RNG, config, ...), written by rank 0
+MARK_KEY = "integrity"  # in every checkpoint vlp writes with a manifest: its manifest must exist
 
 
 class CheckpointError(ValueError):
@@ -30,17 +37,33 @@ class CheckpointError(ValueError):
 
 
 STATE_KEYS = ("model", "optimizer", "scheduler", "step", "epoch", "batch_in_epoch", "world_size", "rng", "config")
-TEMP_PATTERN = r"\.(step_\d+\.pt)\.tmp-(\d+)"  # atomic_save's temp name; the last group is the PID
+# atomic_save's temp names (the checkpoint's and its manifest's); the last group is the PID
+TEMP_PATTERN = r"\.(step_\d+\.pt(?:\.manifest\.json)?)\.tmp-(\d+)"
 
 
-def atomic_save(obj, path: str | Path) -> None:
-    """Write `obj` to `path` through a fsynced temp file and a rename. A failed write (disk full,
-    quota, I/O error) removes the temp file and raises CheckpointError: `path` and every earlier
-    checkpoint stay as they were."""
+def atomic_save(obj, path: str | Path, manifest: bool = True) -> None:
+    """Write `obj` to `path` through a fsynced temp file and a rename, then (manifest) its
+    checksum manifest, last. A dict `obj` is saved with MARK_KEY, so a later load knows a
+    manifest must exist. A failed write (disk full, quota, I/O error) removes the temp file and
+    raises CheckpointError: every earlier checkpoint stays as it was."""
     from data_pipelines.tempfiles import atomic_write
 
+    path = Path(path)
+    if manifest and isinstance(obj, dict):
+        obj = {**obj, MARK_KEY: integrity.FORMAT}
+    written = {}
+
+    def write(f) -> None:  # hashed on the way out: no second read of the file
+        out = integrity.HashingWriter(f)
+        torch.save(obj, out)
+        written[path.name] = out.entry()
+
     try:
-        atomic_write(path, lambda f: torch.save(obj, f), fsync=True)
+        if manifest:  # the same step saved again: its old manifest would not fit the new bytes
+            integrity.manifest_path(path).unlink(missing_ok=True)
+        atomic_write(path, write, fsync=True)
+        if manifest:  # a few hundred bytes: a kill between the rename and this leaves a refused file
+            integrity.write_manifest(path, written)
     except (OSError, RuntimeError) as e:  # torch wraps a failed write in a RuntimeError
         raise CheckpointError(f"cannot write checkpoint {path}: {_reason(e)}; earlier checkpoints are unchanged") from None
 
@@ -55,16 +78,71 @@ def _reason(error: BaseException) -> str:
     return first_line(error)
 
 
-def load(path: str | Path) -> dict:
+def load(path: str | Path, manifest: bool = True) -> dict:
+    """torch.load(weights_only) of a checkpoint or export file, after checking it against its
+    manifest (manifest=False: a DCP directory's meta.pt, covered by the directory's manifest)."""
+    state, verified = load_checked(path, manifest)
+    if not verified:
+        warn_unverified(path, state)
+    return state
+
+
+def load_checked(path: str | Path, manifest: bool = True) -> tuple[object, bool]:
+    """(state, whether a manifest verified it); a vlp checkpoint that should have one and has
+    none is refused."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if path.stat().st_size == 0:
         raise CheckpointError(f"checkpoint {path} is empty (0 bytes)")
+    verified = _verify(path) if manifest else True
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated file, wrong format, pickled objects
         raise CheckpointError(f"checkpoint {path} cannot be read safely: {first_line(e)}") from None
+    return state, verified
+
+
+def _verify(path: Path) -> bool:
+    """integrity.verify as a CheckpointError: True verified, False no manifest."""
+    try:
+        return integrity.verify(path)
+    except integrity.IntegrityError as e:
+        raise CheckpointError(f"checkpoint {e}") from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path} cannot be checked: {_reason(e)}") from None
+
+
+_warned: set[str] = set()
+
+
+def _refuse_unfinished(path: Path, state) -> None:
+    """A DCP directory without the manifest vlp wrote into it: the manifest is written before
+    the directory gets its final name, so it was cut off (a store without rename) or removed
+    since, and nothing vouches for the rank files. (A `.pt` is renamed whole before its sidecar
+    manifest is written, and may be copied without it: it loads unverified, with a warning.)"""
+    if isinstance(state, dict) and state.get(MARK_KEY):
+        raise CheckpointError(f"checkpoint {path} has no manifest ({integrity.DIR_MANIFEST}): "
+                              "its save did not finish or the file was removed")
+
+
+def warn_unverified(path: Path, state) -> None:
+    """One warning per file for a vlp checkpoint or export without a manifest: from before
+    manifests, or copied without its `.manifest.json`."""
+    if not isinstance(state, dict) or str(path) in _warned:
+        return
+    if state.get(MARK_KEY):
+        why = f"{integrity.manifest_path(path).name} is missing: copied without it?"
+    elif "config" in state or "preprocess_cfg" in state:
+        why = "written before vlp kept them"
+    else:
+        return  # someone else's weights file: nothing was promised
+    _warned.add(str(path))
+    if _rank() == 0:
+        import sys
+
+        print(f"vlp: warning: checkpoint {path} has no checksum manifest ({why}): loaded unverified",
+              file=sys.stderr, flush=True)
 
 
 def check_state(state, path: str | Path) -> dict:
@@ -86,7 +164,11 @@ def load_valid(path: str | Path) -> dict:
     directory: its meta dict, checked by `load_sharded_meta` (the tensors load later, per rank)."""
     if Path(path).is_dir():
         return load_sharded_meta(path)
-    return check_state(load(path), path)
+    state, verified = load_checked(path, True)
+    check_state(state, path)
+    if not verified:  # only once it is known to be usable
+        warn_unverified(path, state)
+    return state
 
 
 def nonfinite_tensors(weights) -> list[str]:
@@ -119,6 +201,9 @@ def set_aside(path: str | Path) -> Path:
     (so neither resumed from, pruned, nor overwritten by the step that is written again)."""
     path = Path(path)
     target = path.with_name(path.name + ".corrupt")
+    sidecar = integrity.manifest_path(path)
+    if path.is_file() and sidecar.exists():  # a DCP directory's manifest moves with it
+        os.replace(sidecar, integrity.manifest_path(target))
     os.replace(path, target)
     return target
 
@@ -132,11 +217,12 @@ def remove_stale_temps(ckpt_dir: str | Path) -> list[Path]:
 
 def changed_settings(saved: dict, current: dict) -> list[str]:
     """'section.key: saved -> current' for the config keys that shape the saved state (the
-    model's parameters and which of them train): resuming across a change cannot load it."""
-    keys = ("model.name", "model.hf_text_dir", "model.lock_image", "model.lock_image_unlocked_groups",
-            "model.lock_text", "model.lock_text_unlocked_layers", "loss.name", "loss.temperature")
+    model's parameters and which of them train): resuming across a change cannot load it.
+    Which keys: vlp.train.resume.RESUME_RULES (shapes_state)."""
+    from vlp.train.resume import STATE_KEYS
+
     out = []
-    for key in keys:
+    for key in STATE_KEYS:
         section, name = key.split(".")
         old, new = (saved or {}).get(section, {}).get(name), current[section][name]
         if old != new:
@@ -166,6 +252,7 @@ def prune(ckpt_dir: str | Path, keep_last: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             old.unlink(missing_ok=True)
+            integrity.manifest_path(old).unlink(missing_ok=True)
         shutil.rmtree(rank_dir(old), ignore_errors=True)
 
 
@@ -271,8 +358,10 @@ def save_sharded(state: dict, meta: dict, path: str | Path) -> None:
     try:
         # returns on every rank once all shards and .metadata are written
         dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
+        digests = _gather_digests(tmp)  # each rank hashes the files it wrote
         if main:
-            atomic_save(meta, tmp / META_FILE)
+            atomic_save({**meta, MARK_KEY: integrity.FORMAT}, tmp / META_FILE, manifest=False)
+            integrity.write_manifest(tmp, digests)  # last: .metadata and meta.pt hashed here
             if path.exists():  # the same step saved again (e.g. the last good state before a stop)
                 shutil.rmtree(path)
             os.replace(tmp, path)
@@ -283,19 +372,32 @@ def save_sharded(state: dict, meta: dict, path: str | Path) -> None:
     barrier()
 
 
+def _gather_digests(folder: Path) -> dict[str, dict]:
+    """{file name: integrity.entry} of the DCP files of every rank (`__<rank>_*.distcp`): each
+    rank hashes its own (O(checkpoint / world) each), rank 0 receives them all."""
+    mine = {f.name: integrity.entry(f) for f in sorted(folder.glob(f"__{get_rank()}_*.distcp"))}
+    return {name: e for part in gather_object([mine]) for name, e in part.items()}
+
+
 def load_sharded_meta(path: str | Path) -> dict:
-    """The meta dict of a DCP checkpoint directory, after checking the directory is complete."""
+    """The meta dict of a DCP checkpoint directory, after checking the directory is complete and
+    (when it has a manifest) every file against its checksum."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     for name in (".metadata", META_FILE):
         if not (path / name).is_file():
             raise CheckpointError(f"checkpoint {path} is incomplete: no {name}")
-    meta = load(path / META_FILE)
+    verified = _verify(path)  # before meta.pt or .metadata is parsed
+    meta = load(path / META_FILE, manifest=False)
+    if not verified:
+        _refuse_unfinished(path, meta)
     missing = [k for k in STATE_KEYS if k not in ("model", "optimizer") and k not in meta]
     if missing:
         raise CheckpointError(f"checkpoint {path} is not a vlp training checkpoint: missing {', '.join(missing)}")
     _check_shard_files(path)
+    if not verified:
+        warn_unverified(path, meta)
     return meta
 
 

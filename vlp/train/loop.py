@@ -37,7 +37,7 @@ from vlp.losses.registry import get_spec
 from vlp.models.model import DualEncoder, build_model
 from vlp.models.temperature import temperature_policy
 from vlp.train import checkpoint as ckpt
-from vlp.train import parallel, resume
+from vlp.train import parallel, preempt, resume, runlock
 from vlp.train.data import Batch, TrainData
 from vlp.train.evaluator import Evaluator
 from vlp.train.logger import RunLogger, check_wandb, show_step
@@ -194,6 +194,8 @@ class Trainer:
         else:
             ckpt.set_rng_state(state["rng"][rank])
         self.total_steps = self.step + (self.cfg.train.samples - self.samples_seen) // self.global_batch
+        for line in resume.apply_changes(state, self.cfg, self.torch_optimizer, self.scheduler):
+            self.print(line)  # e.g. "optim.lr 1e-3 -> 1e-5 from step 12" (vlp.train.resume.RESUME_RULES)
 
     def load_loss_state(self, state: dict, path) -> None:
         """A stateful loss's state: the shards of the saved ranks this rank needs (any saved
@@ -273,6 +275,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
+        """One writer per run folder (a lock), SIGTERM/SIGUSR1 saved at the next step boundary."""
+        lock = runlock.acquire_on_main(self.out_dir, self.cfg.train.break_lock, is_main(), self.print)
+        self.preemption = preempt.Preemption().install()
+        try:
+            return self._train()
+        finally:
+            self.preemption.uninstall()
+            if lock is not None:
+                lock.release()
+
+    def _train(self) -> dict:
         cfg = self.cfg
         if is_main():
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -313,6 +326,8 @@ class Trainer:
                 if t.eval_every and self.step % t.eval_every == 0 and not is_last:
                     self.logger.log({"type": records.EVAL, "step": self.step,
                                      **{keys.EVAL_PREFIX + k: v for k, v in self.evaluate().items()}})
+                if self.preemption.should_stop(self.accelerator.device) and not is_last:
+                    raise self.preemption.stopped(self.step, self.save_checkpoint(), is_main())
         finally:
             bar.close()
             groups.close()
