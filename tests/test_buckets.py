@@ -95,6 +95,17 @@ def test_whole_objects(any_folder):
         f.read_bytes("nothing.txt")
 
 
+def test_local_dir_for_tools_that_write_files(any_folder):
+    f = any_folder
+    tb = f.local_dir("tb")
+    (tb / "events.1").write_bytes(b"e1")
+    (tb / "sub").mkdir()
+    (tb / "sub" / "events.2").write_bytes(b"e2")
+    f.sync_dir("tb")
+    assert f.read_bytes("tb/events.1") == b"e1" and f.read_bytes("tb/sub/events.2") == b"e2"
+    assert f.listdir("tb") == ["events.1", "sub"]
+
+
 def test_local_folder_is_plain_files(tmp_path):
     f = RunFolder(tmp_path / "run")
     f.write_text("result.json", "{}")

@@ -219,6 +219,19 @@ class RunFolder:
         for rel, path in _files_under(local_path):
             self.fs.put_file(str(path), self._key(f"{name}/{rel}" if rel else name))
 
+    def local_dir(self, name: str) -> Path:
+        """A real local folder for ``name``, for tools that write files themselves
+        (tensorboard's tb/, eval reports): the folder itself when local; on a bucket a cache
+        folder, which ``sync_dir(name)`` uploads."""
+        path = self._local(name) if not self.remote else self.cache_dir / "dirs" / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def sync_dir(self, name: str) -> None:
+        """Upload what ``local_dir(name)`` holds now (bucket; a no-op locally)."""
+        if self.remote:
+            self.upload(self.local_dir(name), name)
+
     def log_writer(self, name: str = "log.jsonl", upload_every_s: float = 30.0) -> "LogWriter":
         return LogWriter(self, name, upload_every_s)
 
@@ -343,8 +356,8 @@ class RunFolder:
 
     def prune(self, keep_last: int, directory: str = "checkpoints") -> list[str]:
         """Delete all but the newest ``keep_last`` committed checkpoints; the names deleted.
-        Waits for an upload in flight (it may be one of those kept)."""
-        self.wait()
+        An upload in flight is not committed yet, so it is not counted: the last ``keep_last``
+        committed ones stay until it is (never fewer valid checkpoints than asked for)."""
         names = self.committed_checkpoints(directory)
         old = names[:-keep_last] if keep_last > 0 else []
         for name in old:
