@@ -15,7 +15,8 @@ matmul chain on one thread: the model's compute, no data loading), saves a check
   none    no saves (the reference step time)
   local   RunFolder(<tmp dir>): torch.save into a stage folder + rename, all in the loop
   bucket  RunFolder(s3://bench/run): torch.save into a local stage folder, then ``publish``
-          uploads in a background thread (objects, then the manifest) while the loop goes on;
+          uploads in a background thread (objects, then the manifest, then prune to 2) while
+          the loop goes on;
           the next publish and the end wait for it
 
 Checkpoint contents: vlp-micro's model + AdamW state after one step (the real state dict), and a
@@ -115,8 +116,7 @@ def run_loop(step, steps: int, every: int, folder, state) -> tuple[float, list[f
             stage = folder.stage_dir()
             name = f"step_{i:08d}.pt"
             torch.save(state, stage / name)
-            folder.publish(stage / name, f"checkpoints/{name}")
-            folder.prune(2)
+            folder.publish(stage / name, f"checkpoints/{name}", keep_last=2)
             blocked.append(time.perf_counter() - t)
     loop = time.perf_counter() - t0
     if folder is not None:

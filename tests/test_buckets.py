@@ -238,6 +238,17 @@ def test_prune_and_set_aside_on_the_bucket(any_folder):
     assert f.prune(0) == []  # keep_last=0: keep all (as vlp.checkpoint.prune)
 
 
+def test_publish_prunes_after_the_commit(any_folder):
+    f = any_folder
+    names = []
+    for step in (1, 2, 3, 4):
+        name = f"checkpoints/step_{step:08d}.pt"
+        f.publish(_stage_file(f, name.split("/")[1], b"x"), name, keep_last=2)
+        names.append(name)
+    f.wait()
+    assert f.committed_checkpoints() == names[2:] and not f.exists(names[0])
+
+
 def test_publishing_the_same_name_again_replaces_it(any_folder):
     f = any_folder
     name = _publish_file(f, 4, b"first")

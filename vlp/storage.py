@@ -249,11 +249,12 @@ class RunFolder:
         path.mkdir(parents=True)
         return path
 
-    def publish(self, local_path, name: str, remove_local: bool = True) -> None:
+    def publish(self, local_path, name: str, keep_last: Optional[int] = None, remove_local: bool = True) -> None:
         """Make the checkpoint at ``local_path`` (a file or a folder) the committed ``name``.
         Locally: one rename, done on return. On a bucket: waits for the previous upload, then
         uploads in a background thread, every object first and the manifest last (``wait``).
-        ``remove_local``: delete the staged copy once it is uploaded."""
+        ``keep_last``: then prune to that many (in the background too: no bucket round trip
+        in the training loop). ``remove_local``: delete the staged copy once it is uploaded."""
         self.wait()
         local_path = Path(local_path)
         if not local_path.exists():
@@ -265,12 +266,14 @@ class RunFolder:
                 shutil.rmtree(dest)
             os.replace(local_path, dest)
             _remove_staged(local_path)
+            if keep_last is not None:
+                self.prune(keep_last, name.rsplit("/", 1)[0] if "/" in name else "")
             return
-        self._thread = threading.Thread(target=self._upload_checkpoint, args=(local_path, name, remove_local),
+        self._thread = threading.Thread(target=self._upload_checkpoint, args=(local_path, name, keep_last, remove_local),
                                         name=f"vlp-publish-{name}", daemon=True)
         self._thread.start()
 
-    def _upload_checkpoint(self, local_path: Path, name: str, remove_local: bool) -> None:
+    def _upload_checkpoint(self, local_path: Path, name: str, keep_last, remove_local: bool) -> None:
         try:
             self._remove_checkpoint(name)  # the same name published again: never half old, half new
             objects = []
@@ -283,6 +286,8 @@ class RunFolder:
             self.fs.invalidate_cache()
             if remove_local:
                 _remove_staged(local_path)
+            if keep_last is not None:
+                self.prune(keep_last, name.rsplit("/", 1)[0] if "/" in name else "")
         except BaseException as e:  # noqa: BLE001 (raised in the trainer's thread by wait())
             self._error = e
 
@@ -379,7 +384,9 @@ class RunFolder:
     def remove_uncommitted(self, directory: str = "checkpoints") -> list[str]:
         """At start (one writer): delete what killed saves left. Bucket: objects under
         ``directory`` that belong to no manifest (an upload stopped halfway). Local: stage
-        folders of dead processes. Returns what was removed."""
+        folders of dead processes. Returns what was removed. Waits for this process's own
+        upload in flight first (its objects have no manifest yet)."""
+        self.wait()
         removed = []
         if not self.remote:
             from data_pipelines.tempfiles import pid_alive
