@@ -106,6 +106,21 @@ def test_local_dir_for_tools_that_write_files(any_folder):
     assert f.listdir("tb") == ["events.1", "sub"]
 
 
+def test_download_and_of_for_one_file(any_folder):
+    f = any_folder
+    f.write_bytes("open_clip_model.pt", b"weights")
+    folder, name = RunFolder.of(f.path("open_clip_model.pt"))
+    assert name == "open_clip_model.pt" and folder.url == f.url
+    assert folder.download(name).read_bytes() == b"weights"
+    ckpt = _publish_file(f, 3, b"state")
+    f.wait()
+    folder, name = RunFolder.of(f.path(ckpt))
+    assert (folder.url, name) == (f.url, ckpt) and folder.fetch(name).read_bytes() == b"state"
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        folder.download("nothing.pt")
+    folder.close()
+
+
 def test_local_folder_is_plain_files(tmp_path):
     f = RunFolder(tmp_path / "run")
     f.write_text("result.json", "{}")

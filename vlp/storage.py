@@ -219,6 +219,34 @@ class RunFolder:
         for rel, path in _files_under(local_path):
             self.fs.put_file(str(path), self._key(f"{name}/{rel}" if rel else name))
 
+    def download(self, name: str) -> Path:
+        """A local path holding the plain object ``name`` (no manifest: open_clip_model.pt, a
+        config): the file itself in a local folder, else a copy in the cache folder."""
+        if not self.remote:
+            path = self._local(name)
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} does not exist")
+            return path
+        dest = self.cache_dir / "downloads" / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.fs.get_file(self._key(name), str(dest))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.path(name)} does not exist") from None
+        return dest
+
+    @classmethod
+    def of(cls, url_or_path, **kwargs) -> tuple["RunFolder", str]:
+        """(folder, name) for one file's URL or path: ``RunFolder.of("s3://b/runs/x/checkpoints/
+        step_00000100.pt")`` is (RunFolder("s3://b/runs/x"), "checkpoints/step_00000100.pt")
+        when the parent is a checkpoints/ folder, else (its parent folder, its base name)."""
+        text = str(url_or_path).rstrip("/")
+        parent, base = text.rsplit("/", 1) if "/" in text else (".", text)
+        if parent.endswith("/checkpoints") or parent == "checkpoints":
+            root = parent[:-len("checkpoints")].rstrip("/") or "."
+            return cls(root, **kwargs), f"checkpoints/{base}"
+        return cls(parent, **kwargs), base
+
     def local_dir(self, name: str) -> Path:
         """A real local folder for ``name``, for tools that write files themselves
         (tensorboard's tb/, eval reports): the folder itself when local; on a bucket a cache
