@@ -233,6 +233,31 @@ def test_an_upload_killed_halfway_is_never_listed(folder, store):
     assert folder.fetch(old).read_bytes() == b"committed"
 
 
+def test_a_checkpoint_written_by_two_ranks_is_committed_once_by_rank_0(folder, tmp_path):
+    """DCP under FSDP: each rank uploads its own shard files, rank 0 writes the manifest of all."""
+    name = "checkpoints/step_00000008"
+    parts = {0: {".metadata": b"index", "__0_0.distcp": b"r0" * 1000}, 1: {"__1_0.distcp": b"r1" * 1000}}
+    ranks = {r: RunFolder(folder.url) for r in parts}  # one RunFolder per process
+    entries = []
+    folder.discard(name)
+    for r, files in parts.items():
+        stage = tmp_path / f"rank{r}" / "step_00000008"
+        stage.mkdir(parents=True)
+        for rel, blob in files.items():
+            (stage / rel).write_bytes(blob)
+        entries += ranks[r].upload_part(stage, name)
+        if r == 0:
+            assert folder.committed_checkpoints() == []  # rank 1 not done: nothing listed
+    with pytest.raises(IntegrityError, match="was not uploaded"):
+        folder.commit(name, entries + [{"name": "__2_0.distcp", "bytes": 1, "sha256": "0"}])
+    assert folder.committed_checkpoints() == []
+    folder.commit(name, entries)
+    got = folder.fetch(name)
+    assert {p.name: p.read_bytes() for p in got.iterdir()} == {**parts[0], **parts[1]}
+    for r in ranks.values():
+        r.close()
+
+
 def test_fetch_checks_every_object_against_the_manifest(folder):
     name = _publish_file(folder, 2, b"A" * 1000)
     folder.wait()

@@ -303,21 +303,56 @@ class RunFolder:
 
     def _upload_checkpoint(self, local_path: Path, name: str, keep_last, remove_local: bool) -> None:
         try:
-            self._remove_checkpoint(name)  # the same name published again: never half old, half new
-            objects = []
-            for rel, path in _files_under(local_path):
-                self.fs.put_file(str(path), self._key(f"{name}/{rel}" if rel else name))
-                objects.append({"name": rel, "bytes": path.stat().st_size, "sha256": _sha256_file(path)})
-            manifest = {"name": name, "kind": "dir" if local_path.is_dir() else "file",
-                        "objects": objects, "written_at": time.time()}
-            self.fs.pipe_file(self._key(name + MANIFEST), json.dumps(manifest, indent=1).encode())  # the commit
-            self.fs.invalidate_cache()
+            self.discard(name)  # the same name published again: never half old, half new
+            objects = self.upload_part(local_path, name)
+            self.commit(name, objects, "dir" if local_path.is_dir() else "file")
             if remove_local:
                 _remove_staged(local_path)
             if keep_last is not None:
                 self.prune(keep_last, name.rsplit("/", 1)[0] if "/" in name else "")
         except BaseException as e:  # noqa: BLE001 (raised in the trainer's thread by wait())
             self._error = e
+
+    # The three steps of publish, for a checkpoint written by several processes (DCP under FSDP:
+    # each rank holds its own shard files). Every rank stages its files locally and
+    #     rank 0: discard(name); barrier
+    #     every rank: entries = upload_part(stage / "step_N", name); gathered to rank 0
+    #     rank 0: commit(name, all ranks' entries)   (the manifest: written last)
+    # A rank that dies before the commit leaves objects that are never listed.
+    def discard(self, name: str) -> None:
+        """Uncommit and delete checkpoint ``name`` (manifest first); missing is fine."""
+        self._remove_checkpoint(name)
+
+    def upload_part(self, local_path, name: str) -> list[dict]:
+        """Upload the files of ``local_path`` (a file, or the files under a folder) to
+        ``name`` and return their manifest entries (name, bytes, sha256); commits nothing."""
+        objects = []
+        for rel, path in _files_under(Path(local_path)):
+            if self.remote:
+                self.fs.put_file(str(path), self._key(f"{name}/{rel}" if rel else name))
+            else:
+                dest = self._local(f"{name}/{rel}" if rel else name)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, dest)
+            objects.append({"name": rel, "bytes": path.stat().st_size, "sha256": _sha256_file(path)})
+        return objects
+
+    def commit(self, name: str, objects: list[dict], kind: str = "dir") -> None:
+        """Write the manifest of ``name`` listing ``objects`` (upload_part's entries, all
+        ranks'): from here on it is listed. Raises if an entry has no uploaded object."""
+        if not self.remote:
+            return  # a local folder commits by rename (publish); a local DCP folder is shared
+        names = [o["name"] for o in objects]
+        if len(set(names)) != len(names):
+            raise ValueError(f"checkpoint {self.path(name)}: an object is listed twice in the manifest")
+        present = set(self.fs.find(self._key(name))) if kind == "dir" else {self._key(name)}
+        missing = [n for n in names if self._key(f"{name}/{n}" if n else name) not in present]
+        if missing:
+            raise IntegrityError(f"checkpoint {self.path(name)} cannot be committed: {missing[0]} was not uploaded")
+        manifest = {"name": name, "kind": kind, "objects": sorted(objects, key=lambda o: o["name"]),
+                    "written_at": time.time()}
+        self.fs.pipe_file(self._key(name + MANIFEST), json.dumps(manifest, indent=1).encode())  # the commit
+        self.fs.invalidate_cache()
 
     def wait(self) -> None:
         """Block until the background upload is done; raise its error (one line) if it failed."""
