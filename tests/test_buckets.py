@@ -1,0 +1,397 @@
+"""Run folders in a bucket (vlp/storage.py) against real servers on 127.0.0.1: moto's S3 and
+fake-gcs-server (tests/object_store.py), and the same calls on a local folder.
+
+A checkpoint is listed only once its manifest is written last: an uploader killed halfway
+leaves objects that are never listed and are cleaned at the next start; prune and set_aside
+work on the bucket; a fetched checkpoint is checked against its manifest; every start-up
+failure (no bucket, refused credentials, no endpoint, missing extra) is one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+
+from object_store import free_port, start_gcs, start_s3
+from vlp.storage import IntegrityError, RunFolder, StorageError, check_writable
+from vlp_testing import PYTHON, REPO, run_env
+
+STARTERS = {"s3": start_s3, "gs": start_gcs}
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """scheme -> a started server with a 'runs' bucket (started on first use, stopped at the end;
+    one that cannot start raises: the test errors, it is not skipped)."""
+    started = {}
+
+    def get(scheme):
+        if scheme not in started:
+            started[scheme] = STARTERS[scheme]()
+            started[scheme].make_bucket("runs")
+        return started[scheme]
+
+    yield get
+    for server in reversed(list(started.values())):
+        server.stop()
+
+
+@pytest.fixture(params=["s3", "gs"])
+def store(request, servers):
+    return servers(request.param)
+
+
+@pytest.fixture
+def folder(store):
+    run = RunFolder(store.url("runs", f"r-{uuid.uuid4().hex[:8]}"))
+    yield run
+    run.close()
+
+
+@pytest.fixture(params=["s3", "gs", "local"])
+def any_folder(request, servers, tmp_path):
+    """The same RunFolder calls on a bucket (s3 and gs) and on a local folder."""
+    if request.param == "local":
+        run = RunFolder(tmp_path / "run")
+    else:
+        run = RunFolder(servers(request.param).url("runs", f"r-{uuid.uuid4().hex[:8]}"))
+    yield run
+    run.close()
+
+
+def _stage_file(folder, name, data):
+    stage = folder.stage_dir()
+    (stage / name).write_bytes(data)
+    return stage / name
+
+
+def _publish_file(folder, step, data):
+    name = f"checkpoints/step_{step:08d}.pt"
+    folder.publish(_stage_file(folder, f"step_{step:08d}.pt", data), name)
+    return name
+
+
+# ----------------------------------------------------------------------------- whole objects
+def test_whole_objects(any_folder):
+    f = any_folder
+    assert not f.exists("config.yaml") and f.listdir() == []
+    f.write_text("config.yaml", "a: 1\n")
+    f.write_bytes("eval_step5/report.json", b"{}")
+    f.write_bytes("eval_step5/deep/x.bin", b"\0\1")
+    assert f.read_text("config.yaml") == "a: 1\n" and f.exists("eval_step5/deep/x.bin")
+    assert f.listdir() == ["config.yaml", "eval_step5"]
+    assert f.listdir("eval_step5") == ["deep", "report.json"]
+    f.write_text("config.yaml", "a: 2\n")  # replaced whole
+    assert f.read_text("config.yaml") == "a: 2\n"
+    f.remove("eval_step5", tree=True)
+    assert f.listdir() == ["config.yaml"] and not f.exists("eval_step5/report.json")
+    with pytest.raises(FileNotFoundError, match="nothing.txt does not exist"):
+        f.read_bytes("nothing.txt")
+
+
+def test_local_dir_for_tools_that_write_files(any_folder):
+    f = any_folder
+    tb = f.local_dir("tb")
+    (tb / "events.1").write_bytes(b"e1")
+    (tb / "sub").mkdir()
+    (tb / "sub" / "events.2").write_bytes(b"e2")
+    f.sync_dir("tb")
+    assert f.read_bytes("tb/events.1") == b"e1" and f.read_bytes("tb/sub/events.2") == b"e2"
+    assert f.listdir("tb") == ["events.1", "sub"]
+
+
+def test_download_and_of_for_one_file(any_folder):
+    f = any_folder
+    f.write_bytes("open_clip_model.pt", b"weights")
+    folder, name = RunFolder.of(f.path("open_clip_model.pt"))
+    assert name == "open_clip_model.pt" and folder.url == f.url
+    assert folder.download(name).read_bytes() == b"weights"
+    ckpt = _publish_file(f, 3, b"state")
+    f.wait()
+    folder, name = RunFolder.of(f.path(ckpt))
+    assert (folder.url, name) == (f.url, ckpt) and folder.fetch(name).read_bytes() == b"state"
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        folder.download("nothing.pt")
+    folder.close()
+
+
+def test_local_folder_is_plain_files(tmp_path):
+    f = RunFolder(tmp_path / "run")
+    f.write_text("result.json", "{}")
+    assert (tmp_path / "run" / "result.json").read_text() == "{}" and not f.remote
+    assert RunFolder(f"file://{tmp_path}/run").read_text("result.json") == "{}"
+
+
+def test_log_writer_appends_and_survives_a_resume(any_folder):
+    f = any_folder
+    log = f.log_writer("log.jsonl", upload_every_s=3600)
+    log.write('{"step": 1}')
+    log.write('{"step": 2}\n')
+    if f.remote:  # not yet uploaded: an object cannot be appended to, it is put whole
+        assert not f.exists("log.jsonl")
+        log.flush()
+    assert f.read_text("log.jsonl") == '{"step": 1}\n{"step": 2}\n'
+    log.write('{"step": 3}')
+    log.close()
+    resumed = f.log_writer("log.jsonl", upload_every_s=0)  # every line uploaded
+    resumed.write('{"step": 4}')
+    assert f.read_text("log.jsonl").splitlines() == [f'{{"step": {i}}}' for i in (1, 2, 3, 4)]
+    resumed.close()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def test_publish_uploads_in_the_background_and_commits_last(any_folder):
+    f = any_folder
+    data = os.urandom(3 << 20)
+    name = _publish_file(f, 7, data)
+    f.wait()
+    assert f.committed_checkpoints() == [name]
+    assert f.fetch(name).read_bytes() == data
+    # a DCP-like directory: several objects, one manifest
+    stage = f.stage_dir()
+    (stage / "step_00000009" / "sub").mkdir(parents=True)
+    files = {".metadata": b"m" * 100, "__0_0.distcp": os.urandom(1 << 20), "sub/meta.pt": b"x"}
+    for rel, blob in files.items():
+        (stage / "step_00000009" / rel).write_bytes(blob)
+    f.publish(stage / "step_00000009", "checkpoints/step_00000009")
+    f.wait()
+    assert f.committed_checkpoints() == [name, "checkpoints/step_00000009"]
+    got = f.fetch("checkpoints/step_00000009")
+    assert {rel: (got / rel).read_bytes() for rel in files} == files
+    if f.remote:
+        assert sorted(o["name"] for o in f.manifest("checkpoints/step_00000009")["objects"]) == sorted(files)
+        assert not stage.exists()  # the staged copy is gone once uploaded
+
+
+def test_publish_returns_before_the_upload_ends(folder):
+    data = os.urandom(32 << 20)
+    t = time.perf_counter()
+    name = _publish_file(folder, 1, data)
+    returned = time.perf_counter() - t
+    listed = folder.committed_checkpoints()
+    in_flight = folder.uploading  # still uploading after the listing: it was listed mid-upload
+    folder.wait()
+    uploaded = time.perf_counter() - t
+    assert returned < uploaded / 2, (returned, uploaded)
+    if in_flight:
+        assert listed == []  # never listed before its manifest
+    assert folder.committed_checkpoints() == [name]
+
+
+def test_a_failed_upload_is_one_line_at_the_next_wait(store):
+    f = RunFolder(store.url("no-such-bucket-here", "run"))
+    f.publish(_stage_file(f, "step_00000001.pt", b"abc"), "checkpoints/step_00000001.pt")
+    with pytest.raises(StorageError) as err:
+        f.wait()
+    assert "\n" not in str(err.value) and store.url("no-such-bucket-here", "run") in str(err.value)
+    f.close()
+
+
+KILLED_UPLOADER = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from vlp.storage import RunFolder
+    f = RunFolder(sys.argv[1])
+    stage = f.stage_dir()
+    ckpt = stage / "step_00000005"
+    ckpt.mkdir()
+    for i in range(40):
+        (ckpt / f"__{i:02d}.distcp").write_bytes(os.urandom(1 << 20))
+    f.publish(ckpt, "checkpoints/step_00000005")
+    print("uploading", flush=True)
+    f.wait()
+    print("done", flush=True)
+""")
+
+
+def test_an_upload_killed_halfway_is_never_listed(folder, store):
+    old = _publish_file(folder, 3, b"committed")
+    folder.wait()
+    child = subprocess.Popen([PYTHON, "-c", KILLED_UPLOADER, folder.url], cwd=REPO,
+                             env=dict(run_env(), **store.env), stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while len(folder.listdir("checkpoints/step_00000005")) < 3 and time.time() < deadline:
+            assert child.poll() is None, "the uploader ended before it was killed"
+            time.sleep(0.02)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    uploaded = folder.listdir("checkpoints/step_00000005")
+    assert 3 <= len(uploaded) < 40, uploaded  # stopped halfway, no manifest
+    assert folder.committed_checkpoints() == [old]
+    with pytest.raises(FileNotFoundError, match="no committed manifest"):
+        folder.fetch("checkpoints/step_00000005")
+    assert folder.remove_uncommitted() == ["checkpoints/step_00000005"]
+    assert folder.listdir("checkpoints") == ["step_00000003.pt", "step_00000003.pt.manifest.json"]
+    assert folder.fetch(old).read_bytes() == b"committed"
+
+
+def test_a_checkpoint_written_by_two_ranks_is_committed_once_by_rank_0(folder, tmp_path):
+    """DCP under FSDP: each rank uploads its own shard files, rank 0 writes the manifest of all."""
+    name = "checkpoints/step_00000008"
+    parts = {0: {".metadata": b"index", "__0_0.distcp": b"r0" * 1000}, 1: {"__1_0.distcp": b"r1" * 1000}}
+    ranks = {r: RunFolder(folder.url) for r in parts}  # one RunFolder per process
+    entries = []
+    folder.discard(name)
+    for r, files in parts.items():
+        stage = tmp_path / f"rank{r}" / "step_00000008"
+        stage.mkdir(parents=True)
+        for rel, blob in files.items():
+            (stage / rel).write_bytes(blob)
+        entries += ranks[r].upload_part(stage, name)
+        if r == 0:
+            assert folder.committed_checkpoints() == []  # rank 1 not done: nothing listed
+    with pytest.raises(IntegrityError, match="was not uploaded"):
+        folder.commit(name, entries + [{"name": "__2_0.distcp", "bytes": 1, "sha256": "0"}])
+    assert folder.committed_checkpoints() == []
+    folder.commit(name, entries)
+    got = folder.fetch(name)
+    assert {p.name: p.read_bytes() for p in got.iterdir()} == {**parts[0], **parts[1]}
+    for r in ranks.values():
+        r.close()
+
+
+def test_fetch_checks_every_object_against_the_manifest(folder):
+    name = _publish_file(folder, 2, b"A" * 1000)
+    folder.wait()
+    folder.write_bytes(name, b"B" * 1000)  # same size, other bytes
+    with pytest.raises(IntegrityError, match="does not match its manifest"):
+        folder.fetch(name)
+    folder.remove(name)
+    with pytest.raises(IntegrityError, match="is incomplete"):
+        folder.fetch(name)
+
+
+def test_prune_and_set_aside_on_the_bucket(any_folder):
+    f = any_folder
+    names = [_publish_file(f, step, f"s{step}".encode()) for step in (1, 2, 3, 10)]
+    f.wait()
+    assert f.committed_checkpoints() == names  # by step, not by text (10 after 3)
+    assert f.prune(2) == names[:2]
+    assert f.committed_checkpoints() == names[2:]
+    assert not f.exists(names[0]) and not f.exists(names[1])
+    kept = f.set_aside(names[3])
+    assert f.committed_checkpoints() == [names[2]] and f.exists(kept)
+    assert f.prune(0) == []  # keep_last=0: keep all (as vlp.train.checkpoint.prune)
+
+
+def test_publish_prunes_after_the_commit(any_folder):
+    f = any_folder
+    names = []
+    for step in (1, 2, 3, 4):
+        name = f"checkpoints/step_{step:08d}.pt"
+        f.publish(_stage_file(f, name.split("/")[1], b"x"), name, keep_last=2)
+        names.append(name)
+    f.wait()
+    assert f.committed_checkpoints() == names[2:] and not f.exists(names[0])
+
+
+def test_publishing_the_same_name_again_replaces_it(any_folder):
+    f = any_folder
+    name = _publish_file(f, 4, b"first")
+    name = _publish_file(f, 4, b"second")  # waits for the first upload
+    f.wait()
+    assert f.committed_checkpoints() == [name] and f.fetch(name).read_bytes() == b"second"
+
+
+def test_local_stage_folders_of_dead_writers_are_removed(tmp_path):
+    f = RunFolder(tmp_path / "run")
+    stage = f.stage_dir()
+    (stage / "step_00000001.pt").write_bytes(b"half")
+    dead = tmp_path / "run" / ".stage-999999999-1"
+    dead.mkdir()
+    assert f.remove_uncommitted() == [".stage-999999999-1"] and stage.exists()
+    f.publish(stage / "step_00000001.pt", "checkpoints/step_00000001.pt")
+    assert not stage.exists() and f.committed_checkpoints() == ["checkpoints/step_00000001.pt"]
+
+
+# ----------------------------------------------------------------------------- start-up check
+def _one_line(err) -> str:
+    message = str(err.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_check_writable_passes_and_leaves_nothing(store, tmp_path):
+    url = store.url("runs", "fresh-run")
+    check_writable(url)
+    assert RunFolder(url).listdir() == []
+    check_writable(tmp_path / "new" / "run")
+    assert (tmp_path / "new" / "run").is_dir()
+
+
+def test_check_writable_names_a_missing_bucket(store):
+    url = store.url("no-such-bucket-9", "runs/x")
+    with pytest.raises(StorageError) as err:
+        check_writable(url, timeout_s=20)
+    message = _one_line(err)
+    assert url in message and "bucket 'no-such-bucket-9' does not exist" in message
+
+
+def test_check_writable_is_bounded_for_an_unreachable_endpoint(store):
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    store.use(dead)
+    try:
+        t = time.monotonic()
+        with pytest.raises(StorageError) as err:
+            check_writable(store.url("runs", "x"), timeout_s=4)
+        assert time.monotonic() - t < 6
+    finally:
+        store.use()
+    message = _one_line(err)
+    assert store.url("runs", "x") in message
+    assert "within 4 s" in message or "connect" in message.lower(), message
+
+
+def test_check_writable_refused_credentials_s3():
+    """moto checks signatures only with auth on (INITIAL_NO_AUTH_ACTION_COUNT=0): a moto server
+    in its own process, where every access key is unknown."""
+    port = free_port()
+    env = dict(run_env(), INITIAL_NO_AUTH_ACTION_COUNT="0")
+    server = subprocess.Popen([PYTHON, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    script = textwrap.dedent(f"""
+        import sys, time, urllib.request
+        from vlp.storage import StorageError, check_writable
+        for _ in range(200):
+            try:
+                urllib.request.urlopen("http://127.0.0.1:{port}/moto-api/", timeout=1); break
+            except Exception:
+                time.sleep(0.1)
+        try:
+            check_writable("s3://some-bucket/runs/x", timeout_s=20)
+        except StorageError as e:
+            print(e)
+    """)
+    from object_store import _COMMON_ENV
+
+    try:
+        out = subprocess.run([PYTHON, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
+                             env=dict(run_env(), **_COMMON_ENV, AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}"))
+    finally:
+        server.terminate()
+        server.wait(10)
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1, out.stdout + out.stderr[-2000:]
+    assert lines[0].startswith("train.output_dir=s3://some-bucket/runs/x: cannot write there: access denied"), lines
+
+
+@pytest.mark.parametrize("scheme,extra", [("s3", "vlp[s3]"), ("gs", "vlp[gcs]")])
+def test_check_writable_names_the_missing_extra(scheme, extra):
+    module = {"s3": "s3fs", "gs": "gcsfs"}[scheme]
+    script = (f"import sys; sys.modules[{module!r}] = None\n"
+              "from vlp.storage import StorageError, check_writable, RunFolder\n"
+              f"try:\n    check_writable('{scheme}://b/run')\nexcept StorageError as e:\n    print(e)\n"
+              f"try:\n    RunFolder('{scheme}://b/run')\nexcept StorageError as e:\n    print(e)\n")
+    out = subprocess.run([PYTHON, "-c", script], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=60)
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2, out.stdout + out.stderr[-2000:]
+    for line in lines:
+        assert f"{scheme}://b/run" in line and f"pip install '{extra}'" in line, line
