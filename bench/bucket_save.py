@@ -72,7 +72,7 @@ def micro_state() -> dict:
     import torch
 
     from vlp.config import load_config
-    from vlp.model import build_model
+    from vlp.models.model import build_model
 
     cfg = load_config(None, ["model.name=vlp-micro"])
     model = build_model(cfg.model, cfg.loss)[0]
