@@ -457,7 +457,7 @@ def test_eval_one_caption_retrieval_warns(capsys, tmp_path, exported):
 def test_global_skip_counts_sum_over_ranks(monkeypatch):
     """result.json / log skip counts: every rank's summed (the gather is accelerate's gather_object)."""
     import vlp.train.loop as trainer_module
-    from vlp.train.checkpoint import rank_skipped
+    from vlp.train.data import rank_skipped
 
     ranks = [{"corrupt_image": 2}, {"corrupt_image": 10, "missing_caption": 1}]
     monkeypatch.setattr(trainer_module, "gather_object", lambda objs: ranks)

@@ -302,20 +302,6 @@ def check_rank_files(path: str | Path, world: int) -> None:
                               f"rank(s) {missing[:8]} of {world}")
 
 
-def rank_skipped(state: dict, rank: int, world: int) -> dict[str, int]:
-    """This rank's skip counts from a checkpoint: its own entry when the world size is the same,
-    else all ranks' sum on rank 0 (the global total stays right). Old checkpoints hold rank 0's."""
-    per_rank = state.get("skipped_per_rank")
-    if not per_rank:
-        return dict(state.get("skipped", {})) if rank == 0 else {}
-    if len(per_rank) == world:
-        return dict(per_rank[rank])
-    total: dict[str, int] = {}
-    for counts in per_rank if rank == 0 else []:
-        for kind, n in counts.items():
-            total[kind] = total.get(kind, 0) + n
-    return total
-
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():

@@ -128,10 +128,23 @@ class TrainData:
     def load_state_dict(self, saved: dict, rank: int, world: int, moved: Optional[DataPosition] = None) -> None:
         """Continue from a checkpoint (`merge`'s fields). ``moved``: where the stream goes on
         after a layout change (vlp.train.resume.position_after_change); None: the same layout."""
-        from vlp.train.checkpoint import rank_skipped
-
         self.skipped = rank_skipped(saved, rank, world)
         if moved is None:
             self.epoch, self.batch_in_epoch, self.pieces = saved["epoch"], saved["batch_in_epoch"], saved.get("epoch_pieces")
         else:
             self.epoch, self.batch_in_epoch, self.pieces = moved.epoch, moved.batch, moved.pieces
+
+
+def rank_skipped(state: dict, rank: int, world: int) -> dict[str, int]:
+    """This rank's skip counts from a checkpoint: its own entry when the world size is the same,
+    else all ranks' sum on rank 0 (the global total stays right). Old checkpoints hold rank 0's."""
+    per_rank = state.get("skipped_per_rank")
+    if not per_rank:
+        return dict(state.get("skipped", {})) if rank == 0 else {}
+    if len(per_rank) == world:
+        return dict(per_rank[rank])
+    total: dict[str, int] = {}
+    for counts in per_rank if rank == 0 else []:
+        for kind, n in counts.items():
+            total[kind] = total.get(kind, 0) + n
+    return total
