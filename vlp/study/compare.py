@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
-import time
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,8 +40,8 @@ from eval.keys import EVAL_KEYS, RECALL_KS
 from vlp.config import (PACKAGED_DEFAULTS, Config, ConfigError, LossConfig, apply_overrides, from_dict, load_yaml,
                         set_dotted)
 from vlp.study.report import DIAG_KEYS, aggregate, markdown_table, read_log, write_report
-from vlp.study.runs import (_flatten, broadcast, embedded_shards, plan_runs, run_config, run_one, stale_key,  # noqa: F401
-                            steps_for)
+from vlp.study.runs import (_flatten, broadcast, embedded_shards, plan_runs, run_config, run_one,  # noqa: F401
+                            stale_key, steps_for)
 
 # = configs/compare_small_batch.yaml, shipped in the package (vlp/defaults/ links to configs/)
 DEFAULT_CONFIG = PACKAGED_DEFAULTS / "compare_small_batch.yaml"

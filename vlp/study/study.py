@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional

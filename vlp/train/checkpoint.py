@@ -138,7 +138,7 @@ def warn_unverified(path: Path, state) -> None:
     else:
         return  # someone else's weights file: nothing was promised
     _warned.add(str(path))
-    if _rank() == 0:
+    if get_rank() == 0:
         import sys
 
         print(f"vlp: warning: checkpoint {path} has no checksum manifest ({why}): loaded unverified",
