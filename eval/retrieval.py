@@ -113,6 +113,14 @@ def retrieval_metrics(
     "{direction}_median_rank". Ranks are 1-based, ties as described in the module docstring.
     Runs on img_emb.device; never builds the full N×M matrix.
     """
+    i2t_ranks, t2i_ranks = retrieval_ranks(img_emb, txt_emb, txt_to_img, chunk_size)
+    return {**summarize_ranks(i2t_ranks, keys.IMAGE_TO_TEXT, ks), **summarize_ranks(t2i_ranks, keys.TEXT_TO_IMAGE, ks)}
+
+
+def retrieval_ranks(img_emb: torch.Tensor, txt_emb: torch.Tensor, txt_to_img: torch.Tensor,
+                    chunk_size: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-based rank of the best positive of every image (image→text) and every caption
+    (text→image), ties as in the module docstring; on img_emb.device."""
     txt_to_img = txt_to_img.to(device=img_emb.device, dtype=torch.long)
     txt_emb = txt_emb.to(img_emb.device)
     _check_inputs(img_emb, txt_emb, txt_to_img)
@@ -120,9 +128,9 @@ def retrieval_metrics(
     # has the single positive txt_to_img[m].
     caption_idx_m = torch.arange(txt_emb.shape[0], device=img_emb.device)
     order_m = torch.sort(txt_to_img, stable=True).indices
-    i2t_ranks = ranks_of_best_positive(img_emb, txt_emb, txt_to_img[order_m], caption_idx_m[order_m], chunk_size)
-    t2i_ranks = ranks_of_best_positive(txt_emb, img_emb, caption_idx_m, txt_to_img, chunk_size)
-    return {**summarize_ranks(i2t_ranks, keys.IMAGE_TO_TEXT, ks), **summarize_ranks(t2i_ranks, keys.TEXT_TO_IMAGE, ks)}
+    i2t = ranks_of_best_positive(img_emb, txt_emb, txt_to_img[order_m], caption_idx_m[order_m], chunk_size)
+    t2i = ranks_of_best_positive(txt_emb, img_emb, caption_idx_m, txt_to_img, chunk_size)
+    return i2t, t2i
 
 
 def clip_benchmark_names(metrics: dict[str, float]) -> dict[str, float]:

@@ -141,6 +141,17 @@ def _shard_templates(entry: dict) -> Optional[str]:
     return D.shard_side_file(shards_of(entry), "zeroshot_classification_templates.txt")
 
 
+def embed_retrieval_shards(model, tokenizer, transform, shards: str, device, batch_size: int = 64,
+                           num_workers: int = 0, skipped: Optional[Counter] = None, precision: str = "fp32",
+                           show_progress: bool = False):
+    """(img_emb, txt_emb, txt_to_img) of a retrieval shard set, read by the one eval reader
+    (eval.datasets.ShardRetrieval); skipped images are counted into `skipped`."""
+    loader = D.make_eval_loader(D.ShardRetrieval(shards, transform, tokenizer), batch_size, num_workers,
+                                collate_fn=D.collate_retrieval)
+    return embed_retrieval(model, counting(loader, Counter() if skipped is None else skipped), device,
+                           precision=precision, show_progress=show_progress)
+
+
 def run_eval_suite(
     model,
     tokenizer: Callable,
@@ -192,11 +203,9 @@ def run_eval_suite(
     for entry in suite.get("retrieval") or []:
         _check_keys(entry, RETRIEVAL_KEYS, "retrieval entry")
         name, ebs = _name(entry, "retrieval"), int(entry.get("batch_size", bs))
-        loader = D.make_eval_loader(D.ShardRetrieval(shards_of(entry), transform, tokenizer), ebs, nw,
-                                    collate_fn=D.collate_retrieval)
         skipped: Counter[str] = Counter()
-        img_emb, txt_emb, txt_to_img = embed_retrieval(model, counting(loader, skipped), device, precision=precision,
-                                                       show_progress=show_progress)
+        img_emb, txt_emb, txt_to_img = embed_retrieval_shards(model, tokenizer, transform, shards_of(entry), device,
+                                                              ebs, nw, skipped, precision, show_progress)
         metrics = retrieval_metrics(img_emb.to(device), txt_emb.to(device), txt_to_img.to(device), chunk_size=chunk)
         results[name] = {"task": "retrieval", "metrics": metrics, "clip_benchmark": clip_benchmark_names(metrics),
                          "n_images": int(img_emb.shape[0]), "n_texts": int(txt_emb.shape[0]),

@@ -194,20 +194,16 @@ def study_row(run: StudyRun, run_dir: Path, metric_keys: tuple[str, ...], n_boot
 
 # ---------------------------------------------------------------------------- eval items
 def eval_item_ranks(model, tokenizer, transform, spec: str, device, batch_size: int = 256) -> dict[str, list[int]]:
-    """1-based rank of the correct item for every query of a retrieval set, both directions
-    (eval/retrieval.py's ranking, ties included)."""
+    """1-based rank of the correct item for every query of a retrieval set, both directions: the
+    eval suite's reader and ranking (eval.suite, eval.retrieval), ties included."""
     import torch
 
-    from data_pipelines.stream import make_loader
-    from eval.retrieval import embed_retrieval, ranks_of_best_positive
+    from eval.retrieval import retrieval_ranks
+    from eval.suite import embed_retrieval_shards
 
-    loader = make_loader(spec, batch_size=batch_size, transform=transform, tokenize=tokenizer, mode="sequential")
     with torch.no_grad():
-        img, txt, txt_to_img = embed_retrieval(model, loader, device, show_progress=False)
-    captions = torch.arange(txt.shape[0])
-    order = torch.sort(txt_to_img, stable=True).indices
-    i2t = ranks_of_best_positive(img, txt, txt_to_img[order], captions[order])
-    t2i = ranks_of_best_positive(txt, img, captions, txt_to_img)
+        img, txt, txt_to_img = embed_retrieval_shards(model, tokenizer, transform, spec, device, batch_size)
+    i2t, t2i = retrieval_ranks(img, txt, txt_to_img)
     return {"image_to_text": i2t.tolist(), "text_to_image": t2i.tolist()}
 
 
