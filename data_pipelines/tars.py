@@ -503,10 +503,8 @@ def image_decodes(data: bytes) -> bool:
 
 
 def decode_image(data: bytes, decode_size: int | None = None):
-    """PIL RGB image from bytes; JPEGs are DCT-downscaled while both sides stay >= size."""
-    from PIL import Image
+    """PIL RGB image from bytes; JPEGs are DCT-downscaled while both sides stay >= size (16-bit
+    greyscale scaled to 8 bits: data_pipelines.decode.decode_rgb)."""
+    from data_pipelines.decode import decode_rgb
 
-    image = Image.open(io.BytesIO(data))
-    if decode_size and image.format == "JPEG":
-        image.draft("RGB", (decode_size, decode_size))
-    return image.convert("RGB")
+    return decode_rgb(data, decode_size)

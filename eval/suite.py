@@ -77,13 +77,16 @@ def load_suite(path: str) -> dict:
     """A suite YAML file, checked (check_suite)."""
     import yaml
 
+    from data_pipelines import strict_yaml
     from data_pipelines.messages import first_line
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"eval suite not found: {path}")
     try:
         with open(path, encoding="utf-8") as f:
-            suite = yaml.safe_load(f) or {}
+            suite = strict_yaml.load(f.read()) or {}
+    except strict_yaml.DuplicateKey as e:
+        raise ValueError(f"eval suite {path}: {e}") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ValueError(f"eval suite {path} is not valid YAML: {first_line(e)}") from None
     return check_suite(suite)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Literal, Optional
 
 import yaml
 
+from data_pipelines import strict_yaml
 from vlp.losses.registry import NAMES as LOSS_NAMES
 from vlp.models import temperature
 
@@ -489,36 +490,12 @@ def set_dotted(tree: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a mapping with the same key twice (PyYAML keeps the last one
-    silently: `lr: 1e-3` ... `lr: 1e-5` would train with whichever came second)."""
-
-
-def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: dict = {}
-    for key_node, _ in node.value:  # the keys written here (a key may override one merged by <<)
-        if key_node.tag == "tag:yaml.org,2002:merge":
-            continue
-        key = loader.construct_object(key_node, deep=True)
-        line = key_node.start_mark.line + 1
-        try:
-            if key in seen:
-                raise ConfigError(f"duplicate key {_short(key)} on line {line} (first on line {seen[key]})")
-            seen[key] = line
-        except TypeError:  # an unhashable key: the base constructor names it
-            break
-    return yaml.SafeLoader.construct_mapping(loader, node, deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
-
-
 def load_yaml(text: str, source: str = "config") -> Any:
     """Parse YAML like yaml.safe_load, but a mapping with a duplicate key is a ConfigError
     '<source>: duplicate key 'lr' on line 9 (first on line 4)' (for config, suite and compare files)."""
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
-    except ConfigError as e:
+        return strict_yaml.load(text)
+    except strict_yaml.DuplicateKey as e:
         raise ConfigError(f"config: {source}: {e}") from None
 
 

@@ -72,3 +72,16 @@ def test_spec_for_and_bad_key():
     assert spec_for(["/a/x.tar", "/b/y.tar"]) == "/a/x.tar::/b/y.tar"
     with pytest.raises(ValueError):
         Pair("has.dot", b"", "c")
+
+
+def test_sixteen_bit_png_is_scaled_not_clipped(tmp_path):
+    """A 16-bit greyscale PNG (PIL mode I;16) re-encoded by the writer keeps its tones: scaled to
+    8 bits (convert('RGB') alone would clip nearly every pixel to white)."""
+    wide = (np.arange(64 * 64, dtype=np.uint32).reshape(64, 64) * 16).astype(np.uint16)  # 0..65520
+    buf = io.BytesIO()
+    Image.fromarray(wide).save(buf, format="PNG")
+    summary = write_shards([Pair("grey", buf.getvalue(), "a grey ramp")], tmp_path, image_ext="jpg")  # re-encoded
+    sample = _read_all(sorted(tmp_path.glob("*.tar")))["grey"]
+    ext = next(e for e in sample if e in ("png", "jpg"))
+    got = np.asarray(Image.open(io.BytesIO(sample[ext])).convert("L"), dtype=np.float64)
+    assert summary.sizes and abs(got.mean() - 127.5) < 2.0 and got.min() <= 2 and got.max() >= 252

@@ -80,3 +80,12 @@ def test_markdown_formats_percentages():
     md = markdown_tables({"c": {"task": "classification", "n": 10,
                                 "metrics": {"top1": 0.5, "top5": 0.875, "mean_per_class_recall": 0.25}}})
     assert "| c | 50.00 | 87.50 | 25.00 | 10 |" in md
+
+
+def test_suite_file_with_a_duplicate_key_is_one_line(tmp_path):
+    from eval.suite import load_suite
+
+    path = tmp_path / "suite.yaml"
+    path.write_text("batch_size: 8\nretrieval: []\nbatch_size: 16\n")
+    with pytest.raises(ValueError, match=r"suite.yaml: duplicate key 'batch_size' on line 3 \(first on line 1\)"):
+        load_suite(str(path))
