@@ -54,7 +54,7 @@ import torch
 from data_pipelines.decode import image_decoder
 from data_pipelines.tars import (  # noqa: F401  (re-exported: the public shard helpers)
     IMAGE_EXTS, TEXT_EXTS, check_sample, read_shard, decode_image, expand_sources, image_decodes,
-    shard_sizes, sizes_from_spec,
+    shard_sizes, sizes_from_spec, warn_bad_shard,
 )
 from data_pipelines.shard_io import Retry
 
@@ -371,6 +371,10 @@ class _Stream:
         # round-robin over workers stays in batch order across chained epochs.
         self.pad = pad
         self.skipped: Counter[str] = Counter()
+        # bad-shard lines travel with their counts, printed when the batch is taken (Loader):
+        # a warning and the count in the run's totals always agree
+        self.warnings: list[str] = []
+        self.samples_read = 0
         self.seen_keys: list[str] = []
         self.seen_exts: set[str] = set()
         # what is read and what waits in the shuffle buffer: see ``remaining``
@@ -391,9 +395,10 @@ class _Stream:
         for k, (shard, begin, end) in enumerate(pieces):
             url = self.plan.paths[shard]
             self.read_to = (k, begin)
-            for index, key, members in read_shard(url, begin, end, self.skipped,
-                                                   seen_exts=self.seen_exts, retry=self.plan.retry):
+            for index, key, members in read_shard(url, begin, end, self.skipped, seen_exts=self.seen_exts,
+                                                   retry=self.plan.retry, errors=self.warnings):
                 self.read_to = (k, index + 1)
+                self.samples_read += 1
                 if len(self.seen_keys) < 8:
                     self.seen_keys.append(os.path.basename(key))
                 sample = check_sample(key, members, url)
@@ -431,20 +436,28 @@ class _Stream:
         self.range = pieces
         self.starts = _bounds(pieces)
         while True:
-            found = 0
+            found, read_before, failed_before = 0, self.samples_read, self.failed_reads
             for sample in self.shuffled(self.valid(pieces), rng):
                 found += 1
                 yield sample
             self.passes += 1
             if not found:
-                self.no_valid_samples([self.plan.paths[s] for s, _, _ in pieces])
+                self.no_valid_samples([self.plan.paths[s] for s, _, _ in pieces],
+                                      self.samples_read == read_before and self.failed_reads > failed_before)
 
-    def no_valid_samples(self, urls: list[str]):
-        if not self.seen_keys and set(self.skipped) == {"bad_shard"}:  # nothing could be read
+    @property
+    def failed_reads(self) -> int:
+        return self.skipped["bad_shard"] + self.reported_bad
+
+    def no_valid_samples(self, urls: list[str], unreadable: bool = False):
+        """The pass found no usable sample: the shards could not be read (a dead server, a
+        failing command: say so, with the last error), or their content is unusable."""
+        last = self.warnings[-1] if self.warnings else self.last_error
+        if (unreadable and last) or (not self.seen_keys and set(self.skipped) == {"bad_shard"}):
             raise ValueError(
                 f"could not read any of the shards {sorted(set(urls))[:4]}"
-                f"{' ...' if len(set(urls)) > 4 else ''}: {self.skipped['bad_shard']} read(s) "
-                f"failed after data.io_retries={self.plan.retry.retries} (warnings above say why)")
+                f"{' ...' if len(set(urls)) > 4 else ''}: every read failed after "
+                f"data.io_retries={self.plan.retry.retries}" + (f"; the last: {last}" if last else ""))
         raise ValueError(
             f"no valid samples in {sorted(set(urls))[:4]}: found keys {self.seen_keys}, "
             f"extensions {sorted(self.seen_exts)}; need one of {IMAGE_EXTS} and one of "
@@ -452,18 +465,19 @@ class _Stream:
 
     def resampled(self) -> Iterator[tuple]:
         rng = self.rng("shards")
-        p, picks_without = self.plan, 0
+        p, picks_without, unread = self.plan, 0, 0
         indices = range(len(p.paths))
         cum_weights = list(itertools.accumulate(p.weights))  # what choices(weights=) computes
         while True:
             shard = rng.choices(indices, cum_weights=cum_weights)[0]
-            got = 0
+            got, read_before = 0, self.samples_read
             for sample in self.valid([(shard, 0, None)]):
                 got += 1
                 yield sample
             picks_without = 0 if got else picks_without + 1
+            unread = 0 if self.samples_read > read_before else (unread if got == 0 else 0) + 1
             if picks_without > 4 * len(indices) + 8:
-                self.no_valid_samples(p.paths)
+                self.no_valid_samples(p.paths, unread >= picks_without)
 
     def shuffled(self, samples: Iterator[tuple], rng: random.Random) -> Iterator[tuple]:
         buffer = self.pending = []  # the samples read and not yet yielded
@@ -513,7 +527,7 @@ class _Stream:
                 yield self.placeholder(None)
 
     def placeholder(self, index: int | None) -> dict:
-        return {"index": index, "epoch": self.epoch, "empty": True,
+        return {"index": index, "epoch": self.epoch, "empty": True, "warnings": self._take_warnings(),
                 "skipped": self._take_skipped(), **self.position()}
 
     def position(self) -> dict:
@@ -564,7 +578,7 @@ class _Stream:
             url, off = p.paths[shard], position - begin - lo  # shard index -> rank position
             for index, key, members in read_shard(
                     url, begin, end, self.skipped, want=lambda i, o=off: (i + o) // p.batch
-                    in wanted, retry=p.retry):
+                    in wanted, retry=p.retry, errors=self.warnings):
                 j = (index + off) // p.batch
                 while todo and todo[0] < j:  # earlier batches are complete
                     done = todo.pop(0)
@@ -582,9 +596,19 @@ class _Stream:
         decoded = self.decode_all(chunk, None)
         return self.collate(index, decoded) if decoded else self.placeholder(index)
 
+    reported_bad = 0  # bad_shard counts already sent with earlier batches
+    last_error = ""
+
     def _take_skipped(self) -> dict[str, int]:
         out = dict(self.skipped)
+        self.reported_bad += self.skipped["bad_shard"]
         self.skipped.clear()
+        return out
+
+    def _take_warnings(self) -> list[str]:
+        out, self.warnings = self.warnings, []
+        if out:
+            self.last_error = out[-1]
         return out
 
     def collate(self, index: int, decoded: list) -> dict:
@@ -595,8 +619,8 @@ class _Stream:
         if all(len(s) == 4 for s in decoded):  # per-sample state (SogCLR) is keyed by this id
             ids["sample_id"] = torch.tensor([self.plan.sample_id(*s[3]) for s in decoded],
                                             dtype=torch.int64)
-        return {"image": images, "text": text, "key": keys, "skipped": self._take_skipped(),
-                "index": index, "epoch": self.epoch, **ids, **self.position()}
+        return {"image": images, "text": text, "key": keys, "warnings": self._take_warnings(),
+                "skipped": self._take_skipped(), "index": index, "epoch": self.epoch, **ids, **self.position()}
 
 
 class _EpochDataset(torch.utils.data.IterableDataset):
@@ -695,6 +719,7 @@ class Loader:
         expected = (epoch, start_batch)
         for item in self._batches(epoch, start_batch, chain=True):
             self._note_position(item)
+            _report(item)
             if item.get("empty"):  # placeholder: keeps the workers' round-robin in order
                 carry.update(item["skipped"])
                 continue
@@ -753,6 +778,7 @@ class Loader:
         for batch in batches:
             batch.pop("worker", None), batch.pop("remaining", None)
             batch.pop("epoch", None)
+            _report(batch)
             pending[batch.pop("index")] = batch
             while expected in pending:
                 out = pending.pop(expected)
@@ -772,6 +798,12 @@ class Loader:
         self.stats.update(carry)
         carry.clear()
         yield batch
+
+
+def _report(item: dict) -> None:
+    """Print a worker's bad-shard lines as its item (and so its counts) is taken."""
+    for line in item.pop("warnings", None) or ():
+        warn_bad_shard(line)
 
 
 def make_loader(

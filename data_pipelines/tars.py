@@ -388,11 +388,11 @@ def read_shard(path: str, start: int, stop: int | None, skipped: Counter,
     except (OSError, tarfile.TarError, EOFError) as e:
         if fileobj is not None:
             fileobj.close()
-        if isinstance(e, ShardReadError):
-            _warn_bad_shard(e)
-        if errors is not None:
+        if errors is not None:  # the caller reports it with the count (data_pipelines.stream)
             errors.append(str(e) if isinstance(e, ShardReadError) else
                           f"{path}: {type(e).__name__}: {e}")
+        elif isinstance(e, ShardReadError):
+            _warn_bad_shard(e)
         skipped["bad_shard"] += 1
         return
     index, key, members = -1, None, {}
@@ -435,17 +435,21 @@ def read_shard(path: str, start: int, stop: int | None, skipped: Counter,
                         skipped["bad_member"] += 1
                         return
     except ShardReadError as e:
-        _warn_bad_shard(e)
         if errors is not None:
             errors.append(str(e))
+        else:
+            _warn_bad_shard(e)
         skipped["bad_shard"] += 1
     finally:
         tar.members = []  # release the member index of big shards
 
 
-def _warn_bad_shard(error: ShardReadError) -> None:
+def _warn_bad_shard(error) -> None:
     """One stderr line per shard given up on (the run goes on; counts go to 'bad_shard')."""
     print(f"vlp: warning: skipping shard: {error}", file=sys.stderr, flush=True)
+
+
+warn_bad_shard = _warn_bad_shard  # the stream prints a worker's lines when their counts arrive
 
 
 def _at_end_marker(tar: tarfile.TarFile) -> bool:

@@ -329,3 +329,44 @@ def test_train_over_http_sigkill_and_resume_is_bit_identical(tiny_shards, server
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_bad_shard_warnings_and_counts_agree(tiny_shards, tmp_path, capfd, workers):
+    """A warning is printed when the batch carrying its count is taken, so the lines printed and
+    the bad_shard counts of the batches taken are equal (a worker's read-ahead prints nothing)."""
+    shard = expand_sources(tiny_shards["train"])[0][0]
+    spec = f"{shard}::pipe:echo broken >&2; exit 1"
+    loader = make_loader(spec, batch_size=4, transform=to_tensor, tokenize=tokenize, mode="resampled",
+                         num_samples=128, num_workers=workers, io_retries=0, io_backoff_s=0.0, seed=3)
+    capfd.readouterr()
+    counted = 0
+    stream = loader.epochs()
+    for _ in range(12):
+        counted += next(stream).get("skipped", {}).get("bad_shard", 0)
+    lines = [x for x in capfd.readouterr().err.splitlines() if "skipping shard" in x]
+    stream.close()
+    assert counted >= 1 and len(lines) == counted, (counted, lines)
+    assert all("exited with status 1: broken" in x for x in lines)
+
+
+def test_a_server_that_dies_mid_run_is_named_as_the_cause(tiny_shards, tmp_path):
+    """Every read failing after some batches were read (the server is gone) is one error naming
+    the failed reads and the last error, not "no valid samples"."""
+    root = tmp_path / "www"
+    shutil.copytree(Path(expand_sources(tiny_shards["train"])[0][0]).parent, root)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    spec = f"http://127.0.0.1:{httpd.server_address[1]}/train-{{000000..000002}}.tar"
+    loader = make_loader(spec, batch_size=8, transform=to_tensor, tokenize=tokenize, io_retries=1,
+                         io_backoff_s=0.0)
+    stream = loader.epochs()
+    next(stream)  # the first batches come from shards read while the server lived
+    httpd.shutdown()
+    httpd.server_close()
+    with pytest.raises(ValueError, match=r"could not read any of the shards .*every read failed after "
+                                         r"data.io_retries=1; the last: .*(onnect|refused)"):
+        for _ in range(200):
+            next(stream)
+    stream.close()
