@@ -85,7 +85,7 @@ def test_apply_optim_changes_makes_the_resumed_optimizer_use_the_new_lr(trained,
         f"data.train_shards={shards['train']}", f"train.output_dir={run}", *TINY, "optim.lr=1e-5",
         "optim.weight_decay=0.05", "optim.beta2=0.95", "train.resume=latest", "train.samples=96"])
     trainer = Trainer(cfg)
-    path, state = trainer.find_resume_checkpoint()
+    path, state = trainer.checkpoints.find(cfg.train.resume)
     trainer.load_state_dict(state, path)
     lines = resume.apply_changes(state, cfg, trainer.torch_optimizer, trainer.scheduler)
     assert "[vlp] resume: optim.lr 0.002 -> 1e-05 from step 4" in lines
@@ -93,7 +93,7 @@ def test_apply_optim_changes_makes_the_resumed_optimizer_use_the_new_lr(trained,
     groups = trainer.torch_optimizer.param_groups
     assert [g["lr"] for g in groups] == [1e-5, 1e-5] and trainer.scheduler.base_lrs == [1e-5, 1e-5]
     assert [g["weight_decay"] for g in groups] == [0.0, 0.05] and groups[1]["betas"] == (0.9, 0.95)
-    metrics = trainer.train_step(next(trainer.batches()))
+    metrics = trainer.train_step(next(trainer.data.groups(trainer.accum)))
     assert metrics["lr"] == pytest.approx(1e-5)  # the LR schedule goes on from the new peak
     assert [g["lr"] for g in groups] == [pytest.approx(1e-5)] * 2
 

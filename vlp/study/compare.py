@@ -40,7 +40,7 @@ from eval.keys import EVAL_KEYS, RECALL_KS
 from vlp.config import (PACKAGED_DEFAULTS, Config, ConfigError, LossConfig, apply_overrides, from_dict, load_yaml,
                         set_dotted)
 from vlp.study.report import DIAG_KEYS, aggregate, markdown_table, read_log, write_report
-from vlp.study.runs import (_flatten, broadcast, embedded_shards, plan_runs, run_config, run_one,  # noqa: F401
+from vlp.study.runs import (HARMLESS_KEYS, _flatten, broadcast, embedded_shards, plan_runs, run_config, run_one,  # noqa: F401
                             stale_key, steps_for)
 
 # = configs/compare_small_batch.yaml, shipped in the package (vlp/defaults/ links to configs/)
