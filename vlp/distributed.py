@@ -54,6 +54,8 @@ import threading
 import time
 import warnings
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -69,6 +71,7 @@ __all__ = [
     "barrier",
     "all_reduce",
     "gather_object",
+    "broadcast_object",
 ]
 
 
@@ -106,6 +109,16 @@ def all_reduce(x: Tensor, op: str = "sum") -> Tensor:
     out = x.clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out / get_world_size() if op == "mean" else out
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` (picklable) on every rank, so all take the same branch; ``obj`` itself
+    without a process group."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def gather_object(objs: list) -> list:

@@ -58,6 +58,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from vlp.distributed import get_rank, get_world_size
 from vlp.losses.common import anchors, check_inputs, fp32_block, softplus_exact
 from vlp.losses.diagnostics import diagnostics_from_softmax
 
@@ -228,9 +229,8 @@ class SogCLRLoss:
             raise ValueError(f"gamma schedule must be one of {GAMMA_SCHEDULES}, got {schedule!r}")
         if not 0.0 < gamma <= 1.0:
             raise ValueError(f"gamma must be in (0, 1], got {gamma}")
-        dist = _dist()
-        self.world = int(world_size if world_size is not None else (dist.get_world_size() if dist else 1))
-        self.rank = int(rank if rank is not None else (dist.get_rank() if dist else 0))
+        self.world = int(world_size if world_size is not None else get_world_size())
+        self.rank = int(rank if rank is not None else get_rank())
         if not 0 <= self.rank < self.world:
             raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world})")
         self.num_samples = int(num_samples)

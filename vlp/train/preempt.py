@@ -89,12 +89,12 @@ class Preemption:
         all-reduce of one number; call it on every rank at the same point of every step).
         `device`: where the collective's tensor lives (the accelerator's device under NCCL)."""
         import torch
-        import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()):
+        from vlp.distributed import all_reduce, is_distributed
+
+        if not is_distributed():
             return self.requested
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = all_reduce(torch.tensor([1.0 if self.requested else 0.0], device=device))  # how many ranks got one
         if flag.item() > 0 and self.received is None:
             self.received = -1  # another rank's signal
         return bool(flag.item() > 0)
