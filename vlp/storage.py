@@ -223,7 +223,7 @@ class RunFolder:
                 shutil.copyfile(local_path, dest)
             return
         for rel, path in _files_under(local_path):
-            self.fs.put_file(str(path), self._key(f"{name}/{rel}" if rel else name))
+            self.fs.put_file(str(path), self._key(f"{name}/{rel}".strip("/") if rel else name))
 
     def download(self, name: str) -> Path:
         """A local path holding the plain object ``name`` (no manifest: open_clip_model.pt, a
@@ -275,6 +275,7 @@ class RunFolder:
             with folder.file("result.json") as path:
                 path.write_text(text)"""
         if not self.remote:
+            self._local(name).parent.mkdir(parents=True, exist_ok=True)
             yield self._local(name)
             return
         path = self.cache_dir / "files" / name

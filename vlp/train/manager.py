@@ -149,17 +149,7 @@ class CheckpointManager:
         return found
 
     def fetch(self, name: str) -> Path:
-        """A local copy of committed checkpoint `name` with its per-rank files, checked against
-        its manifest; a .pt gets back its checksum sidecar (the digest the manifest holds)."""
-        path = self.folder.fetch(name)
-        if path.is_file():
-            obj = self.folder.manifest(name)["objects"][0]
-            integrity.write_manifest(path, {path.name: {"size": obj["bytes"], integrity.ALGORITHM: obj["sha256"]}})
-        try:
-            self.folder.fetch(storage.companion(name))
-        except FileNotFoundError:
-            pass  # a checkpoint without per-rank files
-        return path
+        return fetch_checkpoint(self.folder, name)
 
     def resume(self, resume: str, load: Callable[[dict, Path], None], config: dict) -> Optional[Path]:
         """Remove killed saves' temps, then (train.resume set) find the checkpoint and `load(state,
@@ -224,3 +214,18 @@ def _staged_parts(stage: Path) -> list[tuple[Path, str]]:
             base = base[1:-len(".tmp")]
         parts.append((entry, f"checkpoints/{base}"))
     return parts
+
+
+def fetch_checkpoint(folder, name: str) -> Path:
+    """A local copy of committed checkpoint `name` of a bucket RunFolder with its per-rank
+    files, checked against its manifest; a .pt gets back its checksum sidecar (the digest the
+    manifest holds), so vlp.train.checkpoint verifies it as it does a local one."""
+    path = folder.fetch(name)
+    if path.is_file():
+        obj = folder.manifest(name)["objects"][0]
+        integrity.write_manifest(path, {path.name: {"size": obj["bytes"], integrity.ALGORITHM: obj["sha256"]}})
+    try:
+        folder.fetch(storage.companion(name))
+    except FileNotFoundError:
+        pass  # a checkpoint without per-rank files
+    return path
