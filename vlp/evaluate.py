@@ -166,6 +166,13 @@ def local_checkpoint(checkpoint: str) -> str:
     from vlp.train.manager import fetch_checkpoint
 
     folder, name = RunFolder.of(checkpoint)
-    if folder.exists(name + MANIFEST):
+    try:
+        manifest = folder.manifest(name)  # a bucket commit (objects listed) or a file's checksums
+    except FileNotFoundError:
+        manifest = None
+    if manifest and "objects" in manifest:
         return str(fetch_checkpoint(folder, name))
-    return str(folder.download(name))
+    path = folder.download(name)
+    if manifest is not None:  # beside the file, so vlp.train.checkpoint verifies it
+        folder.download(name + MANIFEST)
+    return str(path)

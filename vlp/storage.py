@@ -267,10 +267,11 @@ class RunFolder:
             self.upload(self.local_dir(name), name)
 
     @contextlib.contextmanager
-    def file(self, name: str):
+    def file(self, name: str, sidecar: bool = False):
         """A local path to write member ``name`` to, for tools that take a path
         (``torch.save``, ``write_text``): the member itself in a local folder; on a bucket a
-        cache file uploaded whole when the block ends without an error.
+        cache file uploaded whole when the block ends without an error. ``sidecar``: also
+        upload ``NAME.manifest.json`` written beside it (its checksums, vlp.integrity).
 
             with folder.file("result.json") as path:
                 path.write_text(text)"""
@@ -282,6 +283,9 @@ class RunFolder:
         path.parent.mkdir(parents=True, exist_ok=True)
         yield path
         self.fs.put_file(str(path), self._key(name))
+        side = path.with_name(path.name + MANIFEST)
+        if sidecar and side.is_file():  # after the file: a reader never finds a manifest without it
+            self.fs.put_file(str(side), self._key(name + MANIFEST))
 
     def log_writer(self, name: str = "log.jsonl", upload_every_s: float = 30.0) -> "LogWriter":
         return LogWriter(self, name, upload_every_s)
@@ -592,13 +596,15 @@ def open_run_folder(url_or_path, option: str = "train.output_dir") -> RunFolder:
     return RunFolder(url_or_path)
 
 
-def check_writable(url, timeout_s: float = 30.0, option: str = "train.output_dir") -> None:
+def check_writable(url, timeout_s: Optional[float] = None, option: str = "train.output_dir") -> None:
     """Check at start that a run folder can be written: write, read back and delete a small
     probe object. Raises StorageError with one line naming the URL and the cause: a missing
     backend (which extra to install), a bucket that does not exist, refused credentials, an
-    endpoint that does not answer within ``timeout_s`` (the probe runs in a thread, so the
+    endpoint that does not answer within ``timeout_s`` (default: $VLP_STORAGE_TIMEOUT_S, else
+    30 s; the probe runs in a thread, so the
     backend's own retries cannot stretch it), or a local folder that cannot be created."""
     url = str(url).rstrip("/")
+    timeout_s = float(os.environ.get("VLP_STORAGE_TIMEOUT_S", 30)) if timeout_s is None else timeout_s
     probe = f".vlp-write-check-{os.uname().nodename}-{os.getpid()}"
     if not is_url(url) or url.startswith("file://"):
         root = Path(url.removeprefix("file://"))

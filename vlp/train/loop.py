@@ -342,7 +342,7 @@ class Trainer:
         if is_main():
             from vlp.models.model import export_open_clip
 
-            with self.folder.file("open_clip_model.pt") as path:
+            with self.folder.file("open_clip_model.pt", sidecar=True) as path:
                 export_open_clip(final, path)
         last_eval = self.evaluate()
         result = {"step": self.step, "samples_seen": self.samples_seen, "train_time_s": train_time,
