@@ -209,7 +209,7 @@ def _launch(store, shards, out, *extra, wait=True):
     cmd = [ACCELERATE, "launch", "--config_file", "launch/cpu_2proc.yaml", "--main_process_port",
            str(29500 + (os.getpid() + 11) % 1000), "-m", "vlp", "train", "-c", "configs/demo.yaml",
            f"data.train_shards={shards['train']}", f"train.output_dir={out}", *COMMON, "train.parallel=fsdp",
-           "loss.name=sogclr", *extra]
+           "loss.name=sogclr", "train.samples=96", *extra]
     env = run_env() | store.env | {"ACCELERATE_USE_CPU": "1"}
     if not wait:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -219,25 +219,25 @@ def _launch(store, shards, out, *extra, wait=True):
 
 def test_fsdp_in_a_bucket_resumes_after_sigkill_bit_identical(s3, tiny_shards, capsys):
     """2 processes, FSDP: DCP directories and SogCLR's per-rank files (step_N.ranks/) uploaded
-    by each rank, committed by rank 0; SIGKILL of the job after step 6 and resume=latest give the
+    by each rank, committed by rank 0; SIGKILL of the job after step 3 of 6 and resume=latest give the
     uninterrupted run's weights bit for bit; `vlp eval` reads a DCP directory in the bucket."""
     ref = _prefix(s3, "fsdp-ref")
     proc = _launch(s3, shards=tiny_shards, out=ref)
     assert proc.returncode == 0, proc.stderr[-4000:]
     url = _prefix(s3, "fsdp-kill")
     child = _launch(s3, tiny_shards, url, "train.checkpoint_every=1", wait=False)
-    _kill_when(s3, child, f"{url[5:]}/checkpoints/step_00000006.manifest.json")
+    _kill_when(s3, child, f"{url[5:]}/checkpoints/step_00000003.manifest.json")
     proc = _launch(s3, tiny_shards, url, "train.checkpoint_every=1", "train.resume=latest")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"resumed from {url}/checkpoints/step_" in proc.stdout
     _same(_bucket_weights(s3, url), _bucket_weights(s3, ref))
     keys = _keys(s3, ref)
-    assert {"checkpoints/step_00000012/__0_0.distcp", "checkpoints/step_00000012/__1_0.distcp",
-            "checkpoints/step_00000012/.metadata", "checkpoints/step_00000012/meta.pt",
-            "checkpoints/step_00000012.manifest.json", "checkpoints/step_00000012.ranks.manifest.json",
-            "checkpoints/step_00000012.ranks/rank00000-of-00002.pt",
-            "checkpoints/step_00000012.ranks/rank00001-of-00002.pt"} <= set(keys), keys
-    rc, _, err = _cli(capsys, "eval", "--checkpoint", f"{ref}/checkpoints/step_00000012", "--shards",
+    assert {"checkpoints/step_00000006/__0_0.distcp", "checkpoints/step_00000006/__1_0.distcp",
+            "checkpoints/step_00000006/.metadata", "checkpoints/step_00000006/meta.pt",
+            "checkpoints/step_00000006.manifest.json", "checkpoints/step_00000006.ranks.manifest.json",
+            "checkpoints/step_00000006.ranks/rank00000-of-00002.pt",
+            "checkpoints/step_00000006.ranks/rank00001-of-00002.pt"} <= set(keys), keys
+    rc, _, err = _cli(capsys, "eval", "--checkpoint", f"{ref}/checkpoints/step_00000006", "--shards",
                       tiny_shards["eval"], "--device", "cpu", "--out", f"{ref}/eval_dcp")
     assert rc == 0, err[-2000:]
     assert "eval_dcp/metrics.json" in _keys(s3, ref)
