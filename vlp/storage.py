@@ -24,7 +24,9 @@ Object stores have no rename and no append, so a bucket folder keeps two rules:
   new one); ``log_writer`` keeps the log in a local file and uploads it whole, periodically and
   at close (an object cannot be appended to; a crash loses at most the last interval).
 
-One writer per run folder (DESIGN.md §6): nothing here locks a bucket.
+One writer per run folder (DESIGN.md §6): the trainer's lock object is vlp.train.runlock.acquire_bucket
+(create-if-absent). The trainer's parts use this module (vlp.train.manager, logger, evaluator), so
+``train.output_dir=s3://...`` gets a local run folder's files; ``open_run_folder`` checks it at start.
 Uploads go through one background thread; its error is raised by the next ``wait``/``publish``.
 """
 
