@@ -76,6 +76,8 @@ class CheckpointManager:
         if world == 1 or (rank_state is None and not self.strategy.sharded):  # only the main process's
             if written is not None:
                 self.folder.publish(written, name, self.keep_last or None, before=[p for p in parts if p[1] != name])
+            else:
+                shutil.rmtree(stage, ignore_errors=True)  # another rank's: nothing staged here
             barrier()
             return self.folder.path(name) if written is not None else None
         if is_main():  # every rank's part: uploaded by its rank, committed by rank 0
