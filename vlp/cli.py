@@ -23,8 +23,20 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. loss.name=flatnce data.batch_per_device=32")
 
 
+def _local_only(value, option: str, hint: str) -> None:
+    """Refuse a URL (s3://, gs://, ...) for an option that writes local files, in one line
+    (never a local folder named 's3:')."""
+    from vlp.storage import is_url
+
+    if is_url(value) and not str(value).startswith("file://"):
+        raise ConfigError(f"{option} {value}: a URL is not supported here, only a local folder ({hint})")
+
+
 def cmd_shards(args) -> int:
     from data_pipelines.write import shards_from_source
+
+    _local_only(args.out, "vlp shards OUT", "write the shards locally, then copy them to the bucket; "
+                "training reads s3:// and gs:// shards directly")
 
     summary = shards_from_source(
         args.source, args.out, samples_per_shard=args.samples_per_shard, image_ext=args.image_format,
@@ -84,6 +96,8 @@ def cmd_compare(args) -> int:
 
 def cmd_demo(args) -> int:
     from vlp.demo import run_demo
+
+    _local_only(args.out, "vlp demo --out", "the demo writes its shards and runs locally")
 
     run_demo(out_dir=args.out, overrides=args.overrides, config=args.config)
     return 0

@@ -8,8 +8,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from vlp.train import checkpoint as ckpt
 from vlp.config import ConfigError, LossConfig, ModelConfig, from_dict
+from vlp.storage import is_url, open_run_folder
+from vlp.train import checkpoint as ckpt
 
 
 def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, device: str = "cpu"):
@@ -135,14 +136,43 @@ def evaluate_checkpoint(checkpoint: Optional[str] = None, model_name: Optional[s
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if checkpoint and pretrained:
         raise ConfigError("vlp eval: give --checkpoint or --pretrained, not both")
-    if pretrained and Path(pretrained).exists():
+    if pretrained and (is_url(pretrained) or Path(pretrained).exists()):
         checkpoint, pretrained = pretrained, None
     if checkpoint:
-        model, tokenizer, eval_tf = load_model_from_checkpoint(checkpoint, model_name, device)
-        out_dir = out_dir or str(Path(checkpoint).resolve().parent / "eval")
+        model, tokenizer, eval_tf = load_model_from_checkpoint(local_checkpoint(checkpoint), model_name, device)
+        default = f"{checkpoint.rstrip('/').rsplit('/', 1)[0]}/eval" if is_url(checkpoint) else None
+        out_dir = out_dir or default or str(Path(checkpoint).resolve().parent / "eval")
     elif model_name:
         model, tokenizer, eval_tf = load_published(model_name, pretrained, device)
         out_dir = out_dir or str(Path("runs", "eval", f"{model_name}-{pretrained or 'hub'}".replace("/", "_")))
     else:
         raise ConfigError("vlp eval: give --checkpoint FILE, or --model NAME with --pretrained TAG|hf-hub:...|FILE")
-    return run_eval_suite(model, tokenizer, eval_tf, spec, device, out_dir)
+    if not is_url(out_dir):
+        return run_eval_suite(model, tokenizer, eval_tf, spec, device, out_dir)
+    folder = open_run_folder(out_dir, option="vlp eval --out")  # written locally, then uploaded
+    results = run_eval_suite(model, tokenizer, eval_tf, spec, device, str(folder.local_dir("")))
+    folder.sync_dir("")
+    folder.close()
+    return results
+
+
+def local_checkpoint(checkpoint: str) -> str:
+    """A local path for --checkpoint: the path itself, or for a URL (s3://, gs://) a download:
+    a committed checkpoint (step_N.pt, a DCP step_N/ directory) checked against its bucket
+    manifest, or a plain object (open_clip_model.pt)."""
+    if not is_url(checkpoint) or checkpoint.startswith("file://"):
+        return checkpoint.removeprefix("file://")
+    from vlp.storage import MANIFEST, RunFolder
+    from vlp.train.manager import fetch_checkpoint
+
+    folder, name = RunFolder.of(checkpoint)
+    try:
+        manifest = folder.manifest(name)  # a bucket commit (objects listed) or a file's checksums
+    except FileNotFoundError:
+        manifest = None
+    if manifest and "objects" in manifest:
+        return str(fetch_checkpoint(folder, name))
+    path = folder.download(name)
+    if manifest is not None:  # beside the file, so vlp.train.checkpoint verifies it
+        folder.download(name + MANIFEST)
+    return str(path)

@@ -24,12 +24,15 @@ Object stores have no rename and no append, so a bucket folder keeps two rules:
   new one); ``log_writer`` keeps the log in a local file and uploads it whole, periodically and
   at close (an object cannot be appended to; a crash loses at most the last interval).
 
-One writer per run folder (DESIGN.md §6): nothing here locks a bucket.
+One writer per run folder (DESIGN.md §6): the trainer's lock object is vlp.train.runlock.acquire_bucket
+(create-if-absent). The trainer's parts use this module (vlp.train.manager, logger, evaluator), so
+``train.output_dir=s3://...`` gets a local run folder's files; ``open_run_folder`` checks it at start.
 Uploads go through one background thread; its error is raised by the next ``wait``/``publish``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -39,7 +42,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from vlp.config import ConfigError
 
@@ -86,6 +89,11 @@ def _remove_staged(local_path: Path) -> None:
     stage = local_path.parent
     if stage.name.startswith(("stage-", ".stage-")) and stage.is_dir() and not any(stage.iterdir()):
         stage.rmdir()
+
+
+def companion(name: str) -> str:
+    """The per-rank folder saved beside checkpoint ``name``: step_N.pt or step_N -> step_N.ranks."""
+    return name.removesuffix(".pt") + ".ranks"
 
 
 def _step_key(name: str):
@@ -217,7 +225,7 @@ class RunFolder:
                 shutil.copyfile(local_path, dest)
             return
         for rel, path in _files_under(local_path):
-            self.fs.put_file(str(path), self._key(f"{name}/{rel}" if rel else name))
+            self.fs.put_file(str(path), self._key(f"{name}/{rel}".strip("/") if rel else name))
 
     def download(self, name: str) -> Path:
         """A local path holding the plain object ``name`` (no manifest: open_clip_model.pt, a
@@ -260,6 +268,27 @@ class RunFolder:
         if self.remote:
             self.upload(self.local_dir(name), name)
 
+    @contextlib.contextmanager
+    def file(self, name: str, sidecar: bool = False):
+        """A local path to write member ``name`` to, for tools that take a path
+        (``torch.save``, ``write_text``): the member itself in a local folder; on a bucket a
+        cache file uploaded whole when the block ends without an error. ``sidecar``: also
+        upload ``NAME.manifest.json`` written beside it (its checksums, vlp.integrity).
+
+            with folder.file("result.json") as path:
+                path.write_text(text)"""
+        if not self.remote:
+            self._local(name).parent.mkdir(parents=True, exist_ok=True)
+            yield self._local(name)
+            return
+        path = self.cache_dir / "files" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        yield path
+        self.fs.put_file(str(path), self._key(name))
+        side = path.with_name(path.name + MANIFEST)
+        if sidecar and side.is_file():  # after the file: a reader never finds a manifest without it
+            self.fs.put_file(str(side), self._key(name + MANIFEST))
+
     def log_writer(self, name: str = "log.jsonl", upload_every_s: float = 30.0) -> "LogWriter":
         return LogWriter(self, name, upload_every_s)
 
@@ -277,37 +306,46 @@ class RunFolder:
         path.mkdir(parents=True)
         return path
 
-    def publish(self, local_path, name: str, keep_last: Optional[int] = None, remove_local: bool = True) -> None:
+    def publish(self, local_path, name: str, keep_last: Optional[int] = None, remove_local: bool = True,
+                before: Sequence[tuple] = ()) -> None:
         """Make the checkpoint at ``local_path`` (a file or a folder) the committed ``name``.
         Locally: one rename, done on return. On a bucket: waits for the previous upload, then
         uploads in a background thread, every object first and the manifest last (``wait``).
         ``keep_last``: then prune to that many (in the background too: no bucket round trip
-        in the training loop). ``remove_local``: delete the staged copy once it is uploaded."""
+        in the training loop). ``remove_local``: delete the staged copy once it is uploaded.
+        ``before``: (local path, name) pairs published (committed) first, in the same upload:
+        companions the checkpoint needs (its per-rank files ``step_N.ranks/``)."""
         self.wait()
         local_path = Path(local_path)
         if not local_path.exists():
             raise FileNotFoundError(f"nothing to publish at {local_path}")
         if not self.remote:
-            dest = self._local(name)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            if dest.is_dir():  # the same step saved again
-                shutil.rmtree(dest)
-            os.replace(local_path, dest)
-            _remove_staged(local_path)
+            for local, member in [*before, (local_path, name)]:
+                dest = self._local(member)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                if dest.is_dir():  # the same step saved again
+                    shutil.rmtree(dest)
+                os.replace(local, dest)
+                _remove_staged(Path(local))
             if keep_last is not None:
                 self.prune(keep_last, name.rsplit("/", 1)[0] if "/" in name else "")
             return
-        self._thread = threading.Thread(target=self._upload_checkpoint, args=(local_path, name, keep_last, remove_local),
+        pairs = [(Path(p), n) for p, n in before] + [(local_path, name)]
+        self._thread = threading.Thread(target=self._upload_checkpoint, args=(pairs, name, keep_last, remove_local),
                                         name=f"vlp-publish-{name}", daemon=True)
         self._thread.start()
 
-    def _upload_checkpoint(self, local_path: Path, name: str, keep_last, remove_local: bool) -> None:
+    def _upload_checkpoint(self, pairs: list, name: str, keep_last, remove_local: bool) -> None:
         try:
             self.discard(name)  # the same name published again: never half old, half new
-            objects = self.upload_part(local_path, name)
-            self.commit(name, objects, "dir" if local_path.is_dir() else "file")
+            for local_path, member in pairs:  # the companions first, the checkpoint last
+                if member != name:
+                    self.discard(member)
+                objects = self.upload_part(local_path, member)
+                self.commit(member, objects, "dir" if local_path.is_dir() else "file")
             if remove_local:
-                _remove_staged(local_path)
+                for local_path, _ in pairs:
+                    _remove_staged(local_path)
             if keep_last is not None:
                 self.prune(keep_last, name.rsplit("/", 1)[0] if "/" in name else "")
         except BaseException as e:  # noqa: BLE001 (raised in the trainer's thread by wait())
@@ -430,6 +468,7 @@ class RunFolder:
         old = names[:-keep_last] if keep_last > 0 else []
         for name in old:
             self._remove_checkpoint(name)
+            self._remove_checkpoint(companion(name))  # its per-rank files, when it has them
         return old
 
     def set_aside(self, name: str) -> str:
@@ -462,6 +501,12 @@ class RunFolder:
             return removed
         listed = self.listdir(directory)
         committed = {e[:-len(MANIFEST)] for e in listed if e.endswith(MANIFEST)}
+        for base in sorted(c for c in committed if c.endswith(".ranks")):  # per-rank files of no checkpoint
+            if not committed & {base.removesuffix(".ranks"), base.removesuffix(".ranks") + ".pt"}:
+                self._remove_checkpoint(f"{directory}/{base}")
+                committed.discard(base)
+                removed.append(f"{directory}/{base}")
+        listed = self.listdir(directory)
         for entry in listed:
             if entry.endswith(MANIFEST) or entry.endswith(".corrupt.json"):
                 continue
@@ -544,13 +589,24 @@ def _cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"
 
 
-def check_writable(url, timeout_s: float = 30.0) -> None:
+def open_run_folder(url_or_path, option: str = "train.output_dir") -> RunFolder:
+    """The RunFolder of a run's output; a bucket is checked first (`check_writable`), so a
+    wrong bucket, refused credentials, an unreachable endpoint or a missing extra fail in one
+    line naming ``option`` before anything is written. A local path is not touched here."""
+    if is_url(url_or_path) and not str(url_or_path).startswith("file://"):
+        check_writable(url_or_path, option=option)
+    return RunFolder(url_or_path)
+
+
+def check_writable(url, timeout_s: Optional[float] = None, option: str = "train.output_dir") -> None:
     """Check at start that a run folder can be written: write, read back and delete a small
     probe object. Raises StorageError with one line naming the URL and the cause: a missing
     backend (which extra to install), a bucket that does not exist, refused credentials, an
-    endpoint that does not answer within ``timeout_s`` (the probe runs in a thread, so the
+    endpoint that does not answer within ``timeout_s`` (default: $VLP_STORAGE_TIMEOUT_S, else
+    30 s; the probe runs in a thread, so the
     backend's own retries cannot stretch it), or a local folder that cannot be created."""
     url = str(url).rstrip("/")
+    timeout_s = float(os.environ.get("VLP_STORAGE_TIMEOUT_S", 30)) if timeout_s is None else timeout_s
     probe = f".vlp-write-check-{os.uname().nodename}-{os.getpid()}"
     if not is_url(url) or url.startswith("file://"):
         root = Path(url.removeprefix("file://"))
@@ -559,12 +615,12 @@ def check_writable(url, timeout_s: float = 30.0) -> None:
             (root / probe).write_bytes(b"ok")
             (root / probe).unlink()
         except OSError as e:
-            raise StorageError(f"train.output_dir={url}: cannot write there: {e.strerror or e}") from None
+            raise StorageError(f"{option}={url}: cannot write there: {e.strerror or e}") from None
         return
     from data_pipelines.shard_io import has_backend
 
     if not has_backend(url):
-        raise StorageError(f"train.output_dir={url}: {_missing_backend(url).split(': ', 1)[1]}")
+        raise StorageError(f"{option}={url}: {_missing_backend(url).split(': ', 1)[1]}")
     outcome: dict = {}
 
     def attempt():
@@ -591,7 +647,7 @@ def check_writable(url, timeout_s: float = 30.0) -> None:
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise StorageError(f"train.output_dir={url}: no answer from the storage endpoint within {timeout_s:g} s "
+        raise StorageError(f"{option}={url}: no answer from the storage endpoint within {timeout_s:g} s "
                            f"(unreachable endpoint or network?)")
     if "ok" not in outcome:
-        raise StorageError(f"train.output_dir={url}: cannot write there: {outcome['error']}")
+        raise StorageError(f"{option}={url}: cannot write there: {outcome['error']}")

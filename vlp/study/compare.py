@@ -22,6 +22,10 @@ checkpoint; a run that raises is retried once (from its latest checkpoint), then
 failed and the grid goes on. All processes walk the grid in the same order (the Trainer's
 collectives need it); only the main process writes files. Limitation: an exception raised on
 one rank only (e.g. one GPU's OOM) usually hangs the others in a collective, as in any DDP job.
+
+grid.out_dir may be a bucket (s3://b/grid, gs://...): every run's folder is a bucket run folder
+(vlp.train), runs.csv / results.md / plots are written locally and uploaded, and a rerun resumes
+the grid from what the bucket holds. A tuned study (grid.sweep) needs a local folder.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from eval import keys
 from eval.keys import EVAL_KEYS, RECALL_KS
 from vlp.config import (PACKAGED_DEFAULTS, Config, ConfigError, LossConfig, apply_overrides, from_dict, load_yaml,
                         set_dotted)
+from vlp.storage import RunFolder, is_url, open_run_folder
 from vlp.study.report import DIAG_KEYS, aggregate, markdown_table, read_log, write_report
 from vlp.study.runs import (HARMLESS_KEYS, _flatten, broadcast, embedded_shards, plan_runs, run_config, run_one,  # noqa: F401
                             stale_key, steps_for)
@@ -144,6 +149,9 @@ def parse_grid(raw: Any) -> GridSpec:
     _parse_study(raw, spec)
     if not isinstance(spec.out_dir, str) or not spec.out_dir:
         raise ConfigError(f"config: grid.out_dir must be a folder path, got {spec.out_dir!r}")
+    if spec.sweep and is_url(spec.out_dir):
+        raise ConfigError(f"config: grid.out_dir={spec.out_dir}: a tuned study (grid.sweep) writes to a local "
+                          "folder only; a plain grid (no grid.sweep) runs in a bucket")
     for key in ("warmup_samples", "log_every_samples", "retries"):
         value = getattr(spec, key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
@@ -279,15 +287,14 @@ def run_grid(base: dict, grid: GridSpec, report_only: bool = False, accelerator=
     base = resolve_data(copy.deepcopy(base), acc)
     runs = expand_grid(grid)
     cfgs = {r.name: run_config(base, grid, r, acc.num_processes) for r in runs}
-    out = Path(grid.out_dir)
+    out = open_run_folder(grid.out_dir, option="grid.out_dir")  # a local folder or a bucket, checked
     done, error = broadcast(plan_runs(runs, cfgs, out) if acc.is_main_process else None, acc)
     if error:  # raised on every rank, so none waits in a collective
         raise ConfigError(error)
     if acc.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "compare_config.yaml").write_text(yaml.safe_dump(
-            {**base, "grid": {**grid.__dict__}}, sort_keys=False))
-        print(f"[compare] {len(runs)} runs ({sum(done)} already done) -> {out}", flush=True)
+        with out.file("compare_config.yaml") as path:
+            path.write_text(yaml.safe_dump({**base, "grid": {**grid.__dict__}}, sort_keys=False))
+        print(f"[compare] {len(runs)} runs ({sum(done)} already done) -> {out.path()}", flush=True)
     for i, (run, finished) in enumerate(zip(runs, done)):
         if finished or report_only:
             continue
@@ -295,24 +302,30 @@ def run_grid(base: dict, grid: GridSpec, report_only: bool = False, accelerator=
         rec = run_one(run, cfgs[run.name], acc, _train_once, grid.retries, grid.keep_checkpoints)
         acc.print(f"[compare] {run.name}: {rec['status']} in {rec['wall_time_s']:.0f} s")
         if acc.is_main_process:  # partial results are always on disk
-            write_report(out, collect_rows(runs, cfgs, acc.num_processes), grid, len(runs))
+            _write_report(out, collect_rows(runs, cfgs, acc.num_processes), grid, len(runs))
     rows = collect_rows(runs, cfgs, acc.num_processes)
     if acc.is_main_process:
-        write_report(out, rows, grid, len(runs))
+        _write_report(out, rows, grid, len(runs))
         print(markdown_table(aggregate(rows), grid.losses), flush=True)
+    out.close()
     return rows
+
+
+def _write_report(out: RunFolder, rows: list[dict], grid: GridSpec, n_runs: int) -> None:
+    """runs.csv, results.md and the plots into the grid's folder (a bucket: written locally, then uploaded)."""
+    write_report(out.local_dir(""), rows, grid, n_runs)
+    out.sync_dir("")
 
 
 # ---------------------------------------------------------------------------- rows
 def run_row(run: RunSpec, cfg: Config, world: int = 1) -> Optional[dict]:
     """The runs.csv row of a finished or failed run (None while it has not been attempted)."""
-    run_dir = Path(cfg.train.output_dir)
-    result_path, record_path = run_dir / "result.json", run_dir / "compare.json"
-    result = json.loads(result_path.read_text()) if result_path.is_file() else None
-    record = json.loads(record_path.read_text()) if record_path.is_file() else {}
+    folder = RunFolder(cfg.train.output_dir)  # a local folder or a bucket
+    result, record = _read_json(folder, "result.json"), _read_json(folder, "compare.json") or {}
     if result is None and not record:
         return None
-    log = read_log(run_dir / "log.jsonl")
+    log = read_log(folder.download("log.jsonl")) if folder.exists("log.jsonl") else []
+    folder.close()
     last = log[-1] if log else {}
     row = {
         "run": run.name, "loss": run.loss, "temperature": cfg.loss.temperature,
@@ -331,6 +344,13 @@ def run_row(run: RunSpec, cfg: Config, world: int = 1) -> Optional[dict]:
     row[keys.CHANCE_R1] = (result or {}).get(keys.eval_key(keys.CHANCE_R1))
     row.update({k: last.get(k) for k in DIAG_KEYS})
     return row
+
+
+def _read_json(folder: RunFolder, name: str) -> Optional[dict]:
+    try:
+        return json.loads(folder.read_text(name))
+    except FileNotFoundError:
+        return None
 
 
 def collect_rows(runs: list[RunSpec], cfgs: dict[str, Config], world: int = 1) -> list[dict]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -17,6 +16,7 @@ from typing import Any, Callable, Optional
 import yaml
 
 from vlp.config import Config, ConfigError, from_dict, set_dotted
+from vlp.storage import RunFolder, is_url
 from vlp.train import resume as resume_rules
 
 # Keys that may change between a finished run and a rerun without making the run stale: the
@@ -44,7 +44,7 @@ def run_config(base: dict, grid, run, world: int = 1) -> Config:
     """The Trainer config of one run: base + per-loss overrides + the grid's coordinates."""
     tree = copy.deepcopy(base)
     sets = {**dict(run.overrides), "loss.name": run.loss, "data.batch_per_device": run.batch_per_device,
-            "train.seed": run.seed, "train.output_dir": str(Path(grid.out_dir) / run.name),
+            "train.seed": run.seed, "train.output_dir": run_dir(grid.out_dir, run.name),
             "train.resume": "latest"}  # an unfinished run continues from its last checkpoint
     for key, value in sets.items():
         set_dotted(tree, key, value)
@@ -58,6 +58,15 @@ def run_config(base: dict, grid, run, world: int = 1) -> Config:
     if grid.log_every_samples is not None:
         cfg.train.log_every = max(1, grid.log_every_samples // global_batch)
     return cfg.validate()
+
+
+def run_dir(out_dir: str, name: str) -> str:
+    """The folder of run `name` in a grid's out_dir (a path, or a URL: s3://b/grid/run)."""
+    return f"{str(out_dir).rstrip('/')}/{name}" if is_url(out_dir) else str(Path(out_dir) / name)
+
+
+def _folder(out) -> RunFolder:
+    return out if isinstance(out, RunFolder) else RunFolder(out)
 
 
 def stale_key(saved: dict, current: dict) -> Optional[str]:
@@ -74,16 +83,18 @@ def plan_runs(runs: list, cfgs: dict[str, Config], out: Path, items: bool = Fals
     """(done flag per run, error); a run folder written under another config is an error, so
     results of two configs are never mixed in one table. items: done also needs eval_items.json
     (a study run's per-query ranks)."""
-    done = []
+    done, out = [], _folder(out)  # a local folder or a bucket (vlp.storage.RunFolder)
     for run in runs:
-        run_dir = out / run.name
-        saved = run_dir / "config.yaml"
-        if saved.is_file():
-            why = stale_key(yaml.safe_load(saved.read_text()) or {}, cfgs[run.name].to_dict())
+        try:
+            saved = out.read_text(f"{run.name}/config.yaml")
+        except FileNotFoundError:
+            saved = None
+        if saved is not None:
+            why = stale_key(yaml.safe_load(saved) or {}, cfgs[run.name].to_dict())
             if why:
-                return [], (f"compare: {run_dir} was run with another config ({why}); "
+                return [], (f"compare: {out.path(run.name)} was run with another config ({why}); "
                             "use a new grid.out_dir or delete that folder")
-        done.append((run_dir / "result.json").is_file() and (not items or (run_dir / "eval_items.json").is_file()))
+        done.append(out.exists(f"{run.name}/result.json") and (not items or out.exists(f"{run.name}/eval_items.json")))
     return done, ""
 
 
@@ -102,12 +113,12 @@ def run_one(run, cfg: Config, accelerator, train: Callable, retries: int = 1, ke
             if accelerator.is_main_process:
                 print(f"[compare] {run.name}: attempt {attempts} failed: {error}", flush=True)
     record = {"status": status, "error": error, "attempts": attempts, "wall_time_s": time.time() - t0}
-    run_dir = Path(cfg.train.output_dir)
     if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "compare.json").write_text(json.dumps(record, indent=2))
+        folder = RunFolder(cfg.train.output_dir)  # a local folder or a bucket
+        with folder.file("compare.json") as path:
+            path.write_text(json.dumps(record, indent=2))
         if status == "ok" and not keep_checkpoints:
-            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+            folder.remove("checkpoints", tree=True)
     accelerator.wait_for_everyone()
     return record
 

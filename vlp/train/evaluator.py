@@ -9,8 +9,13 @@ from eval import keys
 
 
 class Evaluator:
-    def __init__(self, cfg, tokenizer, transform, out_dir: Path):
-        self.cfg, self.tokenizer, self.transform, self.out_dir = cfg, tokenizer, transform, Path(out_dir)
+    def __init__(self, cfg, tokenizer, transform, folder):
+        """`folder`: the run folder (vlp.storage.RunFolder or a path); reports go to eval_stepN/
+        in it (from a bucket: written locally, then uploaded)."""
+        from vlp.storage import RunFolder
+
+        self.cfg, self.tokenizer, self.transform = cfg, tokenizer, transform
+        self.folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
         self.suite()  # a malformed suite file fails now, not after training
 
     def suite(self) -> dict:
@@ -37,8 +42,11 @@ class Evaluator:
         with their name (imagenet/top1, ...)."""
         from eval.suite import run_eval_suite
 
+        name = f"eval_step{step}"
+        out_dir = self.folder.local_dir(name) if self.folder.remote else Path(self.folder.root) / name
         results = run_eval_suite(model, self.tokenizer, self.transform, self.suite(), device,
-                                 out_dir=str(self.out_dir / f"eval_step{step}"), show_progress=False)
+                                 out_dir=str(out_dir), show_progress=False)
+        self.folder.sync_dir(name)
         flat: dict = {}
         for name, res in results.items():
             flat.update({keys.task_key(k, name): v for k, v in res["metrics"].items()})

@@ -18,7 +18,6 @@ which equals the gradient of the global mean loss.
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -29,8 +28,8 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, set_seed
 
 from eval import keys
-from vlp import records
-from vlp.config import Config, save_config
+from vlp import records, storage
+from vlp.config import Config
 from vlp.distributed import (all_reduce, barrier, exit_with_launcher, gather_object, gather_with_grad, is_main,
                              positive_offset)
 from vlp.losses.registry import get_spec
@@ -59,6 +58,8 @@ class Trainer:
         )
         exit_with_launcher()
         check_wandb(cfg)
+        # the run folder: a local path or a bucket URL, checked before any work (vlp.storage)
+        self.folder = storage.open_run_folder(cfg.train.output_dir)
         set_seed(cfg.train.seed)
         self.world, self.accum = acc.num_processes, cfg.train.accum_steps
         self.global_batch = cfg.data.batch_per_device * self.world * self.accum
@@ -70,8 +71,7 @@ class Trainer:
                              f"({cfg.data.batch_per_device} per device x {self.world} processes x {self.accum} accum)")
         model, self.tokenizer, self.train_transform, self.eval_transform = build_model(cfg.model, cfg.loss)
         self.data = self.data_class(cfg, self.train_transform, self.tokenizer, acc.process_index, self.world)
-        self.out_dir = Path(cfg.train.output_dir)
-        self.evaluator = Evaluator(cfg, self.tokenizer, self.eval_transform, self.out_dir)
+        self.evaluator = Evaluator(cfg, self.tokenizer, self.eval_transform, self.folder)
         self.strategy = make_strategy(cfg, acc)
         self.loss_spec = get_spec(cfg.loss.name)  # stateful: per-sample state, checkpointed
         self.loss = self.loss_spec.build(cfg.loss, self.data.num_samples, self.total_steps)
@@ -86,8 +86,8 @@ class Trainer:
         # Accelerate would step it once per process.
         self.scheduler = build_scheduler(self.torch_optimizer, cfg.optim, lambda: (
             self.samples_seen // self.global_batch, cfg.train.samples // self.global_batch))
-        self.checkpoints = CheckpointManager(self.out_dir, cfg.train.keep_last, self.strategy, self.print)
-        self.logger = RunLogger(self.out_dir, is_main(), cfg.train.wandb_project, cfg.to_dict())
+        self.checkpoints = CheckpointManager(self.folder, cfg.train.keep_last, self.strategy, self.print)
+        self.logger = RunLogger(self.folder, is_main(), cfg.train.wandb_project, cfg.to_dict())
 
     @property
     def unwrapped(self) -> DualEncoder:
@@ -220,7 +220,9 @@ class Trainer:
                                      f"{self.checkpoints.newest_valid()}")
         # a stateful loss's per-sample state is sharded by rank (SogCLR's u): one file per rank
         rank_state = {"loss": self.loss.state_dict()} if self.loss_spec.stateful else None
-        return self.checkpoints.save(self.step, self.model, self.optimizer, self.meta_state(), rank_state)
+        path = self.checkpoints.save(self.step, self.model, self.optimizer, self.meta_state(), rank_state)
+        self.logger.flush()  # a bucket's log.jsonl keeps up with its checkpoints
+        return path
 
     def stop_nonfinite(self) -> str:
         """The message for a run stopped by non-finite losses, after saving the last good state:
@@ -276,20 +278,22 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
         """One writer per run folder (a lock), SIGTERM/SIGUSR1 saved at the next step boundary."""
-        lock = runlock.acquire_on_main(self.out_dir, self.cfg.train.break_lock, is_main(), self.print)
+        lock = runlock.acquire_on_main(self.folder, self.cfg.train.break_lock, is_main(), self.print)
         self.preemption = preempt.Preemption().install()
         try:
             return self._train()
         finally:
             self.preemption.uninstall()
-            if lock is not None:
-                lock.release()
+            try:
+                self.checkpoints.close()  # a bucket: the upload in flight ends (its error raised)
+            finally:
+                if lock is not None:
+                    lock.release()
 
     def _train(self) -> dict:
         cfg = self.cfg
         if is_main():
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.out_dir / "config.yaml")
+            self.logger.save_config(cfg)
         self.maybe_resume()
         self.print(f"[vlp] loss={cfg.loss.name} temperature={cfg.loss.temperature} "
                    f"global batch={self.global_batch} (= {cfg.data.batch_per_device} per device x {self.world} "
@@ -338,13 +342,14 @@ class Trainer:
         if is_main():
             from vlp.models.model import export_open_clip
 
-            export_open_clip(final, self.out_dir / "open_clip_model.pt")
+            with self.folder.file("open_clip_model.pt", sidecar=True) as path:
+                export_open_clip(final, path)
         last_eval = self.evaluate()
         result = {"step": self.step, "samples_seen": self.samples_seen, "train_time_s": train_time,
                   "global_batch": self.global_batch, "nonfinite_steps": self.nonfinite_total,
                   "skipped": self.global_skipped(), **{keys.EVAL_PREFIX + k: v for k, v in last_eval.items()}}
         if is_main():
             self.logger.log({"type": records.RESULT, **{k: v for k, v in result.items() if not isinstance(v, dict)}})
-            (self.out_dir / "result.json").write_text(json.dumps(result, indent=2))
+            self.logger.write_result(result)
         self.logger.close()
         return result

@@ -10,8 +10,8 @@ the pid's own start time (a reused pid is not mistaken for the holder). A second
 same folder is refused in one line naming the holder. A lock whose holder is gone (same host,
 the pid no longer runs, or runs a process started later) is stale: reported in one line and
 taken over. A lock from another host cannot be probed from here: refused, with the advice to set
-train.break_lock=true once that run is known to be gone. A lock lives on the file system, so a
-run folder on an object store (no exclusive create) would need a lease service instead.
+train.break_lock=true once that run is known to be gone. A run folder in a bucket gets the same
+rules with a lock object created if absent (`acquire_bucket`; S3 and GCS conditional writes).
 
 Takeover is race-free: the stale file is renamed to a private name (only one process can rename
 a given file), re-read, and put back (link, exclusive) if it turned out to be a fresh lock.
@@ -124,6 +124,12 @@ def _take_over(path: Path, seen: dict) -> bool:
     return True
 
 
+def _me(token: str) -> dict:
+    """This process as a lock holder."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "pid_start": _proc_start(os.getpid()), "token": token,
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
 def acquire(out_dir: str | Path, break_lock: bool = False, log: Callable[[str], None] = print,
             wait_unreadable_s: float = 2.0) -> RunLock:
     """Lock `out_dir` for this process (creating the folder), or raise RunLockError naming the
@@ -134,10 +140,8 @@ def acquire(out_dir: str | Path, break_lock: bool = False, log: Callable[[str], 
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RunLockError(f"cannot create run folder {path.parent}: {e.strerror}") from None
-    host = socket.gethostname()
-    token = uuid.uuid4().hex
-    me = {"pid": os.getpid(), "host": host, "pid_start": _proc_start(os.getpid()), "token": token,
-          "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    host, token = socket.gethostname(), uuid.uuid4().hex
+    me = _me(token)
     deadline = time.monotonic() + wait_unreadable_s
     while True:
         if _create(path, me):
@@ -150,35 +154,94 @@ def acquire(out_dir: str | Path, break_lock: bool = False, log: Callable[[str], 
         if not holder and time.monotonic() < deadline:
             time.sleep(0.05)  # being written by its creator right now
             continue
-        if holder.get("host") == host and holder.get("pid") == os.getpid():
-            pass  # this process's own earlier lock (an earlier run in the same process)
-        elif break_lock:
-            log(f"[vlp] broke the lock {path} of {describe(holder)} (train.break_lock=true)")
-        elif not holder:
-            log(f"[vlp] took over the unreadable lock {path} (empty or garbled, no holder to ask)")
-        elif holder.get("host") != host:
-            raise RunLockError(
-                f"run folder {path.parent} is locked by {describe(holder)} ({path}); this host ({host}) cannot "
-                "tell whether that run is alive: wait for it, use another train.output_dir, or set "
-                "train.break_lock=true if it is gone")
-        elif _holder_alive(holder):
-            raise RunLockError(
-                f"run folder {path.parent} is in use by another trainer: {describe(holder)} ({path}); "
-                "wait for it to end or use another train.output_dir")
-        else:
-            log(f"[vlp] took over the stale lock {path} of {describe(holder)} (that process is gone)")
+        _judge(str(path), str(path.parent), holder, host, break_lock, log)
         _take_over(path, holder)
 
 
-def acquire_on_main(out_dir: str | Path, break_lock: bool, is_main: bool,
+def _judge(where: str, folder: str, holder: dict, host: str, break_lock: bool, log: Callable[[str], None]) -> None:
+    """Return when the lock `where` held by `holder` may be taken over (saying why through
+    `log`); raise RunLockError naming the holder when it may not."""
+    if holder.get("host") == host and holder.get("pid") == os.getpid():
+        return  # this process's own earlier lock (an earlier run in the same process)
+    if break_lock:
+        log(f"[vlp] broke the lock {where} of {describe(holder)} (train.break_lock=true)")
+    elif not holder:
+        log(f"[vlp] took over the unreadable lock {where} (empty or garbled, no holder to ask)")
+    elif holder.get("host") != host:
+        raise RunLockError(
+            f"run folder {folder} is locked by {describe(holder)} ({where}); this host ({host}) cannot "
+            "tell whether that run is alive: wait for it, use another train.output_dir, or set "
+            "train.break_lock=true if it is gone")
+    elif _holder_alive(holder):
+        raise RunLockError(
+            f"run folder {folder} is in use by another trainer: {describe(holder)} ({where}); "
+            "wait for it to end or use another train.output_dir")
+    else:
+        log(f"[vlp] took over the stale lock {where} of {describe(holder)} (that process is gone)")
+
+
+@dataclass
+class BucketLock:
+    """`vlp.lock` as an object in a bucket run folder (vlp.storage.RunFolder)."""
+
+    folder: object
+    token: str
+    released: bool = False
+
+    def release(self) -> None:
+        """Delete the lock object if it is still ours."""
+        if self.released:
+            return
+        self.released = True
+        try:
+            if (_read_object(self.folder) or {}).get("token") == self.token:
+                self.folder.remove(LOCK_NAME)
+        except Exception:  # noqa: BLE001 (at exit: a lost network must not hide the run's own error)
+            pass
+
+
+def _read_object(folder) -> Optional[dict]:
+    try:
+        data = json.loads(folder.read_bytes(LOCK_NAME))
+        return data if isinstance(data, dict) else {}
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return {}
+
+
+def acquire_bucket(folder, break_lock: bool = False, log: Callable[[str], None] = print) -> BucketLock:
+    """Lock a bucket run folder: `vlp.lock` created with create-if-absent (S3 If-None-Match,
+    GCS ifGenerationMatch=0: exactly one creator wins), the same holder rules as `acquire`.
+    A stale lock is deleted and created again; of two takers only one creates it."""
+    token, where = uuid.uuid4().hex, folder.path(LOCK_NAME)
+    data = (json.dumps(_me(token)) + "\n").encode()
+    for _ in range(5):
+        try:
+            folder.fs.pipe_file(folder._key(LOCK_NAME), data, mode="create")
+        except FileExistsError:
+            holder = _read_object(folder)
+            if holder is not None:
+                _judge(where, folder.url, holder, socket.gethostname(), break_lock, log)
+                folder.remove(LOCK_NAME)
+            continue
+        lock = BucketLock(folder, token)
+        atexit.register(lock.release)
+        return lock
+    raise RunLockError(f"run folder {folder.url}: could not take {where} (other writers keep taking it)")
+
+
+def acquire_on_main(folder, break_lock: bool, is_main: bool,
                     log: Callable[[str], None] = print) -> Optional[RunLock]:
-    """`acquire` on the main process, agreed by all ranks: every rank raises the same
-    RunLockError when it is refused (no rank goes on to wait in a collective). A collective when
-    a process group exists."""
+    """`acquire` (or `acquire_bucket` for a RunFolder in a bucket) on the main process, agreed
+    by all ranks: every rank raises the same RunLockError when it is refused (no rank goes on to
+    wait in a collective). A collective when a process group exists."""
     lock, error = None, None
     if is_main:
         try:
-            lock = acquire(out_dir, break_lock, log)
+            remote = getattr(folder, "remote", False)
+            lock = acquire_bucket(folder, break_lock, log) if remote else acquire(getattr(folder, "root", folder),
+                                                                                 break_lock, log)
         except RunLockError as e:
             error = str(e)
     import torch.distributed as dist
