@@ -112,10 +112,7 @@ def _print_eval(result: dict) -> None:
             f"{k.removeprefix(EVAL_PREFIX)}={result[k]:.4g}" for k in names if isinstance(result[k], (int, float))))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vlp", description="CLIP-style contrastive pretraining (InfoNCE, FlatNCE, SigLIP)")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_shards(sub) -> None:
     p = sub.add_parser("shards", help="write webdataset shards from a source of image-text pairs")
     p.add_argument("source", help="'openmoji' (embedded data), an image folder with .txt sidecars, "
                    "a .csv/.tsv, a .parquet, or a Hugging Face datasets directory")
@@ -136,10 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--separator", default=None, help="CSV separator (default: tab, as open_clip)")
     p.set_defaults(func=cmd_shards)
 
+
+def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a dual encoder from a YAML config")
     _add_config_args(p)
     p.set_defaults(func=cmd_train)
 
+
+def _add_eval(sub) -> None:
     p = sub.add_parser("eval", help="zero-shot retrieval / classification of a checkpoint or published model",
                        description="Metrics are printed and written to metrics.md in percent, to metrics.json "
                        "as fractions in [0, 1].")
@@ -165,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.set_defaults(func=cmd_eval)
 
+
+def _add_compare(sub) -> None:
     p = sub.add_parser("compare", help="grid of runs (loss × per-GPU batch × seed) at an equal sample "
                        "budget → runs.csv, results.md, plots")
     p.add_argument("--config", "-c", default=None, help="compare YAML: a vlp config plus a 'grid:' section "
@@ -176,12 +179,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.samples=4096 grid.seeds=[0]")
     p.set_defaults(func=cmd_compare)
 
+
+def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="embedded OpenMoji data: shards, train InfoNCE and FlatNCE, evaluate, print a table")
     p.add_argument("--out", default="runs/demo", help="output folder")
     _add_config_args(p)
     p.set_defaults(func=cmd_demo)
-    return parser
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vlp", description="CLIP-style contrastive pretraining (InfoNCE, FlatNCE, SigLIP)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    for add in (_add_shards, _add_train, _add_eval, _add_compare, _add_demo):
+        add(sub)
+    return parser
 
 def user_message(error: BaseException) -> str:
     """One line for the user. An exception from a DataLoader worker arrives re-raised by torch as
