@@ -4,7 +4,7 @@ model name in a config): `cap` bounds every line at MAX_LINE characters."""
 
 from __future__ import annotations
 
-MAX_LINE = 300
+MAX_LINE = 500
 """Characters an error line may hold; the middle of a longer one is elided."""
 
 
