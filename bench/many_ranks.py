@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import PYTHON, REPO, bench_env, figure, header, median  # noqa: E402
 
 GIB = 1024 ** 3
+GUARD_BYTES = 1.5 * GIB  # a launch is killed when the machine has less available than this
 
 
 def free_port() -> int:
@@ -78,6 +79,7 @@ class RssSampler:
         self.per_rank: dict[int, int] = {}  # pid of a rank (a child of the launcher) -> peak bytes
         self.job_peak = 0
         self.launcher_peak = 0
+        self.min_available = float("inf")  # the machine's available memory, lowest seen
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -102,6 +104,7 @@ class RssSampler:
                     self.per_rank[child.pid] = max(self.per_rank.get(child.pid, 0), rss)
                 self.job_peak = max(self.job_peak, total)
                 self.launcher_peak = max(self.launcher_peak, launcher)
+                self.min_available = min(self.min_available, psutil.virtual_memory().available)
             except psutil.Error:
                 pass
             self._stop.wait(self.every_s)
@@ -158,6 +161,12 @@ def run_job(cmd: list[str], log: Path, timeout: float, kill_when: Path | None = 
                 kill_job(proc.pid)
                 killed = True
                 break
+            if sampler.min_available < GUARD_BYTES:
+                kill_job(proc.pid)
+                proc.wait()
+                sampler.stop()
+                raise RuntimeError(f"stopped: the machine's available memory fell below {GUARD_BYTES / GIB:.1f} GiB "
+                                   f"(job at {sampler.job_peak / GIB:.1f} GiB, {len(sampler.per_rank)} ranks seen)")
             if time.monotonic() > deadline:
                 kill_job(proc.pid)
                 proc.wait()
@@ -169,7 +178,7 @@ def run_job(cmd: list[str], log: Path, timeout: float, kill_when: Path | None = 
     wall = time.perf_counter() - t0
     if not killed and proc.returncode != 0:
         raise RuntimeError(f"rc={proc.returncode}: {' '.join(cmd)}\n{log.read_text()[-4000:]}")
-    return {"rc": proc.returncode, "wall_s": wall, "killed": killed,
+    return {"rc": proc.returncode, "wall_s": wall, "killed": killed, "min_available_gib": sampler.min_available / GIB,
             "rank_peak_gib": sorted((v / GIB for v in sampler.per_rank.values()), reverse=True),
             "job_peak_gib": sampler.job_peak / GIB, "launcher_gib": sampler.launcher_peak / GIB}
 
@@ -208,7 +217,8 @@ def _result(run: Path) -> dict:
     return json.loads((run / "result.json").read_text())
 
 
-def train_case(nproc: int, mode: str, spec: str, root: Path, steps: int, every: int, timeout: float) -> dict:
+def train_case(nproc: int, mode: str, spec: str, root: Path, steps: int, every: int, timeout: float,
+               full_only: bool = False) -> dict:
     """full, killed+resumed, continue-on-3 for one (N, mode); returns the row's figures."""
     row: dict = {"ranks": nproc, "mode": mode}
     full, killed, cont = root / f"{mode}{nproc}_full", root / f"{mode}{nproc}_killed", root / f"{mode}{nproc}_cont3"
@@ -219,10 +229,14 @@ def train_case(nproc: int, mode: str, spec: str, root: Path, steps: int, every: 
     res = _result(full)
     row.update(full_wall_s=r["wall_s"], rank_peak_gib=max(r["rank_peak_gib"]), rank_min_gib=min(r["rank_peak_gib"]),
                ranks_seen=len(r["rank_peak_gib"]), job_peak_gib=r["job_peak_gib"], steps=res["step"],
-               global_batch=res["global_batch"])
+               global_batch=res["global_batch"], min_available_gib=r["min_available_gib"])
     print(f"  {mode} x{nproc} full: {r['wall_s']:.1f}s, {res['step']} steps, global batch {res['global_batch']}, "
           f"peak RSS per rank {min(r['rank_peak_gib']):.2f}..{max(r['rank_peak_gib']):.2f} GiB "
-          f"({len(r['rank_peak_gib'])} ranks), job {r['job_peak_gib']:.2f} GiB", flush=True)
+          f"({len(r['rank_peak_gib'])} ranks), job {r['job_peak_gib']:.2f} GiB, machine's available memory "
+          f"down to {r['min_available_gib']:.1f} GiB", flush=True)
+
+    if full_only:
+        return row
 
     # SIGKILL after the first checkpoint, then resume=latest
     target = killed / "checkpoints" / _ckpt_name(every, mode)
@@ -269,7 +283,8 @@ def part_train(args) -> list[dict]:
         for nproc in args.ranks:
             for mode in args.modes:
                 try:
-                    rows.append(train_case(nproc, mode, spec, root, args.steps, args.every, args.timeout))
+                    rows.append(train_case(nproc, mode, spec, root, args.steps, args.every, args.timeout,
+                                           nproc in args.full_only))
                 except Exception as e:  # a failing case is a finding: print it, go on
                     msg = str(e).strip().splitlines()
                     print(f"  {mode} x{nproc} FAILED: {msg[0][:300] if msg else e!r}", flush=True)
@@ -284,15 +299,20 @@ def part_train(args) -> list[dict]:
         if "error" in r:
             print(f"| {r['ranks']} | {r['mode']} | FAILED: {r['error']} | | | | | |")
             continue
-        print(f"| {r['ranks']} | {r['mode']} | {r['steps']} x {r['global_batch']} | {r['full_wall_s']:.0f} "
-              f"| {r['rank_min_gib']:.2f}–{r['rank_peak_gib']:.2f} | {r['job_peak_gib']:.1f} "
-              f"| {'yes' if r['bit_identical'] else 'NO (%.1e)' % r['max_diff']} (killed with {len(r['kill_ckpts'])} ckpt) "
-              f"| {'ok' if r['cont_ok'] else 'NO'} ({r['cont_steps']}, {r['cont_global_batch']}) |")
+        head = (f"| {r['ranks']} | {r['mode']} | {r['steps']} x {r['global_batch']} | {r['full_wall_s']:.0f} "
+                f"| {r['rank_min_gib']:.2f}–{r['rank_peak_gib']:.2f} | {r['job_peak_gib']:.1f} ")
+        if "bit_identical" not in r:
+            print(head + "| not run | not run |")
+            continue
+        print(head + f"| {'yes' if r['bit_identical'] else 'NO (%.1e)' % r['max_diff']} (killed with "
+              f"{', '.join(r['kill_ckpts'])}) | {'ok' if r['cont_ok'] else 'NO'} ({r['cont_steps']}, "
+              f"{r['cont_global_batch']}) |")
     for r in rows:
         if "error" not in r:
+            figure(f"many_ranks_peak_rss_gib {r['mode']}{r['ranks']}", r["rank_peak_gib"], "GiB")
+        if "bit_identical" in r:
             figure(f"many_ranks_bit_identical {r['mode']}{r['ranks']}", float(r["bit_identical"]))
             figure(f"many_ranks_continue3_ok {r['mode']}{r['ranks']}", float(r["cont_ok"]))
-            figure(f"many_ranks_peak_rss_gib {r['mode']}{r['ranks']}", r["rank_peak_gib"], "GiB")
     return rows
 
 
@@ -324,7 +344,12 @@ def _collective_worker(rank: int, world: int, tmp: str, iters: int, warm: int, b
     torch.manual_seed(rank)
     num_samples = 100_000
     sog = SogCLRLoss(num_samples, gamma=0.9, rank=rank, world_size=world)
-    gen = torch.Generator().manual_seed(1234)  # same on all ranks: disjoint ids by rank below
+    # each iteration's global batch: distinct random ids (same on every rank, drawn before the
+    # timing), spread over all owners; this rank takes its b of them
+    steps = warm + iters
+    perm = torch.randperm(num_samples, generator=torch.Generator().manual_seed(1234))[:steps * b * world]
+    step_ids = [perm[i * b * world:(i + 1) * b * world].view(world, b)[rank].clone() for i in range(steps)]
+    it = 0
     meta = _meta_entry(rank)
     skipped = {"corrupt_image": rank % 3, "missing_caption": 1}
 
@@ -335,8 +360,7 @@ def _collective_worker(rank: int, world: int, tmp: str, iters: int, warm: int, b
         (gi @ gt.T).sum().backward()
 
     def op_sogclr():
-        ids = torch.randperm(num_samples, generator=gen)[:b * world].view(world, b)[rank].clone()
-        p = sog._lookup(ids, torch.device("cpu"))
+        p = sog._lookup(step_ids[it], torch.device("cpu"))
         sog.pending = p._replace(new=p.old.clone())
         sog.commit()
 
@@ -352,7 +376,7 @@ def _collective_worker(rank: int, world: int, tmp: str, iters: int, warm: int, b
     ops = {"gather": op_gather, "sogclr": op_sogclr, "skip_counts": op_skip, "nonfinite": op_nonfinite,
            "ckpt_meta": op_meta}
     times = {name: [] for name in ops}
-    for it in range(warm + iters):
+    for it in range(steps):
         for name, fn in ops.items():  # interleaved: slow drift hits every op alike
             dist.barrier()
             w0, c0 = time.perf_counter(), time.process_time()
@@ -418,6 +442,8 @@ def main(argv=None) -> None:
     ap.add_argument("--only", choices=("train", "collectives"), default=None)
     ap.add_argument("--ranks", type=int, nargs="+", default=[8], help="world sizes of the training runs")
     ap.add_argument("--modes", nargs="+", default=["ddp", "fsdp"])
+    ap.add_argument("--full-only", type=int, nargs="*", default=[],
+                    help="world sizes run uninterrupted only (no SIGKILL/resume/continue), e.g. 16")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--every", type=int, default=4, help="train.checkpoint_every")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per launch")
