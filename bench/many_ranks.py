@@ -79,6 +79,7 @@ class RssSampler:
         self.per_rank: dict[int, int] = {}  # pid of a rank (a child of the launcher) -> peak bytes
         self.job_peak = 0
         self.launcher_peak = 0
+        self.job_pss_peak = 0  # the job's real footprint: PSS splits shared pages (libtorch...) between processes
         self.min_available = float("inf")  # the machine's available memory, lowest seen
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -87,9 +88,19 @@ class RssSampler:
     def _run(self):
         import psutil
 
+        last_pss = 0.0
         while not self._stop.is_set():
             try:
                 root = psutil.Process(self.root_pid)
+                if time.monotonic() - last_pss > 1.0:  # PSS (smaps) once a second: shared pages shared out
+                    last_pss = time.monotonic()
+                    pss = 0
+                    for p in [root] + root.children(recursive=True):
+                        try:
+                            pss += p.memory_full_info().pss
+                        except psutil.Error:
+                            pass
+                    self.job_pss_peak = max(self.job_pss_peak, pss)
                 launcher = root.memory_info().rss
                 total = launcher
                 for child in root.children():
@@ -179,6 +190,7 @@ def run_job(cmd: list[str], log: Path, timeout: float, kill_when: Path | None = 
     if not killed and proc.returncode != 0:
         raise RuntimeError(f"rc={proc.returncode}: {' '.join(cmd)}\n{log.read_text()[-4000:]}")
     return {"rc": proc.returncode, "wall_s": wall, "killed": killed, "min_available_gib": sampler.min_available / GIB,
+            "job_pss_gib": sampler.job_pss_peak / GIB,
             "rank_peak_gib": sorted((v / GIB for v in sampler.per_rank.values()), reverse=True),
             "job_peak_gib": sampler.job_peak / GIB, "launcher_gib": sampler.launcher_peak / GIB}
 
@@ -229,10 +241,10 @@ def train_case(nproc: int, mode: str, spec: str, root: Path, steps: int, every: 
     res = _result(full)
     row.update(full_wall_s=r["wall_s"], rank_peak_gib=max(r["rank_peak_gib"]), rank_min_gib=min(r["rank_peak_gib"]),
                ranks_seen=len(r["rank_peak_gib"]), job_peak_gib=r["job_peak_gib"], steps=res["step"],
-               global_batch=res["global_batch"], min_available_gib=r["min_available_gib"])
+               global_batch=res["global_batch"], min_available_gib=r["min_available_gib"], job_pss_gib=r["job_pss_gib"])
     print(f"  {mode} x{nproc} full: {r['wall_s']:.1f}s, {res['step']} steps, global batch {res['global_batch']}, "
           f"peak RSS per rank {min(r['rank_peak_gib']):.2f}..{max(r['rank_peak_gib']):.2f} GiB "
-          f"({len(r['rank_peak_gib'])} ranks), job {r['job_peak_gib']:.2f} GiB, machine's available memory "
+          f"({len(r['rank_peak_gib'])} ranks), job {r['job_peak_gib']:.2f} GiB RSS / {r['job_pss_gib']:.2f} GiB PSS, machine's available memory "
           f"down to {r['min_available_gib']:.1f} GiB", flush=True)
 
     if full_only:
@@ -293,14 +305,14 @@ def part_train(args) -> list[dict]:
         if args.keep:
             shutil.copytree(root, args.keep, dirs_exist_ok=True)
     print("\n| ranks | parallel | steps x global batch | full run s | peak RSS / rank GiB | job peak GiB "
-          "| SIGKILL+resume bit-identical | continue on 3 (steps, batch) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| job peak PSS GiB | SIGKILL+resume bit-identical | continue on 3 (steps, batch) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['ranks']} | {r['mode']} | FAILED: {r['error']} | | | | | |")
+            print(f"| {r['ranks']} | {r['mode']} | FAILED: {r['error']} | | | | | | |")
             continue
         head = (f"| {r['ranks']} | {r['mode']} | {r['steps']} x {r['global_batch']} | {r['full_wall_s']:.0f} "
-                f"| {r['rank_min_gib']:.2f}–{r['rank_peak_gib']:.2f} | {r['job_peak_gib']:.1f} ")
+                f"| {r['rank_min_gib']:.2f}–{r['rank_peak_gib']:.2f} | {r['job_peak_gib']:.1f} | {r['job_pss_gib']:.1f} ")
         if "bit_identical" not in r:
             print(head + "| not run | not run |")
             continue
