@@ -13,9 +13,12 @@ an epoch is 106 batches and 10 minutes are hundreds of epochs. No model step (th
 what holds files and worker memory; a step would only slow the stream down).
 
 Every --every seconds (default 15) it samples, with psutil: the RSS of the main process, the
-RSS of every worker (its children), the PSS of all of them together (RSS counts pages shared
-with the parent after fork once per process; PSS shares them out), and the open file
-descriptors of the main process and of the workers. It prints the series, then the
+RSS of every worker (its children), their USS (pages private to the process: where a leak
+shows), the PSS of all of them together (RSS counts pages shared with the parent after fork once
+per process; PSS shares them out), and the open file descriptors of the main process and of the
+workers. PSS is NOT a leak signal on a shared machine: libtorch's pages are shared with every
+other process on the box that maps the same files (venvs hard-linked from one cache), so a
+process's PSS rises when other jobs end; read RSS and USS. It prints the series, then the
 least-squares slope of each against batches read, per 10k batches, with its standard error
 and the bound slope + 2 SE, over the samples after the first minute (warm-up: allocator
 arenas, the shuffle buffers filling, page cache) and over all of them.
@@ -43,12 +46,14 @@ def sample(main) -> dict:
     workers = []
     for p in main.children(recursive=True):
         try:
-            workers.append((p.memory_info().rss, p.num_fds(), p.memory_full_info().pss))
+            full = p.memory_full_info()
+            workers.append((full.rss, p.num_fds(), full.pss, full.uss))
         except psutil.Error:
             pass
     full = main.memory_full_info()
     return {"main_rss": full.rss / MB, "workers_rss": sum(w[0] for w in workers) / MB,
-            "pss": (full.pss + sum(w[2] for w in workers)) / MB, "main_fds": main.num_fds(),
+            "pss": (full.pss + sum(w[2] for w in workers)) / MB, "main_uss": full.uss / MB,
+            "workers_uss": sum(w[3] for w in workers) / MB, "main_fds": main.num_fds(),
             "workers_fds": sum(w[1] for w in workers), "workers": len(workers)}
 
 
@@ -100,8 +105,9 @@ def main(argv=None) -> None:
     batches = 0
     epoch = 0
     items = loader.epochs(0, 0)
-    print("|   s | batches | epoch | main RSS MB | workers RSS MB | PSS all MB | main fds | worker fds | workers |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|   s | batches | epoch | main RSS MB | workers RSS MB | main USS MB | workers USS MB | PSS all MB "
+          "| main fds | worker fds | workers |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     try:
         for item in items:
             batches += 1
@@ -111,7 +117,7 @@ def main(argv=None) -> None:
                 s = sample(me)
                 rows.append((now - t0, batches, epoch, s))
                 print(f"| {now - t0:5.0f} | {batches} | {epoch} | {s['main_rss']:.1f} | {s['workers_rss']:.1f} "
-                      f"| {s['pss']:.1f} | {s['main_fds']} | {s['workers_fds']} | {s['workers']} |", flush=True)
+                      f"| {s['main_uss']:.1f} | {s['workers_uss']:.1f} | {s['pss']:.1f} | {s['main_fds']} | {s['workers_fds']} | {s['workers']} |", flush=True)
                 next_at += args.every
                 if now - t0 >= args.minutes * 60:
                     break
@@ -123,7 +129,8 @@ def main(argv=None) -> None:
     fits = {"after warm-up": [r for r in rows if r[0] >= args.warmup], "all": rows}
     print("| series | fit over | samples | first | last | slope per 10k batches | SE | bound (slope + 2 SE) |")
     print("|---|---|---|---|---|---|---|---|")
-    series = {"main RSS MB": "main_rss", "workers RSS MB": "workers_rss", "PSS all MB": "pss",
+    series = {"main RSS MB": "main_rss", "workers RSS MB": "workers_rss", "main USS MB": "main_uss",
+              "workers USS MB": "workers_uss", "PSS all MB": "pss",
               "main fds": "main_fds", "worker fds": "workers_fds"}
     found = []
     for label, key in series.items():
