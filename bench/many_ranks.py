@@ -6,6 +6,7 @@ the per-step cost of vlp's own collectives at 2, 4 and 8 ranks.
     OMP_NUM_THREADS=1 python bench/many_ranks.py --ranks 16      # also try 16 ranks (memory permitting)
     OMP_NUM_THREADS=1 python bench/many_ranks.py --quick         # 2 ranks, a few steps (smoke)
     OMP_NUM_THREADS=1 python bench/many_ranks.py --only collectives --iters 400
+    OMP_NUM_THREADS=1 python bench/many_ranks.py --only rounding      # why DDP's resume drifts at >= 3 ranks
 
 Part 1, training (`--only train`): for each of train.parallel=ddp and fsdp
 
@@ -452,10 +453,72 @@ def part_collectives(args) -> dict:
     return results
 
 
+# ============================================================================ part 3: why DDP drifts
+def _offset_worker(rank: int, world: int, tmp: str, out: list) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(100 + rank))
+    a = x.clone()
+    dist.all_reduce(a)
+    b = torch.cat([torch.zeros(1000), x])
+    dist.all_reduce(b)  # the same values 1000 elements further into the buffer
+    result = {"offset_diff": float((a - b[1000:]).abs().max())}
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Embedding(500, 32), torch.nn.Flatten(), torch.nn.Linear(128, 64),
+                              torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.randint(0, 500, (4, 4), generator=g), torch.randn(4, 8, generator=g)) for _ in range(4)]
+
+    def train(model, steps, find_unused):
+        ddp = DDP(model, find_unused_parameters=find_unused)  # a fresh wrapper: what a resumed process builds
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for xb, yb in steps:
+            opt.zero_grad()
+            ((ddp(xb) - yb) ** 2).mean().backward()
+            opt.step()
+
+    for find_unused in (False, True):
+        whole, part = copy.deepcopy(net), copy.deepcopy(net)
+        train(whole, batches, find_unused)  # 4 steps, one wrapper
+        train(part, batches[:2], find_unused)  # 2 steps, then a new wrapper for the other 2
+        train(part, batches[2:], find_unused)
+        result[f"ddp_resume_diff find_unused={find_unused}"] = max(
+            (p - q).abs().max().item() for p, q in zip(whole.parameters(), part.parameters()))
+    if rank == 0:
+        torch.save(result, os.path.join(tmp, "rounding.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def part_rounding(args) -> None:
+    """gloo's all-reduce sum depends on an element's offset at >= 3 ranks, and DDP rebuilds its
+    buckets after a process's first backward: a resumed DDP run's first step rounds differently."""
+    import torch
+    import torch.multiprocessing as mp
+
+    print("\n| world | gloo all_reduce: max diff, same values at offset 0 vs 1000 | DDP 2+2 steps (new wrapper) vs 4: "
+          "max weight diff | same with find_unused_parameters=True (no bucket rebuild) |\n|---|---|---|---|")
+    for world in args.rounding_worlds:
+        with tempfile.TemporaryDirectory(prefix="vlp_round_") as tmp:
+            mp.spawn(_offset_worker, args=(world, tmp, []), nprocs=world, join=True)
+            r = torch.load(os.path.join(tmp, "rounding.pt"))
+        print(f"| {world} | {r['offset_diff']:.2e} | {r['ddp_resume_diff find_unused=False']:.2e} "
+              f"| {r['ddp_resume_diff find_unused=True']:.2e} |", flush=True)
+        figure(f"rounding_ddp_resume_diff {world}", r["ddp_resume_diff find_unused=False"])
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 ranks, 4 steps, ddp; collectives at 2 ranks, 30 iters")
-    ap.add_argument("--only", choices=("train", "collectives"), default=None)
+    ap.add_argument("--only", choices=("train", "collectives", "rounding"), default=None)
+    ap.add_argument("--rounding-worlds", type=int, nargs="+", default=[2, 3, 8])
     ap.add_argument("--ranks", type=int, nargs="+", default=[8], help="world sizes of the training runs")
     ap.add_argument("--modes", nargs="+", default=["ddp", "fsdp"])
     ap.add_argument("--full-only", type=int, nargs="*", default=[],
@@ -472,13 +535,15 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.quick:
         args.ranks, args.modes, args.steps, args.every = [2], ["ddp"], 4, 2
-        args.worlds, args.iters, args.warm = [2], 30, 5
+        args.worlds, args.iters, args.warm, args.rounding_worlds = [2], 30, 5, [2, 3]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     header(f"many ranks: training at {args.ranks} ranks ({'/'.join(args.modes)}), collectives at {args.worlds}")
     if args.only in (None, "train"):
         part_train(args)
     if args.only in (None, "collectives"):
         part_collectives(args)
+    if args.only in (None, "rounding"):
+        part_rounding(args)
 
 
 if __name__ == "__main__":
