@@ -22,6 +22,7 @@ CASES = {  # longest first: they start first
     "quality.py": ["--quick"],
     "loss_cost.py": ["--quick"],
     "data_loading.py": ["--quick"],
+    "soak.py": ["--quick"],  # a fixed 30 s of streaming (+ imports)
     "remote_loading.py": ["--quick"],
     "gpu_bench.py": ["--cpu", "--tiny"],
     "step_cost.py": ["--quick"],
@@ -29,6 +30,7 @@ CASES = {  # longest first: they start first
     "augment_equivalence.py": ["--quick"],
     "fsdp_cost.py": ["--quick"],
     "checksum_cost.py": ["--quick"],
+    "many_ranks.py": ["--quick", "--only", "collectives"],  # ~13 s; the 2-rank train part takes ~95 s
 }
 
 EXPECTED = {
@@ -52,6 +54,10 @@ EXPECTED = {
     "fsdp_cost.py": ["fsdp_step_time_ratio fsdp/ddp", "fsdp_bytes_per_rank_ratio fsdp/ddp"],
     "checksum_cost.py": ["checksum_verify_s_per_gb vlp-micro", "checksum_verify_s_per_gb 50MB",
                          "checksum_save_overhead 50MB", "checksum_load_overhead 50MB"],
+    "soak.py": ["soak_slope_per_10k_batches mainrss", "soak_slope_per_10k_batches workersrss",
+                "soak_slope_per_10k_batches mainfds", "soak_slope_per_10k_batches workersfds", "soak_batches"],
+    "many_ranks.py": ["collective_wall_ms gather@2", "collective_wall_ms sogclr@2", "collective_wall_ms skip_counts@2",
+                      "collective_wall_ms nonfinite@2", "collective_wall_ms ckpt_meta@2"],
     "scaling.py": ["scaling_samples_per_s 1proc", "scaling_samples_per_s 2proc", "scaling_ratio 2proc/1proc"],
     "gpu_bench.py": ["gpu_synthetic_samples_per_s vlp", "gpu_synthetic_samples_per_s open_clip",
                      "gpu_synthetic_ratio vlp/open_clip", "gpu_flops_per_step", "gpu_real_ratio vlp/open_clip"],
