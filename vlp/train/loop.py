@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, set_seed
 
 from eval import keys
 from vlp import records, storage
@@ -54,7 +54,11 @@ class Trainer:
         self.accelerator = acc = accelerator or Accelerator(
             mixed_precision="no" if cfg.train.precision == "fp32" else cfg.train.precision,
             # a collective waits at most this long for a dead rank, then fails with an error
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.train.dist_timeout_s))],
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.train.dist_timeout_s)),
+                             # no bucket rebuild after the first backward: a resumed process sums its
+                             # gradients in the same order as the uninterrupted one (at >= 3 ranks a
+                             # gloo/NCCL sum depends on it; bench/many_ranks.py --only rounding)
+                             DistributedDataParallelKwargs(find_unused_parameters=True)],
         )
         exit_with_launcher()
         check_wandb(cfg)
