@@ -144,3 +144,23 @@ def test_second_vlp_train_on_a_locked_folder_is_one_line_and_writes_nothing(tmp_
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_second_vlp_compare_on_a_locked_grid_folder_is_one_line(tmp_path, tiny_shards):
+    out = tmp_path / "grid"
+    proc = holder(out)
+    try:
+        before = sorted(p.name for p in out.iterdir())
+        args = ["-m", "vlp", "compare", "-c", str(REPO / "configs/compare_small_batch.yaml"),
+                f"data.train_shards={tiny_shards['train']}", f"data.eval_shards={tiny_shards['eval']}",
+                f"grid.out_dir={out}", "grid.sweep=null", "grid.losses=[infonce]", "grid.seeds=[0]",
+                "train.samples=32"]
+        res = subprocess.run([sys.executable, *args], cwd=REPO, env=run_env(), capture_output=True, text=True,
+                             timeout=300)
+        assert res.returncode == 2, res.stderr[-2000:]
+        errors = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert len(errors) == 1 and errors[0].startswith("vlp: error:") and f"pid {proc.pid}" in errors[0], errors
+        assert sorted(p.name for p in out.iterdir()) == before  # no run folder, no report
+    finally:
+        proc.kill()
+        proc.wait()

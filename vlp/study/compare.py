@@ -44,6 +44,7 @@ from eval.keys import EVAL_KEYS, RECALL_KS
 from vlp.config import (PACKAGED_DEFAULTS, Config, ConfigError, LossConfig, apply_overrides, from_dict, load_yaml,
                         set_dotted)
 from vlp.storage import RunFolder, is_url, open_run_folder
+from vlp.train import runlock
 from vlp.study.report import DIAG_KEYS, aggregate, markdown_table, read_log, write_report
 from vlp.study.runs import (HARMLESS_KEYS, _flatten, broadcast, embedded_shards, plan_runs, run_config, run_one,  # noqa: F401
                             stale_key, steps_for)
@@ -279,6 +280,17 @@ def run_grid(base: dict, grid: GridSpec, report_only: bool = False, accelerator=
 
         precision = from_dict(copy.deepcopy(base)).train.precision
         accelerator = Accelerator(mixed_precision="no" if precision == "fp32" else precision)
+    # one writer per grid folder, as per run folder (a second `vlp compare` is refused in one line)
+    lock = None if report_only else runlock.acquire_on_main(
+        open_run_folder(grid.out_dir, option="grid.out_dir"), False, accelerator.is_main_process, accelerator.print)
+    try:
+        return _run_grid(base, grid, report_only, accelerator)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_grid(base: dict, grid: GridSpec, report_only: bool, accelerator) -> list[dict]:
     acc = accelerator
     if grid.sweep:  # a tuned study: sweep on val, seeds on test (vlp/study/study.py)
         from vlp.study.study import run_study

@@ -244,12 +244,9 @@ def acquire_on_main(folder, break_lock: bool, is_main: bool,
                                                                                  break_lock, log)
         except RunLockError as e:
             error = str(e)
-    import torch.distributed as dist
+    from vlp.distributed import broadcast_object
 
-    if dist.is_available() and dist.is_initialized():
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
+    error = broadcast_object(error)
     if error:
         raise RunLockError(error)
     return lock
