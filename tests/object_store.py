@@ -130,6 +130,11 @@ def start_s3(timeout_s: float = START_TIMEOUT_S) -> ObjectStore:
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
     _wait_http(f"{endpoint}/", timeout_s, "moto S3 server", None)
+    # moto keeps its buckets in process-wide memory, shared by every server of this process:
+    # each test module starts from an empty store
+    import urllib.request
+
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=10).read()
     env = dict(_COMMON_ENV, AWS_ENDPOINT_URL=endpoint)
     saved.update(_export({"AWS_ENDPOINT_URL": endpoint}))
     clear_fs_cache()
