@@ -68,12 +68,18 @@ class RunLock:
     released: bool = False
 
     def release(self) -> None:
-        """Remove the lock file if it is still ours (a lock broken by someone else is theirs)."""
+        """Remove the lock if it is still ours (a lock broken by someone else is theirs)."""
         if self.released:
             return
         self.released = True
-        if (_read(self.path) or {}).get("token") == self.token:
-            self.path.unlink(missing_ok=True)
+        if (self._holder() or {}).get("token") == self.token:
+            self._remove()
+
+    def _holder(self) -> Optional[dict]:
+        return _read(self.path)
+
+    def _remove(self) -> None:
+        self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> "RunLock":
         return self
@@ -180,22 +186,18 @@ def _judge(where: str, folder: str, holder: dict, host: str, break_lock: bool, l
         log(f"[vlp] took over the stale lock {where} of {describe(holder)} (that process is gone)")
 
 
-@dataclass
-class BucketLock:
-    """`vlp.lock` as an object in a bucket run folder (vlp.storage.RunFolder)."""
+class BucketLock(RunLock):
+    """`vlp.lock` as an object in a bucket run folder (vlp.storage.RunFolder): `path` is the folder."""
 
-    folder: object
-    token: str
-    released: bool = False
-
-    def release(self) -> None:
-        """Delete the lock object if it is still ours."""
-        if self.released:
-            return
-        self.released = True
+    def _holder(self) -> Optional[dict]:
         try:
-            if (_read_object(self.folder) or {}).get("token") == self.token:
-                self.folder.remove(LOCK_NAME)
+            return _read_object(self.path)
+        except Exception:  # noqa: BLE001 (as in _remove)
+            return None
+
+    def _remove(self) -> None:
+        try:
+            self.path.remove(LOCK_NAME)
         except Exception:  # noqa: BLE001 (at exit: a lost network must not hide the run's own error)
             pass
 
