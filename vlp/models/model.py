@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from open_clip.transformer import text_global_pool
 from torch import nn
 
-from vlp.models import towers
+from vlp.models import packaged, towers
 from vlp.models.temperature import temperature_policy
 
 MODEL_CONFIG_DIR = Path(__file__).parent / "model_configs"
@@ -173,6 +173,7 @@ def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu", init_we
     Temperature (initial logit_scale / logit_bias, trainability): vlp.models.temperature's policy
     for `loss_cfg`.
     """
+    model_cfg = packaged.resolve_model_cfg(model_cfg)  # pypi:<name> sources -> their local files
     name = resolve_model_name(model_cfg.name)
     if model_cfg.hf_text_dir:
         name = with_hf_text_tower(name, model_cfg)

@@ -41,6 +41,7 @@ from vlp.train.data import Batch, TrainData
 from vlp.train.evaluator import Evaluator
 from vlp.train.logger import RunLogger, check_wandb, show_step
 from vlp.train.manager import CheckpointManager
+from vlp.train.memory import StepMemory
 from vlp.train.optim import build_optimizer, build_scheduler, param_groups
 from vlp.train.step import contrastive_backward
 from vlp.train.strategy import make_strategy
@@ -70,6 +71,7 @@ class Trainer:
         self.total_steps = cfg.train.samples // self.global_batch
         self.step, self.samples_seen = 0, 0  # samples_seen: global, true across layout changes
         self.nonfinite_in_row = self.nonfinite_total = 0
+        self.peak_step_bytes: Optional[int] = None  # of this process's second step (measured_step)
         if self.total_steps < 1:
             raise ValueError(f"train.samples={cfg.train.samples} is smaller than one global batch "
                              f"({cfg.data.batch_per_device} per device x {self.world} processes x {self.accum} accum)")
@@ -317,8 +319,13 @@ class Trainer:
         self._last_log = (time.time(), self.step)
         groups = self.data.groups(self.accum)
         try:  # the bar ends its line and the loader workers stop, also on an error
+            first = self.step
             while self.step < self.total_steps:
-                metrics = self.train_step(next(groups))
+                batches = next(groups)
+                if self.step - first == min(1, self.total_steps - first - 1):  # a step with optimizer state
+                    metrics = self.measured_step(batches)
+                else:
+                    metrics = self.train_step(batches)
                 bar.update(1)
                 is_last = self.step == self.total_steps
                 logged = self.step % t.log_every == 0
@@ -340,6 +347,14 @@ class Trainer:
             bar.close()
             groups.close()
 
+    def measured_step(self, micro_batches: list[Batch]) -> dict:
+        """train_step, with its peak tensor memory kept for result.json (vlp.train.memory)."""
+        held = (self.unwrapped, self.torch_optimizer, *(t for b in micro_batches for t in (b.image, b.text)))
+        with StepMemory(self.accelerator.device, held) as mem:
+            metrics = self.train_step(micro_batches)
+        self.peak_step_bytes = mem.peak_bytes
+        return metrics
+
     def finish(self, train_time: float) -> dict:
         """The export, the final evaluation and result.json."""
         final = self.eval_model()  # collective under FSDP (full_state_dict gather)
@@ -351,6 +366,7 @@ class Trainer:
         last_eval = self.evaluate()
         result = {"step": self.step, "samples_seen": self.samples_seen, "train_time_s": train_time,
                   "global_batch": self.global_batch, "nonfinite_steps": self.nonfinite_total,
+                  "peak_step_mem_mb": None if self.peak_step_bytes is None else self.peak_step_bytes / 2**20,
                   "skipped": self.global_skipped(), **{keys.EVAL_PREFIX + k: v for k, v in last_eval.items()}}
         if is_main():
             self.logger.log({"type": records.RESULT, **{k: v for k, v in result.items() if not isinstance(v, dict)}})
