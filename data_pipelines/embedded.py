@@ -13,15 +13,17 @@ from data_pipelines.write import shard_spec, write_shards
 SHARD_CACHE = Path(".cache") / "shards" / "openmoji"  # relative: under the working directory
 
 
-def prepare_shards(root: str | os.PathLike = SHARD_CACHE, splits: tuple[str, ...] = ("train", "eval")) -> dict[str, str]:
-    """Render the pairs (cached) and write the shards of ``splits`` ('train' and 'eval', or the
-    study's 'fit', 'val' and 'test') under ``root`` once (a folder with its sizes.json is reused);
-    return {split: shard spec}. Used by `vlp demo`, `vlp compare` on the embedded data, the
-    benchmarks and the tests."""
+def prepare_shards(root: str | os.PathLike = SHARD_CACHE, splits: tuple[str, ...] = ("train", "eval"),
+                   image_size: int = 64) -> dict[str, str]:
+    """Render the pairs (cached) at ``image_size`` px and write the shards of ``splits`` ('train'
+    and 'eval', or the study's 'fit', 'val' and 'test') under ``root`` once (a folder with its
+    sizes.json is reused); return {split: shard spec}. Used by `vlp demo`, `vlp compare` on the
+    embedded data, the benchmarks and the tests."""
     specs = {}
     for split in splits:
         out = Path(root) / split
         if not (out / "sizes.json").is_file():
-            write_shards(load_pairs(split), out, prefix=split, samples_per_shard=500, overwrite=True)
+            write_shards(load_pairs(split, image_size=image_size), out, prefix=split, samples_per_shard=500,
+                         overwrite=True)
         specs[split] = shard_spec(out, prefix=split)
     return specs

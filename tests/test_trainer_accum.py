@@ -10,11 +10,11 @@ from vlp.train.loop import Trainer
 from vlp.train.optim import lr_multiplier, param_groups
 
 
-def _trainer(shards: str, loss: str, accum: int, temperature: str = "learnable") -> Trainer:
+def _trainer(shards: str, loss: str, accum: int, temperature: str = "learnable", batch: int = 4) -> Trainer:
     cfg = load_config(None, [
-        "model.name=vlp-micro", f"data.train_shards={shards}", "data.batch_per_device=4",
+        "model.name=vlp-micro", f"data.train_shards={shards}", f"data.batch_per_device={batch}",
         f"loss.name={loss}", f"loss.temperature={temperature}", f"train.accum_steps={accum}",
-        "train.samples=64",
+        f"train.samples={max(64, batch * accum)}",
     ])
     t = Trainer(cfg)
     t.model.double()
@@ -55,6 +55,26 @@ def test_accum_2_equals_double_batch(tiny_shards, loss, temperature):
     assert naive.keys() == g2.keys()
     for name in naive:
         torch.testing.assert_close(g2[name], naive[name], atol=1e-10, rtol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("loss", ["infonce", "flatnce", "sogclr", "siglip"])
+def test_accum_16x8_equals_batch_128(tiny_shards, loss):
+    """The study's price of the alternative (grid.accum_price): 16 micro-batches of 8 give the
+    gradient of one contrastive batch of 128, for every loss of the map (so that arm's accuracy
+    is the batch-128 cell's)."""
+    torch.manual_seed(1)
+    images = torch.randn(128, 3, 32, 32, dtype=torch.float64)
+    text = torch.randint(1, 1000, (128, 16))
+    ids = torch.arange(128)
+    big = _trainer(tiny_shards["train"], loss, 1, batch=128)
+    acc = _trainer(tiny_shards["train"], loss, 16, batch=8)
+    acc.unwrapped.load_state_dict(big.unwrapped.state_dict())
+    l1, g1 = _grads(big, [Batch(images, text, ids)])
+    l2, g2 = _grads(acc, [Batch(images[i:i + 8], text[i:i + 8], ids[i:i + 8]) for i in range(0, 128, 8)])
+    assert l1 == pytest.approx(l2, abs=1e-10)
+    assert g1.keys() == g2.keys() and len(g1) > 10
+    for name in g1:
+        torch.testing.assert_close(g2[name], g1[name], atol=1e-10, rtol=1e-7, msg=name)
 
 
 def test_param_groups_no_decay_on_gains_biases_and_scale(tiny_shards):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +93,17 @@ class GridSpec:
     """Study: the val metric (mean over grid.seeds) that selects each arm's setting."""
     test_shards: Optional[str] = None
     """Study on your own shards: the test set (data.eval_shards is the val set). OpenMoji: unset."""
+    regimes: dict[str, dict] = field(default_factory=dict)
+    """Study: named regimes, an axis of the arms: {name: {dotted key: value, ..., sweep: {...}?}}
+    (e.g. scratch: {} and lit: {model.name: vlp-lit-lite0, model.lock_image: true, ...}); a
+    regime's own `sweep` replaces grid.sweep for it. Parsed to {name: {"set": {...}, "sweep": ...}}."""
+    accum_price: dict[str, Any] = field(default_factory=dict)
+    """Study: {batch_per_device: b, accum_steps: k, samples: n}: per regime × loss, a timed run
+    of the b·k contrastive batch as k micro-batches of b (b·k must be a grid batch; its gradient
+    is that arm's, so its accuracy is that arm's): samples/s and peak memory beside batch b."""
+    workers: int = 1
+    """Study on one process: run this many runs at once in worker processes (2 on a 2-core CPU
+    with OMP_NUM_THREADS=1). Results do not depend on it; samples/s share the cores."""
 
 
 def _int_list(raw: dict, key: str, minimum: Optional[int]) -> list[int]:
@@ -145,7 +157,7 @@ def parse_grid(raw: Any) -> GridSpec:
         seeds=_int_list(raw, "seeds", 0),
         loss_overrides=flat,
         **{k: raw[k] for k in ("out_dir", "warmup_samples", "log_every_samples", "keep_checkpoints",
-                               "retries", "metric", "select_metric", "test_shards") if k in raw},
+                               "retries", "metric", "select_metric", "test_shards", "workers") if k in raw},
     )
     _parse_study(raw, spec)
     if not isinstance(spec.out_dir, str) or not spec.out_dir:
@@ -153,6 +165,8 @@ def parse_grid(raw: Any) -> GridSpec:
     if spec.sweep and is_url(spec.out_dir):
         raise ConfigError(f"config: grid.out_dir={spec.out_dir}: a tuned study (grid.sweep) writes to a local "
                           "folder only; a plain grid (no grid.sweep) runs in a bucket")
+    if not isinstance(spec.workers, int) or isinstance(spec.workers, bool) or not 1 <= spec.workers <= 64:
+        raise ConfigError(f"config: grid.workers must be an integer in 1..64, got {spec.workers!r}")
     for key in ("warmup_samples", "log_every_samples", "retries"):
         value = getattr(spec, key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
@@ -206,6 +220,66 @@ def _parse_study(raw: dict, spec: GridSpec) -> None:
         raise ConfigError(f"config: grid.select_metric must be one of {list(EVAL_KEYS)}, got {spec.select_metric!r}")
     if spec.test_shards is not None and (not isinstance(spec.test_shards, str) or not spec.test_shards):
         raise ConfigError(f"config: grid.test_shards must be a shard spec, got {spec.test_shards!r}")
+    spec.regimes = _parse_regimes(raw.get("regimes"), bool(sweep))
+    spec.accum_price = _parse_price(raw.get("accum_price"), spec, bool(sweep))
+
+
+def _parse_regimes(raw: Any, study: bool) -> dict[str, dict]:
+    """grid.regimes -> {name: {"set": {dotted: value}, "sweep": per-optimizer or flat map or None}}."""
+    if not raw:
+        return {}
+    if not study:
+        raise ConfigError("config: grid.regimes needs a tuned study (grid.sweep)")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: grid.regimes must map names to settings, got {raw!r}")
+    out = {}
+    for name, table in raw.items():
+        if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9][a-z0-9-]*", name):
+            raise ConfigError(f"config: grid.regimes: name {name!r} must be lowercase letters, digits and '-'")
+        table = dict(table or {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"config: grid.regimes.{name} must map dotted keys to values, got {table!r}")
+        sweep = table.pop("sweep", None)
+        sets = _flatten(table)
+        for key in sets:
+            if key in GRID_KEYS or key == "optim.name" or "." not in key:
+                raise ConfigError(f"config: grid.regimes.{name}.{key}: set by the grid, or not a dotted key")
+        if sweep is not None:
+            where = f"grid.regimes.{name}.sweep"
+            if not isinstance(sweep, dict) or not sweep:
+                raise ConfigError(f"config: {where} must be a non-empty mapping, got {sweep!r}")
+            if any(isinstance(v, dict) for v in sweep.values()):
+                for optim, values in sweep.items():
+                    if optim not in OPTIMIZERS:
+                        raise ConfigError(f"config: {where}.{optim}: not an optimizer {list(OPTIMIZERS)}")
+                    _check_sweep_map(values, f"{where}.{optim}")
+            else:
+                _check_sweep_map(sweep, where)
+        out[name] = {"set": sets, "sweep": sweep}
+    return out
+
+
+def _parse_price(raw: Any, spec: GridSpec, study: bool) -> dict[str, Any]:
+    """grid.accum_price -> {batch_per_device, accum_steps, samples, seeds}, checked against the grid."""
+    if not raw:
+        return {}
+    if not study:
+        raise ConfigError("config: grid.accum_price needs a tuned study (grid.sweep)")
+    known = {"batch_per_device", "accum_steps", "samples", "seeds"}
+    if not isinstance(raw, dict) or set(raw) - known or not {"batch_per_device", "accum_steps", "samples"} <= set(raw):
+        raise ConfigError(f"config: grid.accum_price must give batch_per_device, accum_steps, samples (and "
+                          f"optionally seeds), got {raw!r}")
+    for key in ("batch_per_device", "accum_steps", "samples"):
+        if not isinstance(raw[key], int) or isinstance(raw[key], bool) or raw[key] < 1:
+            raise ConfigError(f"config: grid.accum_price.{key} must be a positive integer, got {raw[key]!r}")
+    b, k = raw["batch_per_device"], raw["accum_steps"]
+    if k < 2 or b * k not in spec.batch_per_device:
+        raise ConfigError(f"config: grid.accum_price: {b} x {k} = {b * k} must be one of grid.batch_per_device "
+                          f"{spec.batch_per_device} (accum_steps >= 2): its accuracy is that arm's")
+    if raw["samples"] < b * k:
+        raise ConfigError(f"config: grid.accum_price.samples={raw['samples']} is less than one step of {b * k}")
+    seeds = _int_list(raw, "seeds", 0) if raw.get("seeds") is not None else [0]
+    return {"batch_per_device": b, "accum_steps": k, "samples": raw["samples"], "seeds": seeds}
 
 
 def load_compare_config(path: str | Path, overrides: Sequence[str] = (), quick: bool = False) -> tuple[dict, GridSpec]:

@@ -15,6 +15,7 @@ from eval.keys import CHANCE_R1, EVAL_KEYS
 from vlp import records
 
 # EVAL_KEYS: both directions' R@k and mean_R@k; R@10 is the steadier number on a small eval set
+LOSS_COLOURS = {"infonce": "tab:blue", "flatnce": "tab:orange", "sogclr": "tab:green", "siglip": "tab:purple"}
 DIAG_KEYS = ("infonce", "log_xi", "grad_ratio", "frac_saturated", "ess_neg", "acc", "logit_scale")
 CSV_COLUMNS = ("run", "loss", "temperature", "batch_per_device", "global_batch", "seed", "steps",
                "samples_seen", "wall_time_s", "status", "error", *EVAL_KEYS, CHANCE_R1, *DIAG_KEYS)

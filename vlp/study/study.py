@@ -39,7 +39,7 @@ SPLITS = ("val", "test")
 # ---------------------------------------------------------------------------- runs
 @dataclass(frozen=True)
 class StudyRun:
-    """One training of the study (the attributes vlp.study.compare.run_config reads)."""
+    """One training of the study (the attributes vlp.study.runs.run_config reads)."""
 
     loss: str
     optim: str
@@ -47,18 +47,27 @@ class StudyRun:
     setting: tuple[tuple[str, Any], ...]
     seed: int
     loss_overrides: tuple[tuple[str, Any], ...] = ()
+    regime: str = ""
+    """grid.regimes name ('' without regimes): its settings are in the run's base config."""
+    accum: int = 1
+    """> 1: a price run (grid.accum_price): contrastive accumulation, timed, not evaluated."""
+    samples: Optional[int] = None
+    """A price run's train.samples (None: the study's budget)."""
 
     @property
-    def arm(self) -> tuple[str, str, int]:
-        return self.loss, self.optim, self.batch_per_device
+    def arm(self) -> tuple[str, str, str, int]:
+        return self.regime, self.loss, self.optim, self.batch_per_device
 
     @property
     def overrides(self) -> tuple[tuple[str, Any], ...]:
-        return (*self.loss_overrides, ("optim.name", self.optim), *self.setting)
+        extra = () if self.accum == 1 else (("train.accum_steps", self.accum), ("train.samples", self.samples))
+        return (*self.loss_overrides, ("optim.name", self.optim), *self.setting, *extra)
 
     @property
     def name(self) -> str:
-        return f"{self.loss}_{self.optim}_b{self.batch_per_device}_{setting_tag(self.setting)}_s{self.seed}"
+        batch = f"b{self.batch_per_device}" + (f"x{self.accum}" if self.accum > 1 else "")
+        head = f"{self.regime}_" if self.regime else ""
+        return f"{head}{self.loss}_{self.optim}_{batch}_{setting_tag(self.setting)}_s{self.seed}"
 
 
 def setting_tag(setting: tuple[tuple[str, Any], ...]) -> str:
@@ -80,19 +89,48 @@ def settings_for(sweep: dict, optim: str) -> list[tuple[tuple[str, Any], ...]]:
     return [tuple(zip(keys, values)) for values in itertools.product(*(table[k] for k in keys))]
 
 
+def regimes_of(grid) -> list[str]:
+    """The regime names ([''] without grid.regimes)."""
+    return list(grid.regimes) or [""]
+
+
+def sweep_of(grid, regime: str) -> dict:
+    """The sweep of a regime: its own `sweep:` if it has one, else grid.sweep."""
+    own = (grid.regimes.get(regime) or {}).get("sweep") if regime else None
+    return own or grid.sweep
+
+
+def _overrides(grid, loss: str) -> tuple:
+    return tuple(sorted(grid.loss_overrides.get(loss, {}).items()))
+
+
 def sweep_runs(grid) -> list[StudyRun]:
     """Every arm × setting × sweep seed, seed-major (one full sweep first)."""
-    return [StudyRun(loss, optim, batch, setting, seed, tuple(sorted(grid.loss_overrides.get(loss, {}).items())))
-            for seed in grid.seeds for batch in grid.batch_per_device for optim in grid.optimizers
-            for loss in grid.losses for setting in settings_for(grid.sweep, optim)]
+    return [StudyRun(loss, optim, batch, setting, seed, _overrides(grid, loss), regime)
+            for seed in grid.seeds for regime in regimes_of(grid) for batch in grid.batch_per_device
+            for optim in grid.optimizers for loss in grid.losses
+            for setting in settings_for(sweep_of(grid, regime), optim)]
 
 
 def final_runs(grid, best: dict[tuple, tuple]) -> list[StudyRun]:
     """The selected setting of every arm with each final seed."""
-    return [StudyRun(loss, optim, batch, best[(loss, optim, batch)], seed,
-                     tuple(sorted(grid.loss_overrides.get(loss, {}).items())))
-            for seed in grid.final_seeds for batch in grid.batch_per_device for optim in grid.optimizers
-            for loss in grid.losses if (loss, optim, batch) in best]
+    return [StudyRun(loss, optim, batch, best[(regime, loss, optim, batch)], seed, _overrides(grid, loss), regime)
+            for seed in grid.final_seeds for regime in regimes_of(grid) for batch in grid.batch_per_device
+            for optim in grid.optimizers for loss in grid.losses if (regime, loss, optim, batch) in best]
+
+
+def price_runs(grid, best: dict[tuple, tuple]) -> list[StudyRun]:
+    """grid.accum_price: per regime × optimizer × loss, the contrastive batch b·k as k
+    micro-batches of b (train.accum_steps), with the setting selected for the b·k arm (whose
+    gradient it is, exactly): timed and its peak memory measured, not evaluated."""
+    price = grid.accum_price
+    if not price:
+        return []
+    b, k = price["batch_per_device"], price["accum_steps"]
+    return [StudyRun(loss, optim, b, best[(regime, loss, optim, b * k)], seed, _overrides(grid, loss), regime,
+                     accum=k, samples=price["samples"])
+            for seed in price.get("seeds", [0]) for regime in regimes_of(grid) for optim in grid.optimizers
+            for loss in grid.losses if (regime, loss, optim, b * k) in best]
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -143,16 +181,16 @@ def final_table(rows: list[dict], metrics: tuple[str, ...], reference: str = REF
             by_arm.setdefault(row["arm"], []).append(row)
     table = []
     for arm, members in by_arm.items():
-        loss, optim, batch = arm
-        entry = {"arm": arm, "loss": loss, "optim": optim, "batch_per_device": batch,
+        regime, loss, optim, batch = arm
+        entry = {"arm": arm, "regime": regime, "loss": loss, "optim": optim, "batch_per_device": batch,
                  "setting": members[0]["setting"], "n": len(members)}
-        for key in metrics + DIAG:
+        for key in metrics + DIAG + COST:
             entry[key] = seed_summary([r.get(key) for r in members])
         for key in metrics:
             boot = [r.get(f"boot/{key}") for r in members if r.get(f"boot/{key}")]
             entry[f"boot/{key}"] = (sum(b[0] for b in boot) / len(boot), sum(b[1] for b in boot) / len(boot)) \
                 if boot else None
-            ref = {r["seed"]: r.get(key) for r in by_arm.get((reference, optim, batch), [])}
+            ref = {r["seed"]: r.get(key) for r in by_arm.get((regime, reference, optim, batch), [])}
             entry[f"diff/{key}"] = None if loss == reference else paired_difference(
                 {r["seed"]: r.get(key) for r in members}, ref)
         table.append(entry)
@@ -160,35 +198,42 @@ def final_table(rows: list[dict], metrics: tuple[str, ...], reference: str = REF
 
 
 DIAG = ("grad_ratio", "logit_scale", "infonce", "frac_saturated")
+COST = ("samples_per_s", "peak_step_mem_mb")
 
 
 # ---------------------------------------------------------------------------- rows
-def study_row(run: StudyRun, run_dir: Path, metric_keys: tuple[str, ...], n_boot: int = 1000) -> Optional[dict]:
-    """A run's row: status, val and test metrics from eval_items.json, bootstrap intervals of the
-    test metrics, final diagnostics. None if the run was never attempted."""
+def study_row(run: StudyRun, run_dir: Path, metric_keys: tuple[str, ...], n_boot: int = 1000,
+              items: bool = True) -> Optional[dict]:
+    """A run's row: status, val and test metrics from eval_items.json (``items``; a price run
+    has none), bootstrap intervals of the test metrics, final diagnostics, samples/s and peak
+    step memory. None if the run was never attempted."""
     from vlp.study.report import read_log
 
-    items_path, record_path = run_dir / "eval_items.json", run_dir / "compare.json"
-    if not items_path.is_file() and not record_path.is_file():
+    items_path, record_path, result_path = run_dir / "eval_items.json", run_dir / "compare.json", run_dir / "result.json"
+    if not items_path.is_file() and not record_path.is_file() and not result_path.is_file():
         return None
-    row = {"run": run.name, "arm": run.arm, "loss": run.loss, "optim": run.optim,
-           "batch_per_device": run.batch_per_device, "setting": run.setting, "seed": run.seed,
-           "status": "ok" if items_path.is_file() and (run_dir / "result.json").is_file() else "failed"}
+    row = {"run": run.name, "arm": run.arm, "regime": run.regime, "loss": run.loss, "optim": run.optim,
+           "batch_per_device": run.batch_per_device, "accum": run.accum, "setting": run.setting, "seed": run.seed,
+           "status": "ok" if (items_path.is_file() or not items) and result_path.is_file() else "failed"}
     if row["status"] != "ok":
         row["error"] = json.loads(record_path.read_text()).get("error", "") if record_path.is_file() else ""
         return row
-    items = json.loads(items_path.read_text())
-    for split in SPLITS:
-        row.update({f"{split}/{k}": v for k, v in split_metrics(items[split]).items()})
-    for key in metric_keys:  # e.g. mean_R@10 -> bootstrap over the test items
-        k = int(key.rsplit("@", 1)[1])
-        row[f"boot/test/{key}"] = bootstrap_ci(item_hits(items["test"], k), n_boot=n_boot, seed=run.seed)
+    if items:
+        ranks = json.loads(items_path.read_text())
+        for split in SPLITS:
+            row.update({f"{split}/{k}": v for k, v in split_metrics(ranks[split]).items()})
+        for key in metric_keys:  # e.g. mean_R@10 -> bootstrap over the test items
+            k = int(key.rsplit("@", 1)[1])
+            row[f"boot/test/{key}"] = bootstrap_ci(item_hits(ranks["test"], k), n_boot=n_boot, seed=run.seed)
     log = read_log(run_dir / "log.jsonl")
     last = log[-1] if log else {}
     row.update({k: last.get(k) for k in DIAG})
-    result = json.loads((run_dir / "result.json").read_text())
+    result = json.loads(result_path.read_text())
+    seconds = result.get("train_time_s")
     row.update({"steps": result.get("step"), "samples_seen": result.get("samples_seen"),
-                "global_batch": result.get("global_batch"), "wall_time_s": result.get("train_time_s")})
+                "global_batch": result.get("global_batch"), "wall_time_s": seconds,
+                "samples_per_s": result.get("samples_seen", 0) / seconds if seconds else None,
+                "peak_step_mem_mb": result.get("peak_step_mem_mb")})
     return row
 
 
@@ -242,8 +287,8 @@ def _num(stat: Optional[dict]) -> str:
 
 
 def arm_label(arm: tuple) -> str:
-    loss, optim, batch = arm
-    return f"{loss}/{optim}/b{batch}"
+    regime, loss, optim, batch = arm
+    return f"{regime + '/' if regime else ''}{loss}/{optim}/b{batch}"
 
 
 def sweep_markdown(rows: list[dict], best: dict, metric: str) -> str:
@@ -269,7 +314,7 @@ def edge_selections(best: dict, grid) -> list[str]:
     the optimum may lie outside the sweep (widen it)."""
     notes = []
     for arm, setting in best.items():
-        table = settings_for(grid.sweep, arm[1])
+        table = settings_for(sweep_of(grid, arm[0]), arm[2])
         keys = {k: sorted({dict(s)[k] for s in table}) for k, _ in (table[0] if table else ())}
         for key, value in setting:
             values = keys.get(key, [])
@@ -279,13 +324,18 @@ def edge_selections(best: dict, grid) -> list[str]:
     return notes
 
 
+def arm_order(e: dict) -> tuple:
+    """Table order: regime (as listed), batch, optimizer, the reference loss first."""
+    return (e["regime"], e["batch_per_device"], e["optim"], e["loss"] != REFERENCE_LOSS, e["loss"])
+
+
 def final_markdown(table: list[dict], metrics: tuple[str, ...]) -> str:
     head = ["arm (loss/optimizer/batch)", "setting", "seeds"]
     for m in metrics:
         head += [f"test {m} (%) mean ± std [95 % CI]", f"per-run bootstrap 95 % ({m})", f"Δ vs infonce ({m}) [95 % CI]"]
     head += ["grad_ratio", "logit_scale", "InfoNCE (last step)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for e in sorted(table, key=lambda e: (e["batch_per_device"], e["optim"], e["loss"] != REFERENCE_LOSS, e["loss"])):
+    for e in sorted(table, key=arm_order):
         cells = [arm_label(e["arm"]), setting_tag(e["setting"]), str(e["n"])]
         for m in metrics:
             boot = e.get(f"boot/{m}")
@@ -302,12 +352,13 @@ def final_markdown(table: list[dict], metrics: tuple[str, ...]) -> str:
 def verdicts(table: list[dict], metric: str) -> list[str]:
     """One sentence per (optimizer, batch) with a reference arm."""
     out = []
-    groups = sorted({(e["optim"], e["batch_per_device"]) for e in table})
-    for optim, batch in groups:
-        diffs = {e["loss"]: e.get(f"diff/{metric}") for e in table
-                 if e["optim"] == optim and e["batch_per_device"] == batch and e["loss"] != REFERENCE_LOSS}
+    groups = sorted({(e["regime"], e["optim"], e["batch_per_device"]) for e in table})
+    for regime, optim, batch in groups:
+        diffs = {e["loss"]: e.get(f"diff/{metric}") for e in table if e["regime"] == regime
+                 and e["optim"] == optim and e["batch_per_device"] == batch and e["loss"] != REFERENCE_LOSS}
         if diffs:
-            out.append(f"{optim}, batch {batch}: " + verdict(diffs, REFERENCE_LOSS, f"test {metric}"))
+            where = f"{regime}, " if regime else ""
+            out.append(f"{where}{optim}, batch {batch}: " + verdict(diffs, REFERENCE_LOSS, f"test {metric}"))
     return out
 
 
@@ -318,7 +369,7 @@ def plot_final(table: list[dict], metric: str, path: Optional[Path] = None):
 
     fig = figure(figsize=(11, 4))
     ax, ax_d = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    table = sorted(table, key=lambda e: (e["batch_per_device"], e["optim"], e["loss"] != REFERENCE_LOSS, e["loss"]))
+    table = sorted(table, key=arm_order)
     labels = [arm_label(e["arm"]) for e in table]
     for i, e in enumerate(table):
         s = e.get(metric)
@@ -347,7 +398,6 @@ def plot_final(table: list[dict], metric: str, path: Optional[Path] = None):
     return fig
 
 
-LOSS_COLOURS = {"infonce": "tab:blue", "flatnce": "tab:orange", "sogclr": "tab:green", "siglip": "tab:purple"}
 OPTIM_STYLES = {"adamw": "-", "lars": "--", "sgd": ":"}
 CURVE_KEYS = ("infonce", "grad_ratio", "logit_scale", "log_xi", "frac_saturated")
 
@@ -355,13 +405,13 @@ CURVE_KEYS = ("infonce", "grad_ratio", "logit_scale", "log_xi", "frac_saturated"
 def plot_study_curves(curves: dict[tuple, list[list[dict]]], path: Optional[Path] = None):
     """Diagnostics vs samples seen, mean over the final seeds of each arm; colour = loss,
     line style = optimizer, width = batch (thicker = larger)."""
-    from vlp.study.report import figure, mean_curve
+    from vlp.study.report import LOSS_COLOURS, figure, mean_curve
 
     fig = figure(figsize=(15, 7))
     axes = [fig.add_subplot(2, 3, i + 1) for i in range(len(CURVE_KEYS))]
-    batches = sorted({arm[2] for arm in curves})
+    batches = sorted({arm[3] for arm in curves})
     for arm, logs in curves.items():
-        loss, optim, batch = arm
+        _, loss, optim, batch = arm
         for ax, key in zip(axes, CURVE_KEYS):
             xs, ys = mean_curve(logs, key)
             ax.plot(xs, ys, color=LOSS_COLOURS.get(loss, "k"), linestyle=OPTIM_STYLES.get(optim, "-."),
@@ -380,38 +430,56 @@ def plot_study_curves(curves: dict[tuple, list[list[dict]]], path: Optional[Path
     return fig
 
 
-def write_study_report(out: Path, sweep_rows: list[dict], final_rows: list[dict], best: dict, grid) -> str:
-    """study.md, final.csv-like JSON, final.png and curves.png; returns the markdown."""
+def write_study_report(out: Path, sweep_rows: list[dict], final_rows: list[dict], best: dict, grid,
+                       price_rows: Optional[list[dict]] = None) -> str:
+    """study.md, study.json, final.png, curves.png, map.png and mechanism.png; returns the markdown."""
+    from vlp.study import maps
     from vlp.study.report import read_log
 
     metrics = ("mean_R@1", "mean_R@10")
+    price_rows = price_rows or []
     test_rows = [{**r, **{m: r.get(f"test/{m}") for m in metrics},
                   **{f"boot/{m}": r.get(f"boot/test/{m}") for m in metrics}} for r in final_rows]
     table = final_table(test_rows, metrics)
-    failed = [f"{r['run']} ({r.get('error', '')})" for r in sweep_rows + final_rows if r["status"] != "ok"]
+    failed = [f"{r['run']} ({r.get('error', '')})" for r in sweep_rows + final_rows + price_rows if r["status"] != "ok"]
+    regimes = f" × regimes {list(grid.regimes)}" if grid.regimes else ""
     lines = [
         "# Tuned loss comparison (sweep on val, seeds on test)", "",
-        f"Arms: losses {grid.losses} × optimizers {grid.optimizers} × batch per GPU {grid.batch_per_device}; "
-        f"sweep {json.dumps(grid.sweep)} with seeds {grid.seeds}, selected on val {grid.select_metric}; "
+        f"Arms: losses {grid.losses} × optimizers {grid.optimizers} × batch per GPU {grid.batch_per_device}{regimes}; "
+        f"sweep {json.dumps(grid.sweep)}"
+        + "".join(f"; {r}: sweep {json.dumps(v['sweep'])}" for r, v in grid.regimes.items() if v.get("sweep"))
+        + f" with seeds {grid.seeds}, selected on val {grid.select_metric}; "
         f"final seeds {grid.final_seeds}. Every run sees the same budget of samples.", "",
         "## Sweep (val)", "", sweep_markdown(sweep_rows, best, grid.select_metric), "",
         *([f"Selected at the edge of its sweep (the optimum may lie outside): {'; '.join(edges)}.", ""]
           if (edges := edge_selections(best, grid)) else []),
         "## Final (test)", "",
         "Cells: mean ± std over seeds [95 % t-interval]; per-run bootstrap: mean over seeds of each run's 95 % "
-        "bootstrap interval over test items; Δ: paired by seed against infonce with the same optimizer and "
-        "batch (✓ = 95 % CI excludes 0); diagnostics from the last training step.", "",
+        "bootstrap interval over test items; Δ: paired by seed against infonce with the same regime, optimizer "
+        "and batch (✓ = 95 % CI excludes 0); diagnostics from the last training step.", "",
         final_markdown(table, metrics), "",
         *[f"- {v}" for v in verdicts(table, grid.metric)], "",
     ]
+    if len(grid.batch_per_device) > 1 or grid.regimes:
+        lines += ["## The map (test)", "", "σ(v): InfoNCE-style mean of sigmoid(v_i) at the last step (grad_ratio).",
+                  "", maps.map_markdown(table, grid.metric, setting_tag),
+                  "## Cost per cell", "",
+                  "samples/s: training samples over training seconds (machine- and load-dependent); peak step "
+                  "memory: the most bytes held by tensors during one training step (vlp.train.memory; on CPU a "
+                  "function of shapes only).", "",
+                  maps.cost_markdown(table, price_rows, grid.metric, grid.accum_price)]
     if failed:
         lines += ["Failed runs: " + "; ".join(failed), ""]
     text = "\n".join(lines)
     (out / "study.md").write_text(text)
     (out / "study.json").write_text(json.dumps({
         "best": [{"arm": list(a), "setting": [list(kv) for kv in s]} for a, s in best.items()],
-        "final": [{k: v for k, v in e.items() if k != "arm"} for e in table]}, indent=1, default=str))
+        "final": [{k: v for k, v in e.items() if k != "arm"} for e in table],
+        "price": maps.price_table(price_rows)}, indent=1, default=str))
     plot_final(table, grid.metric, out / "final.png")
+    if len(grid.batch_per_device) > 1 or grid.regimes:
+        maps.plot_map(table, grid.metric, out / "map.png")
+        maps.plot_mechanism(table, grid.metric, out / "mechanism.png")
     curves: dict[tuple, list] = {}
     for r in final_rows:
         if r["status"] == "ok":
@@ -422,52 +490,141 @@ def write_study_report(out: Path, sweep_rows: list[dict], final_rows: list[dict]
 
 # ---------------------------------------------------------------------------- the loop
 def resolve_study_data(base: dict, acc, cache: Path) -> tuple[dict, dict[str, str]]:
-    """data.train_shards 'openmoji'/'': fit/val/test OpenMoji shards. Otherwise data.train_shards
-    is trained on and data.eval_shards (val) and grid.test_shards must be given."""
+    """data.train_shards 'openmoji'/'openmoji:<px>'/'': fit/val/test OpenMoji shards. Otherwise
+    data.train_shards is trained on and data.eval_shards (val) and grid.test_shards must be given.
+    data.eval_shards is then cleared: the study ranks val and test itself (eval_items.json)."""
     specs = embedded_shards(base, acc, ("fit", "val", "test"), cache)
     data = base["data"]
     if specs is not None:
-        data["train_shards"], data["eval_shards"] = specs["fit"], specs["val"]
+        data["train_shards"], data["eval_shards"] = specs["fit"], None
         return base, {"val": specs["val"], "test": specs["test"]}
-    return base, {"val": data.get("eval_shards"), "test": None}
+    val, data["eval_shards"] = data.get("eval_shards"), None
+    return base, {"val": val, "test": None}
+
+
+def regime_bases(base: dict, grid, acc) -> dict[str, tuple[dict, dict[str, str]]]:
+    """Per regime: (its base config = base + the regime's settings, data resolved; its val and
+    test shard specs)."""
+    from vlp.config import ConfigError, set_dotted
+
+    out = {}
+    for regime in regimes_of(grid):
+        tree = copy.deepcopy(base)
+        for key, value in ((grid.regimes.get(regime) or {}).get("set") or {}).items():
+            set_dotted(tree, key, value)
+        tree, specs = resolve_study_data(tree, acc, Path(".cache") / "shards" / "openmoji_study")
+        if grid.test_shards:
+            specs["test"] = grid.test_shards
+        if not specs["val"] or not specs["test"]:
+            raise ConfigError("config: a study (grid.sweep) needs data.eval_shards (val) and grid.test_shards "
+                              "(or data.train_shards: openmoji)")
+        out[regime] = (tree, specs)
+    return out
 
 
 def run_study(base: dict, grid, acc, report_only: bool = False) -> dict:
-    """Sweep, select, final seeds, report. Every process walks the same runs in the same order."""
+    """Sweep, select, final seeds, price runs, report. Every process walks the same runs in the
+    same order; with grid.workers > 1 (one process) runs go to that many worker processes."""
     from vlp.config import ConfigError
 
-    base, specs = resolve_study_data(copy.deepcopy(base), acc, Path(".cache") / "shards" / "openmoji_study")
-    if grid.test_shards:
-        specs["test"] = grid.test_shards
-    if not specs["val"] or not specs["test"]:
-        raise ConfigError("config: a study (grid.sweep) needs data.eval_shards (val) and grid.test_shards "
-                          "(or data.train_shards: openmoji)")
+    bases = regime_bases(base, grid, acc)
     out = Path(grid.out_dir)
-    metric_keys = tuple(k for k in ("mean_R@1", "mean_R@10"))
+    metric_keys = ("mean_R@1", "mean_R@10")
 
-    def walk(runs: list[StudyRun]) -> list[dict]:
-        cfgs = {r.name: run_config(base, grid, r, acc.num_processes) for r in runs}
-        done, error = broadcast(plan_runs(runs, cfgs, out, items=True) if acc.is_main_process else None, acc)
+    def walk(runs: list[StudyRun], ranked: bool = True) -> list[dict]:
+        cfgs = {r.name: run_config(bases[r.regime][0], grid, r, acc.num_processes) for r in runs}
+        done, error = broadcast(plan_runs(runs, cfgs, out, items=ranked) if acc.is_main_process else None, acc)
         if error:
             raise ConfigError(error)
         todo = [r for r, d in zip(runs, done) if not d]
         acc.print(f"[compare] {len(runs)} runs ({len(runs) - len(todo)} already done) -> {out}")
-        for i, run in enumerate(todo):
-            if report_only:
-                break
-            acc.print(f"[compare] run {i + 1}/{len(todo)}: {run.name}")
-            rec = run_one(run, cfgs[run.name], acc, lambda cfg, a: train_and_rank(cfg, a, specs),
-                          grid.retries, grid.keep_checkpoints)
-            acc.print(f"[compare] {run.name}: {rec['status']} in {rec['wall_time_s']:.0f} s")
-        return [row for r in runs if (row := study_row(r, out / r.name, metric_keys)) is not None]
+        if todo and not report_only:
+            jobs = [(r, cfgs[r.name], bases[r.regime][1] if ranked else None) for r in todo]
+            execute(jobs, grid, acc)
+        return [row for r in runs if (row := study_row(r, out / r.name, metric_keys, items=ranked)) is not None]
 
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
+    if not report_only:
+        warm_caches(bases, grid, acc)
     sweep = walk(sweep_runs(grid))
     best = broadcast(select_best(sweep, grid.select_metric) if acc.is_main_process else None, acc)
     finals = walk(final_runs(grid, best))
+    prices = walk(price_runs(grid, best), ranked=False)
     text = ""
     if acc.is_main_process:
-        text = write_study_report(out, sweep, finals, best, grid)
+        text = write_study_report(out, sweep, finals, best, grid, prices)
         print(text, flush=True)
-    return {"sweep": sweep, "final": finals, "best": best, "report": text}
+    return {"sweep": sweep, "final": finals, "best": best, "price": prices, "report": text}
+
+
+def warm_caches(bases: dict, grid, acc) -> None:
+    """Build the locked-tower feature caches (data.feature_cache) of every regime once, before
+    any run, so that runs (and worker processes) only read them."""
+    from vlp.config import from_dict
+
+    for regime, (tree, specs) in bases.items():
+        cfg = from_dict(copy.deepcopy(tree))
+        if getattr(cfg.data, "feature_cache", None):
+            from vlp.train.feature_cache import warm
+
+            warm(cfg, [specs["val"], specs["test"]], acc)
+
+
+def _run(job) -> dict:
+    """One study run in this process (a worker's task): train, then rank val and test."""
+    run, cfg, specs = job
+    accelerator = _worker_accelerator()
+    train = (lambda c, a: train_and_rank(c, a, specs)) if specs is not None else _train_only
+    return run_one(run, cfg, accelerator, train, _GRID_RETRIES[0], _GRID_KEEP[0])
+
+
+_ACC: list = []
+_GRID_RETRIES, _GRID_KEEP = [1], [True]
+
+
+def _worker_accelerator():
+    if not _ACC:
+        from accelerate import Accelerator
+
+        _ACC.append(Accelerator())
+    return _ACC[0]
+
+
+def _worker_init(retries: int, keep: bool) -> None:
+    _GRID_RETRIES[0], _GRID_KEEP[0] = retries, keep
+
+
+def execute(jobs: list, grid, acc) -> None:
+    """Run ``jobs`` (run, cfg, rank specs or None): in this process (every rank, in order), or
+    with grid.workers > 1 on one process, in that many spawned worker processes (independent
+    runs: the results are the same; only their timing shares the cores)."""
+    workers = min(grid.workers, len(jobs))
+    if workers <= 1 or acc.num_processes > 1:
+        _ACC[:] = [acc]
+        _worker_init(grid.retries, grid.keep_checkpoints)
+        for i, job in enumerate(jobs):
+            acc.print(f"[compare] run {i + 1}/{len(jobs)}: {job[0].name}")
+            rec = _run(job)
+            acc.print(f"[compare] {job[0].name}: {rec['status']} in {rec['wall_time_s']:.0f} s")
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
+                             initargs=(grid.retries, grid.keep_checkpoints)) as pool:
+        futures = {pool.submit(_run, job): job[0].name for job in jobs}
+        for i, future in enumerate(as_completed(futures)):
+            rec = future.result()
+            print(f"[compare] {i + 1}/{len(jobs)} {futures[future]}: {rec['status']} in {rec['wall_time_s']:.0f} s",
+                  flush=True)
+
+
+def _train_only(cfg, accelerator) -> dict:
+    from vlp.train.loop import Trainer
+
+    try:
+        return Trainer(cfg, accelerator=accelerator).train()
+    finally:
+        accelerator.free_memory()
