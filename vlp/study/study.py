@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from eval import keys
 from vlp.study.runs import broadcast, embedded_shards, plan_runs, run_config, run_one
 from vlp.study.stats import bootstrap_ci, paired_difference, seed_summary, verdict
@@ -238,11 +240,24 @@ def study_row(run: StudyRun, run_dir: Path, metric_keys: tuple[str, ...], n_boot
 
 
 # ---------------------------------------------------------------------------- eval items
-def eval_item_ranks(model, tokenizer, transform, spec: str, device, batch_size: int = 256) -> dict[str, list[int]]:
+def cached_item_ranks(model, tokenizer, transform, spec: str, device, batch_size: int, cache: str) -> dict[str, list[int]]:
+    """eval_item_ranks for a model with locked stems (data.feature_cache): the stems' outputs over
+    the set come from the cache (built once, by the same eval reader), only the heads run."""
+    from eval.retrieval import retrieval_ranks
+    from vlp.train.feature_cache import embed_features, retrieval_features
+
+    img_feat, txt_feat, txt_to_img = retrieval_features(model, tokenizer, transform, spec, device, batch_size,
+                                                        cache=None if cache == "memory" else cache)
+    with torch.no_grad():
+        img, txt = embed_features(model, img_feat, txt_feat)
+    i2t, t2i = retrieval_ranks(img, txt, txt_to_img)
+    return {"image_to_text": i2t.tolist(), "text_to_image": t2i.tolist()}
+
+
+def eval_item_ranks(model, tokenizer, transform, spec: str, device, batch_size: int = 256,
+                    cache: Optional[str] = None) -> dict[str, list[int]]:
     """1-based rank of the correct item for every query of a retrieval set, both directions: the
     eval suite's reader and ranking (eval.suite, eval.retrieval), ties included."""
-    import torch
-
     from eval.retrieval import retrieval_ranks
     from eval.suite import embed_retrieval_shards
 
@@ -261,8 +276,9 @@ def train_and_rank(cfg, accelerator, specs: dict[str, str]) -> dict:
         result = trainer.train()
         model = trainer.eval_model()  # collective under FSDP
         if accelerator.is_main_process:
-            items = {split: eval_item_ranks(model, trainer.tokenizer, trainer.eval_transform, specs[split],
-                                            accelerator.device, cfg.eval.batch_size) for split in SPLITS}
+            rank = cached_item_ranks if cfg.data.feature_cache else eval_item_ranks
+            items = {split: rank(model, trainer.tokenizer, trainer.eval_transform, specs[split], accelerator.device,
+                                 cfg.eval.batch_size, cfg.data.feature_cache) for split in SPLITS}
             path = Path(cfg.train.output_dir) / "eval_items.json"
             path.with_suffix(".tmp").write_text(json.dumps(items))
             path.with_suffix(".tmp").replace(path)
