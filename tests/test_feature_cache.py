@@ -226,3 +226,18 @@ def test_retrieval_ranks_from_cached_stems_are_exact(tiny_shards, timm_json, ber
         assert torch.equal(got, ref)
     again = fc.retrieval_features(model, tok, tf, tiny_shards["eval"], "cpu", 16)
     assert again[0] is img_feat  # memoized per key
+
+
+def test_cli_refuses_a_random_transform_in_one_line(tiny_shards):
+    import subprocess
+    import sys
+
+    from vlp_testing import run_env
+
+    proc = subprocess.run([sys.executable, "-m", "vlp", "train", "model.name=vlp-micro", "model.lock_image=true",
+                           "model.lock_text=true", "data.feature_cache=memory", f"data.train_shards={tiny_shards['train']}"],
+                          capture_output=True, text=True, env=run_env(), timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("vlp: error: config: data.feature_cache needs "
+                                                   "data.train_transform=eval"), proc.stderr
