@@ -365,7 +365,9 @@ class _Stream:
                  tokenize, decode_size, pad: bool = False):
         self.plan, self.epoch, self.worker, self.start = plan, epoch, worker, start_batch
         self.transform, self.tokenize, self.decode_size = transform, tokenize, decode_size
-        self.decoder = image_decoder(transform, decode_size)  # crop-first JPEG fast path
+        # crop-first JPEG fast path; no transform: images are only checked (image_decodes), never
+        # decoded, for batches of cached features (same samples, replacements and skips)
+        self.decoder = None if transform is None else image_decoder(transform, decode_size)
         # pad: yield a placeholder for each skipped batch and up to ceil(num_batches / workers)
         # items, so that every worker yields the same count per epoch and DataLoader's
         # round-robin over workers stays in batch order across chained epochs.
@@ -539,7 +541,9 @@ class _Stream:
         """[(key, transformed image, caption)] of the chunk. A sample whose image does not decode
         is counted and, with ``spare``, replaced by the stream's next sample, so batches stay
         full and the stream is the same function of the data with or without a resume
-        (``probe``: decide with ``image_decodes`` only, for skipped batches)."""
+        (``probe``: decide with ``image_decodes`` only, for skipped batches and for a stream
+        without a transform, whose images are then None)."""
+        probe = probe or self.decoder is None
         out, failed, size = [], 0, len(chunk)
         while chunk:
             key, data, caption, *where = chunk.pop(0)  # where: [(shard, index)] in split/resampled
@@ -613,7 +617,8 @@ class _Stream:
 
     def collate(self, index: int, decoded: list) -> dict:
         keys = [k for k, *_ in decoded]
-        images = torch.stack([s[1] for s in decoded])
+        # no transform: an empty (b, 0) image tensor (the batch's features come from elsewhere)
+        images = torch.stack([s[1] for s in decoded]) if self.decoder is not None else torch.empty(len(decoded), 0)
         text = self.tokenize([s[2] for s in decoded])
         ids = {}
         if all(len(s) == 4 for s in decoded):  # per-sample state (SogCLR) is keyed by this id
@@ -810,7 +815,7 @@ def make_loader(
     urls: str,
     *,
     batch_size: int,
-    transform: Callable,
+    transform: Callable | None,
     tokenize: Callable[[list[str]], torch.Tensor],
     seed: int = 0,
     epoch: int = 0,
@@ -831,6 +836,9 @@ def make_loader(
     """Build the batch stream of one rank over ``urls`` (brace spec, '::' joins sources).
 
     mode:        'split' | 'resampled' | 'sequential' (module docstring).
+    transform:   PIL image -> tensor; None: images are only checked (``image_decodes``, so the
+                 same samples are used and replaced as with decoding) and each batch's "image"
+                 is an empty (b, 0) tensor: for training on cached features (vlp.train.feature_cache).
     urls:        each element a local path, an fsspec URL or 'pipe:COMMAND'
                  (data_pipelines.shard_io); remote shards are streamed, never downloaded whole.
     num_samples: samples per epoch over all ranks (default: total from sizes.json); also what

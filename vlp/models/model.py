@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from open_clip.transformer import text_global_pool
 from torch import nn
 
-from vlp.models import packaged, towers
+from vlp.models import cached, packaged, towers
 from vlp.models.temperature import temperature_policy
 
 MODEL_CONFIG_DIR = Path(__file__).parent / "model_configs"
@@ -100,11 +100,19 @@ class DualEncoder(nn.Module):
     def log_logit_scale(self) -> nn.Parameter:
         return self.clip.logit_scale
 
-    def forward(self, image: torch.Tensor, text: torch.Tensor) -> DualEncoderOutput:
+    def forward(self, image: torch.Tensor, text: torch.Tensor, features: bool = False) -> DualEncoderOutput:
+        """features=False: images (b, 3, H, W) and tokens (b, L). features=True: the towers'
+        stem outputs (b, d_image_stem), (b, d_text_stem) (vlp.models.cached, cached by
+        vlp.train.feature_cache); only the heads run. A forward keyword, so DDP passes it on."""
         bias = getattr(self.clip, "logit_bias", None)
+        if features:
+            image_emb = F.normalize(cached.tower_split(self, "image").head(image), dim=-1)
+            text_emb = F.normalize(cached.tower_split(self, "text").head(text), dim=-1)
+        else:
+            image_emb, text_emb = self.encode_image(image), self.encode_text(text)
         return DualEncoderOutput(
-            image_emb=self.encode_image(image),
-            text_emb=self.encode_text(text),
+            image_emb=image_emb,
+            text_emb=text_emb,
             logit_scale=self.clip.logit_scale.exp().reshape(()),
             logit_bias=None if bias is None else bias.reshape(()),
         )

@@ -31,11 +31,14 @@ class DataPosition:
 
 @dataclass(frozen=True)
 class Batch:
-    """One rank's micro-batch: images (b, 3, H, W), token ids (b, L), stable int64 sample ids."""
+    """One rank's micro-batch: images (b, 3, H, W), token ids (b, L), stable int64 sample ids.
+    features=True: image and text are the towers' cached stem outputs (b, Di), (b, Dt)
+    (vlp.train.feature_cache); the model then runs only its heads."""
 
     image: torch.Tensor
     text: torch.Tensor
     sample_id: torch.Tensor
+    features: bool = False
 
     @classmethod
     def from_stream(cls, item: dict) -> "Batch":
@@ -55,6 +58,7 @@ class TrainData:
         self.batch_in_epoch = 0
         self.pieces: Optional[list] = None  # the rest of an epoch begun under another layout
         self.skipped: dict[str, int] = {}
+        self.features = None  # a FeatureCache (data.feature_cache): batches carry stem outputs
 
     @property
     def num_samples(self) -> int:
@@ -66,8 +70,8 @@ class TrainData:
         from data_pipelines.stream import make_loader
 
         d = self.cfg.data
-        return make_loader(
-            d.train_shards, batch_size=d.batch_per_device, transform=self.transform,
+        return make_loader(  # cached features: images are checked, not decoded (same samples)
+            d.train_shards, batch_size=d.batch_per_device, transform=None if d.feature_cache else self.transform,
             tokenize=self.tokenize, seed=self.cfg.train.seed, rank=self.rank,
             world_size=self.world, num_workers=d.num_workers, mode=d.mode, shuffle_buffer=d.shuffle_buffer,
             decode_size=d.decode_size, **({"weights": d.weights} if d.weights else {}), **extra,
@@ -101,10 +105,18 @@ class TrainData:
             self.epoch, self.batch_in_epoch = item["epoch"], item["index"] + 1
             for kind, n in item.get("skipped", {}).items():
                 self.skipped[kind] = self.skipped.get(kind, 0) + n
-            group.append(Batch.from_stream(item))
+            group.append(self.batch(item))
             if len(group) == accum:
                 yield group
                 group = []
+
+    def batch(self, item: dict) -> Batch:
+        """The Batch of a stream item: its images and tokens, or with a feature cache the cached
+        stem outputs of its sample ids."""
+        if self.features is None:
+            return Batch.from_stream(item)
+        image, text = self.features.lookup(item["sample_id"])
+        return Batch(image=image, text=text, sample_id=item["sample_id"], features=True)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

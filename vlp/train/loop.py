@@ -39,6 +39,7 @@ from vlp.train import checkpoint as ckpt
 from vlp.train import parallel, preempt, resume, runlock
 from vlp.train.data import Batch, TrainData
 from vlp.train.evaluator import Evaluator
+from vlp.train.feature_cache import training_features
 from vlp.train.logger import RunLogger, check_wandb, show_step
 from vlp.train.manager import CheckpointManager
 from vlp.train.memory import StepMemory
@@ -75,8 +76,12 @@ class Trainer:
         if self.total_steps < 1:
             raise ValueError(f"train.samples={cfg.train.samples} is smaller than one global batch "
                              f"({cfg.data.batch_per_device} per device x {self.world} processes x {self.accum} accum)")
-        model, self.tokenizer, self.train_transform, self.eval_transform = build_model(cfg.model, cfg.loss)
+        model, self.tokenizer, train_transform, self.eval_transform = build_model(cfg.model, cfg.loss)
+        self.train_transform = self.eval_transform if cfg.data.train_transform == "eval" else train_transform
         self.data = self.data_class(cfg, self.train_transform, self.tokenizer, acc.process_index, self.world)
+        if cfg.data.feature_cache:  # LiT: the locked stems' outputs once per sample, reused every epoch
+            self.data.features = training_features(cfg, model, self.train_transform, self.tokenizer,
+                                                   self.data.loader.plan, acc.device)
         self.evaluator = Evaluator(cfg, self.tokenizer, self.eval_transform, self.folder)
         self.strategy = make_strategy(cfg, acc)
         self.loss_spec = get_spec(cfg.loss.name)  # stateful: per-sample state, checkpointed

@@ -21,18 +21,24 @@ def contrastive_backward(model, strategy, loss_of: Callable, micro_batches: list
     on some rank (then nothing was backpropagated). `loss_of(img, txt, scale, bias, ids)` is the
     loss over the gathered batch; `all_finite(loss)` agrees across ranks."""
     images = [b.image.to(device, non_blocking=True) for b in micro_batches]
-    # drop all-padding text columns on the host (no device sync; exact, see DualEncoder)
-    texts = [trim_text(b.text).to(device, non_blocking=True) for b in micro_batches]
+    # drop all-padding text columns on the host (no device sync; exact, see DualEncoder); cached
+    # features (Batch.features: stem outputs, vlp.train.feature_cache) are no tokens: never trimmed
+    features = micro_batches[0].features
+    texts = [(b.text if features else trim_text(b.text)).to(device, non_blocking=True) for b in micro_batches]
+
+    def forward(image, text):  # features: only the heads run (a forward keyword, so DDP passes it on)
+        return model(image, text, features=True) if features else model(image, text)
+
     ids = torch.cat([b.sample_id for b in micro_batches])  # every local anchor's (stateful losses)
     if len(micro_batches) == 1:
-        out = model(images[0], texts[0])
+        out = forward(images[0], texts[0])
         loss, metrics = loss_of(out.image_emb, out.text_emb, out.logit_scale, out.logit_bias, ids)
         if not all_finite(loss):
             return loss, {}
         strategy.backward(loss)
         return loss, metrics
     with torch.no_grad():
-        cached = [model(x, t) for x, t in zip(images, texts)]
+        cached = [forward(x, t) for x, t in zip(images, texts)]
         img_cache, txt_cache = [c.image_emb for c in cached], [c.text_emb for c in cached]
         # the non-finite check is made on the no-grad loss so every micro-step agrees
         loss0, _ = loss_of(torch.cat(img_cache), torch.cat(txt_cache), cached[0].logit_scale,
@@ -42,7 +48,7 @@ def contrastive_backward(model, strategy, loss_of: Callable, micro_batches: list
     for j in range(len(micro_batches)):
         last = j == len(micro_batches) - 1
         with contextlib.nullcontext() if last else strategy.no_sync(model):
-            out = model(images[j], texts[j])
+            out = forward(images[j], texts[j])
             img = torch.cat(img_cache[:j] + [out.image_emb] + img_cache[j + 1:])
             txt = torch.cat(txt_cache[:j] + [out.text_emb] + txt_cache[j + 1:])
             scale, bias = out.logit_scale, out.logit_bias
