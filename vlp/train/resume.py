@@ -89,6 +89,8 @@ RESUME_RULES: dict[str, KeyRule] = {
     "data.num_samples": KeyRule(LAYOUT),
     "data.io_retries": _SAME,
     "data.io_backoff_s": _SAME,
+    "data.train_transform": _SAME,  # the stream's transform, read at start
+    "data.feature_cache": _SAME,  # read at start; the same batches with or without (to 1e-6)
     "loss.name": KeyRule(LAYOUT, shapes_state=True),
     "loss.temperature": KeyRule(LAYOUT, shapes_state=True),
     "loss.tau": KeyRule(REFUSE, "logit_scale comes from the checkpoint"),
