@@ -518,6 +518,10 @@ class _Stream:
                 if self.pad:
                     yield self.placeholder(j)
                 continue
+            if self.decoder is None:  # no transform: nothing random to seed (checked, not decoded)
+                decoded = self.decode_all(chunk, samples)
+                yield self.collate(j, decoded)
+                continue
             # Augmentation randomness is a pure function of (seed, epoch, rank, batch index):
             # independent of num_workers and exact after a resume that skipped batches.
             with torch.random.fork_rng(devices=[]):

@@ -58,6 +58,7 @@ class DualEncoder(nn.Module):
         self.text_pad_id = text_pad_id if _trimmable_text_tower(clip) else None
         self.frozen = list(frozen)  # submodules of `clip` locked by model.lock_* (vlp.models.towers)
         self.preprocess = dict(preprocess or {})  # image preprocessing of the tower, saved in checkpoints
+        self._feature_heads: Optional[tuple] = None  # forward(features=True): see feature_heads
 
     def train(self, mode: bool = True) -> "DualEncoder":
         """Locked submodules stay in eval mode while the rest trains: their BatchNorm statistics
@@ -100,14 +101,21 @@ class DualEncoder(nn.Module):
     def log_logit_scale(self) -> nn.Parameter:
         return self.clip.logit_scale
 
+    def feature_heads(self) -> tuple:
+        """(image head, text head) of the stem/head split (vlp.models.cached), found once: the
+        split walks every parameter name, too slow for each step of a small head."""
+        if self._feature_heads is None:
+            self._feature_heads = (cached.tower_split(self, "image").head, cached.tower_split(self, "text").head)
+        return self._feature_heads
+
     def forward(self, image: torch.Tensor, text: torch.Tensor, features: bool = False) -> DualEncoderOutput:
         """features=False: images (b, 3, H, W) and tokens (b, L). features=True: the towers'
         stem outputs (b, d_image_stem), (b, d_text_stem) (vlp.models.cached, cached by
         vlp.train.feature_cache); only the heads run. A forward keyword, so DDP passes it on."""
         bias = getattr(self.clip, "logit_bias", None)
         if features:
-            image_emb = F.normalize(cached.tower_split(self, "image").head(image), dim=-1)
-            text_emb = F.normalize(cached.tower_split(self, "text").head(text), dim=-1)
+            image_head, text_head = self.feature_heads()
+            image_emb, text_emb = F.normalize(image_head(image), dim=-1), F.normalize(text_head(text), dim=-1)
         else:
             image_emb, text_emb = self.encode_image(image), self.encode_text(text)
         return DualEncoderOutput(

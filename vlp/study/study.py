@@ -576,15 +576,26 @@ def run_study(base: dict, grid, acc, report_only: bool = False) -> dict:
 
 def warm_caches(bases: dict, grid, acc) -> None:
     """Build the locked-tower feature caches (data.feature_cache) of every regime once, before
-    any run, so that runs (and worker processes) only read them."""
+    any run: the training shards' and the val / test sets' stem outputs. Runs (and worker
+    processes, from the cache folder) then only read them."""
     from vlp.config import from_dict
+    from vlp.models.model import build_model
+    from vlp.train.data import TrainData
+    from vlp.train.feature_cache import retrieval_features, training_features
 
     for regime, (tree, specs) in bases.items():
-        cfg = from_dict(copy.deepcopy(tree))
-        if getattr(cfg.data, "feature_cache", None):
-            from vlp.train.feature_cache import warm
-
-            warm(cfg, [specs["val"], specs["test"]], acc)
+        cfg = from_dict(copy.deepcopy(tree)).validate()
+        if not cfg.data.feature_cache:
+            continue
+        model, tokenizer, train_t, eval_t = build_model(cfg.model, cfg.loss)
+        transform = eval_t if cfg.data.train_transform == "eval" else train_t
+        plan = TrainData(cfg, transform, tokenizer, acc.process_index, acc.num_processes).loader.plan
+        training_features(cfg, model, transform, tokenizer, plan, acc.device)  # collective: every rank
+        if acc.is_main_process:
+            folder = None if cfg.data.feature_cache == "memory" else cfg.data.feature_cache
+            for split in SPLITS:
+                retrieval_features(model, tokenizer, eval_t, specs[split], acc.device, cfg.eval.batch_size, folder)
+        acc.wait_for_everyone()
 
 
 def _run(job) -> dict:

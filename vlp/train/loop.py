@@ -73,6 +73,7 @@ class Trainer:
         self.step, self.samples_seen = 0, 0  # samples_seen: global, true across layout changes
         self.nonfinite_in_row = self.nonfinite_total = 0
         self.peak_step_bytes: Optional[int] = None  # of this process's second step (measured_step)
+        self.train_mode_set = False  # train_step has called model.train() (see there)
         if self.total_steps < 1:
             raise ValueError(f"train.samples={cfg.train.samples} is smaller than one global batch "
                              f"({cfg.data.batch_per_device} per device x {self.world} processes x {self.accum} accum)")
@@ -102,7 +103,9 @@ class Trainer:
 
     @property
     def unwrapped(self) -> DualEncoder:
-        return self.strategy.unwrap(self.model)
+        if getattr(self, "_unwrapped", None) is None:  # accelerate's unwrap walks the modules
+            self._unwrapped = self.strategy.unwrap(self.model)
+        return self._unwrapped
 
     @property
     def skipped(self) -> dict[str, int]:
@@ -131,7 +134,11 @@ class Trainer:
         return bool(all_reduce(bad).item() != 0) if self.world > 1 else bool(bad.item() != 0)
 
     def train_step(self, micro_batches: list[Batch]) -> dict:
-        self.model.train()
+        # train() walks every module (a cost per step for a small head); the first call also puts
+        # locked towers in eval mode (DualEncoder.train), which a freshly built model is not in
+        if not (self.train_mode_set and self.model.training):
+            self.model.train()
+            self.train_mode_set = True
         loss, metrics = self.compute_gradients(micro_batches)
         finite = bool(metrics)  # decided once, on all ranks, by compute_gradients
         if finite:
