@@ -1,0 +1,118 @@
+"""The small-batch map (`vlp compare` with grid.regimes, several batches and grid.accum_price) on a
+tiny grid: both regimes (from scratch; locked towers with the feature cache) run in worker
+processes, the report has the map, the cost table with the accumulation rows and both figures,
+and a rerun trains nothing."""
+import json
+
+import pytest
+
+from test_feature_cache import bert_dir, timm_json  # noqa: F401  (fixtures: a tiny LiT model)
+from vlp.config import ConfigError
+from vlp.study import maps
+from vlp.study import study as compare_study
+from vlp.study.compare import parse_grid, run_grid
+from vlp.study.study import price_runs, sweep_runs
+
+
+@pytest.fixture(scope="module")
+def map_shards(tmp_path_factory):
+    from data_pipelines.sources.openmoji import load_pairs
+    from data_pipelines.write import write_shards
+
+    root = tmp_path_factory.mktemp("map_shards")
+    return {split: write_shards(load_pairs(split, image_size=32)[:n], root / split, prefix=split,
+                                samples_per_shard=64).spec
+            for split, n in (("fit", 64), ("val", 24), ("test", 24))}
+
+
+def _grid(out, timm_json, bert_dir, **extra):
+    return parse_grid({
+        "losses": ["infonce", "flatnce"], "batch_per_device": [4, 8], "seeds": [0], "final_seeds": [0, 1],
+        "optimizers": ["adamw"], "sweep": {"optim.lr": [1e-3, 3e-3]}, "out_dir": str(out),
+        "metric": "mean_R@10", "keep_checkpoints": False, "workers": 2,
+        "regimes": {"scratch": {}, "lit": {
+            "model.name": timm_json, "model.hf_text_dir": bert_dir, "model.lock_image": True,
+            "model.lock_text": True, "data.train_transform": "eval",
+            "data.feature_cache": str(out.parent / "features"), "sweep": {"adamw": {"optim.lr": [1e-2]}}}},
+        "accum_price": {"batch_per_device": 4, "accum_steps": 2, "samples": 16}, **extra})
+
+
+def test_tiny_map_two_regimes_workers_report_and_rerun(map_shards, tmp_path, timm_json, bert_dir, monkeypatch):
+    out = tmp_path / "map"
+    base = {"model": {"name": "vlp-micro"},
+            "data": {"train_shards": map_shards["fit"], "eval_shards": map_shards["val"], "shuffle_buffer": 16},
+            "train": {"samples": 32}, "eval": {"batch_size": 24}}
+    grid = _grid(out, timm_json, bert_dir, test_shards=map_shards["test"])
+    assert len(sweep_runs(grid)) == 2 * 2 * 2 + 2 * 2 * 1  # scratch: 2 lrs; lit: its own 1-lr sweep
+    result = run_grid(base, grid)
+    rows = result["sweep"] + result["final"] + result["price"]
+    assert rows and all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows if r["status"] != "ok"]
+    assert {r["regime"] for r in result["final"]} == {"scratch", "lit"}
+    assert len(result["final"]) == 2 * 2 * 2 * 2 and len(result["price"]) == 2 * 2
+    for r in result["final"] + result["price"]:
+        assert r["samples_per_s"] > 0 and r["peak_step_mem_mb"] > 0
+    assert {r["accum"] for r in result["price"]} == {2} and all(r["global_batch"] == 8 for r in result["price"])
+    assert (tmp_path / "features").is_dir() and list((tmp_path / "features").glob("*.pt"))  # cache built once
+    text = (out / "study.md").read_text()
+    assert "## The map (test)" in text and "## Cost per cell" in text
+    assert "**scratch**" in text and "**lit**" in text and "8 = 4 × 2 accumulated" in text
+    assert "scratch, adamw, batch 4: Paired by seed" in text and "lit, adamw, batch 8: Paired by seed" in text
+    for png in ("map.png", "mechanism.png", "final.png", "curves.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    summary = json.loads((out / "study.json").read_text())
+    assert len(summary["price"]) == 4 and {e["regime"] for e in summary["final"]} == {"scratch", "lit"}
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(compare_study, "execute", no_training)
+    again = run_grid(base, grid)
+    assert again["best"] == result["best"] and again["final"] == result["final"]
+
+
+def test_map_tables_and_mechanism_by_hand():
+    def cell(regime, loss, batch, mean, sigma, diff=None):
+        return {"regime": regime, "loss": loss, "optim": "adamw", "batch_per_device": batch, "setting": (),
+                "n": 4, "mean_R@10": {"mean": mean, "std": 0.01, "lo": mean - 0.02, "hi": mean + 0.02},
+                "grad_ratio": {"mean": sigma}, "logit_scale": {"mean": 14.0},
+                "samples_per_s": {"mean": 100.0 * batch}, "peak_step_mem_mb": {"mean": 10.0 + batch},
+                "diff/mean_R@10": diff}
+    d = {"mean": 0.03, "std": 0.01, "lo": 0.01, "hi": 0.05, "resolved": True, "n": 4}
+    table = [cell("lit", "infonce", 8, 0.5, 0.002), cell("lit", "flatnce", 8, 0.53, 0.003, d),
+             cell("lit", "infonce", 128, 0.4, 0.9), cell("lit", "flatnce", 128, 0.4, 0.9, {**d, "mean": 0.0,
+                                                                                           "lo": -0.01, "resolved": False})]
+    text = maps.map_markdown(table, "mean_R@10")
+    assert "| 8 | flatnce | adamw | () | 4 | 53.0 ± 1.0 [51.0, 55.0] | +3.0 [+1.0, +5.0] ✓ | 0.003 | 14.0 |" in text
+    points = maps.mechanism_points(table, "mean_R@10")
+    assert [(p["batch_per_device"], p["sigma_v"]) for p in points] == [(8, 0.002), (128, 0.9)]
+    price = [{"status": "ok", "arm": ("lit", "infonce", "adamw", 8), "accum": 16, "samples_per_s": 300.0,
+              "peak_step_mem_mb": 11.0}]
+    cost = maps.cost_markdown(table, price, "mean_R@10", {})
+    assert "| 128 = 8 × 16 accumulated | infonce | 300 | 11.0 | 40.0 ± 1.0 [38.0, 42.0] (= batch 128) |" in cost
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ({"regimes": {"Bad Name": {}}}, "lowercase"),
+    ({"regimes": {"lit": {"loss.name": "flatnce"}}}, "set by the grid"),
+    ({"regimes": {"lit": {"sweep": {"adam": {"optim.lr": [1]}}}}}, "not an optimizer"),
+    ({"accum_price": {"batch_per_device": 4, "accum_steps": 3, "samples": 64}}, "must be one of grid.batch_per_device"),
+    ({"accum_price": {"batch_per_device": 4, "accum_steps": 2}}, "must give batch_per_device"),
+    ({"workers": 0}, "grid.workers"),
+])
+def test_map_config_refusals(raw, needle):
+    with pytest.raises(ConfigError, match=needle):
+        parse_grid({"losses": ["infonce"], "batch_per_device": [4, 8], "seeds": [0], "sweep": {"optim.lr": [1e-3]},
+                    **raw})
+
+
+def test_regimes_need_a_study():
+    with pytest.raises(ConfigError, match="needs a tuned study"):
+        parse_grid({"losses": ["infonce"], "batch_per_device": [4], "seeds": [0], "regimes": {"a": {}}})
+
+
+def test_price_runs_use_the_big_arms_setting(tmp_path, timm_json, bert_dir):
+    grid = _grid(tmp_path / "m", timm_json, bert_dir)
+    best = {("scratch", "infonce", "adamw", 8): (("optim.lr", 3e-3),), ("lit", "flatnce", "adamw", 8): (("optim.lr", 1e-2),)}
+    runs = price_runs(grid, best)
+    assert [r.name for r in runs] == ["scratch_infonce_adamw_b4x2_lr0.003_s0", "lit_flatnce_adamw_b4x2_lr0.01_s0"]
+    assert dict(runs[0].overrides)["train.accum_steps"] == 2 and dict(runs[0].overrides)["train.samples"] == 16
