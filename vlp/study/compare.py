@@ -278,7 +278,7 @@ def _parse_price(raw: Any, spec: GridSpec, study: bool) -> dict[str, Any]:
                           f"{spec.batch_per_device} (accum_steps >= 2): its accuracy is that arm's")
     if raw["samples"] < b * k:
         raise ConfigError(f"config: grid.accum_price.samples={raw['samples']} is less than one step of {b * k}")
-    seeds = _int_list(raw, "seeds", 0) if raw.get("seeds") is not None else [0]
+    seeds = _int_list({"accum_price.seeds": raw["seeds"]}, "accum_price.seeds", 0) if raw.get("seeds") is not None else [0]
     return {"batch_per_device": b, "accum_steps": k, "samples": raw["samples"], "seeds": seeds}
 
 

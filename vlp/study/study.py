@@ -20,6 +20,7 @@ on 'test' (= the demo's held-out 'eval' names; data_pipelines/sources/openmoji.p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import json
@@ -579,23 +580,42 @@ def warm_caches(bases: dict, grid, acc) -> None:
     any run: the training shards' and the val / test sets' stem outputs. Runs (and worker
     processes, from the cache folder) then only read them."""
     from vlp.config import from_dict
+
+    for regime, (tree, specs) in bases.items():
+        cfg = from_dict(copy.deepcopy(tree)).validate()
+        if cfg.data.feature_cache:
+            with threads(grid.workers if acc.num_processes == 1 else torch.get_num_threads()):
+                _warm(cfg, specs, acc)
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """torch's intra-op threads set to ``n`` inside (the cores the study's workers will use are
+    idle while the caches are built), then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(before, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _warm(cfg, specs: dict, acc) -> None:
+    """One regime's caches: its training shards' stem outputs (every rank) and its val and test
+    sets' (main process)."""
     from vlp.models.model import build_model
     from vlp.train.data import TrainData
     from vlp.train.feature_cache import retrieval_features, training_features
 
-    for regime, (tree, specs) in bases.items():
-        cfg = from_dict(copy.deepcopy(tree)).validate()
-        if not cfg.data.feature_cache:
-            continue
-        model, tokenizer, train_t, eval_t = build_model(cfg.model, cfg.loss)
-        transform = eval_t if cfg.data.train_transform == "eval" else train_t
-        plan = TrainData(cfg, transform, tokenizer, acc.process_index, acc.num_processes).loader.plan
-        training_features(cfg, model, transform, tokenizer, plan, acc.device)  # collective: every rank
-        if acc.is_main_process:
-            folder = None if cfg.data.feature_cache == "memory" else cfg.data.feature_cache
-            for split in SPLITS:
-                retrieval_features(model, tokenizer, eval_t, specs[split], acc.device, cfg.eval.batch_size, folder)
-        acc.wait_for_everyone()
+    model, tokenizer, train_t, eval_t = build_model(cfg.model, cfg.loss)
+    transform = eval_t if cfg.data.train_transform == "eval" else train_t
+    plan = TrainData(cfg, transform, tokenizer, acc.process_index, acc.num_processes).loader.plan
+    training_features(cfg, model, transform, tokenizer, plan, acc.device)  # collective: every rank
+    if acc.is_main_process:
+        folder = None if cfg.data.feature_cache == "memory" else cfg.data.feature_cache
+        for split in SPLITS:
+            retrieval_features(model, tokenizer, eval_t, specs[split], acc.device, cfg.eval.batch_size, folder)
+    acc.wait_for_everyone()
 
 
 def _run(job) -> dict:
