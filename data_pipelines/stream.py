@@ -524,8 +524,9 @@ class _Stream:
                 continue
             # Augmentation randomness is a pure function of (seed, epoch, rank, batch index):
             # independent of num_workers and exact after a resume that skipped batches.
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(_rng(p.seed, self.epoch, p.rank, j, "augment").getrandbits(63))
+            with torch.random.fork_rng(devices=[]):  # the CPU generator only (torch.manual_seed would
+                # also queue CUDA seeding, formatting a traceback each batch): the same CPU draws
+                torch.default_generator.manual_seed(_rng(p.seed, self.epoch, p.rank, j, "augment").getrandbits(63))
                 decoded = self.decode_all(chunk, samples)
             yield self.collate(j, decoded)
         if self.pad:

@@ -179,16 +179,20 @@ def test_loss_overrides_and_grid_validation(tmp_path):
         run_config(base, typo, expand_grid(typo)[0])
 
 
-@pytest.mark.parametrize("name,runs,model", [("compare_small_batch.yaml", 24, "vlp-micro"),
-                                             ("compare_gpu_vitb32.yaml", 54, "ViT-B-32")])
+@pytest.mark.parametrize("name,runs,model", [("compare_small_batch.yaml", 72, "vlp-micro"),
+                                             ("compare_gpu_vitb32.yaml", 72, "ViT-B-32"),
+                                             ("compare_b8_lars.yaml", 24, "vlp-micro")])
 def test_shipped_configs_load(name, runs, model):
-    """Both shipped configs are the tuned study (vlp/study/study.py): 3 losses x 2 optimizers."""
+    """The shipped configs are tuned studies (vlp/study/study.py): the map (4 losses x 3 batches x
+    from scratch / LiT, AdamW) on CPU and GPU, and the batch-8 AdamW / LARS study."""
     from vlp.study.study import sweep_runs
 
     base, grid = load_compare_config(REPO / "configs" / name)
-    assert len(sweep_runs(grid)) == runs and len(grid.final_seeds) >= 3
-    assert set(grid.losses) == {"infonce", "flatnce", "sogclr"} and grid.optimizers == ["adamw", "lars"]
+    assert len(sweep_runs(grid)) == runs
+    assert len(grid.final_seeds) >= (3 if name == "compare_b8_lars.yaml" else 4)
     for run in sweep_runs(grid):
+        if run.regime == "lit":  # its towers are built from PyPI packages; the config is what is checked here
+            continue
         cfg = run_config(base, grid, run)
         assert cfg.model.name == model and cfg.optim.name == run.optim
     base, grid = load_compare_config(REPO / "configs" / name, ["grid.seeds=[5]", "train.samples=4096"])

@@ -6,23 +6,13 @@ import json
 
 import pytest
 
+from test_compare_study import study_shards  # noqa: F401  (fixture: tiny fit / val / test shards)
 from test_feature_cache import bert_dir, timm_json  # noqa: F401  (fixtures: a tiny LiT model)
 from vlp.config import ConfigError
 from vlp.study import maps
 from vlp.study import study as compare_study
 from vlp.study.compare import parse_grid, run_grid
 from vlp.study.study import price_runs, sweep_runs
-
-
-@pytest.fixture(scope="module")
-def map_shards(tmp_path_factory):
-    from data_pipelines.sources.openmoji import load_pairs
-    from data_pipelines.write import write_shards
-
-    root = tmp_path_factory.mktemp("map_shards")
-    return {split: write_shards(load_pairs(split, image_size=32)[:n], root / split, prefix=split,
-                                samples_per_shard=64).spec
-            for split, n in (("fit", 64), ("val", 24), ("test", 24))}
 
 
 def _grid(out, timm_json, bert_dir, **extra):
@@ -37,12 +27,12 @@ def _grid(out, timm_json, bert_dir, **extra):
         "accum_price": {"batch_per_device": 4, "accum_steps": 2, "samples": 16}, **extra})
 
 
-def test_tiny_map_two_regimes_workers_report_and_rerun(map_shards, tmp_path, timm_json, bert_dir, monkeypatch):
+def test_tiny_map_two_regimes_workers_report_and_rerun(study_shards, tmp_path, timm_json, bert_dir, monkeypatch):
     out = tmp_path / "map"
     base = {"model": {"name": "vlp-micro"},
-            "data": {"train_shards": map_shards["fit"], "eval_shards": map_shards["val"], "shuffle_buffer": 16},
+            "data": {"train_shards": study_shards["fit"], "eval_shards": study_shards["val"], "shuffle_buffer": 16},
             "train": {"samples": 32}, "eval": {"batch_size": 24}}
-    grid = _grid(out, timm_json, bert_dir, test_shards=map_shards["test"])
+    grid = _grid(out, timm_json, bert_dir, test_shards=study_shards["test"])
     assert len(sweep_runs(grid)) == 2 * 2 * 2 + 2 * 2 * 1  # scratch: 2 lrs; lit: its own 1-lr sweep
     result = run_grid(base, grid)
     rows = result["sweep"] + result["final"] + result["price"]

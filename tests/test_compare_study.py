@@ -123,12 +123,14 @@ def test_tiny_study_end_to_end_picks_val_best_then_rerun_skips(study_shards, tmp
 def test_shipped_config_quick_and_gpu_are_the_same_study():
     base, grid = load_compare_config(REPO / "configs/compare_small_batch.yaml", quick=True)
     assert grid.sweep and grid.optimizers and len(grid.final_seeds) >= 2
-    runs = sweep_runs(grid)
-    assert len(runs) <= 12 and base["train"]["samples"] <= 4096
+    assert len(sweep_runs(grid)) <= 32 and base["train"]["samples"] <= 4096
     full_base, full = load_compare_config(REPO / "configs/compare_small_batch.yaml")
     gpu_base, gpu = load_compare_config(REPO / "configs/compare_gpu_vitb32.yaml")
-    assert full.losses == gpu.losses and full.optimizers == gpu.optimizers
+    assert set(full.losses) == set(gpu.losses) == {"infonce", "flatnce", "sogclr", "siglip"}
+    assert full.optimizers == gpu.optimizers == ["adamw"] and full.batch_per_device == gpu.batch_per_device == [8, 32, 128]
+    assert set(full.regimes) == set(gpu.regimes) == {"scratch", "lit"} and full.accum_price["accum_steps"] == 16
     assert set(full.sweep) == set(gpu.sweep) and full.select_metric == gpu.select_metric
+    assert len(full.final_seeds) >= 4 and len(gpu.final_seeds) >= 4
     with pytest.raises(ConfigError, match="quick"):
         load_compare_config(REPO / "configs/demo.yaml", quick=True)
     assert isinstance(StudyRun("infonce", "adamw", 8, (), 0).name, str)
@@ -145,13 +147,14 @@ def test_cli_quick_on_openmoji_tiny(tmp_path):
     proc = subprocess.run(
         [PYTHON, "-m", "vlp", "compare", "-c", str(REPO / "configs/compare_small_batch.yaml"), "--quick",
          f"grid.out_dir={out}", "train.samples=16", "grid.losses=[infonce,sogclr]", "grid.optimizers=[adamw]",
-         "grid.final_seeds=[0]", "grid.sweep={optim.lr: [0.001]}", "grid.warmup_samples=8"],
+         "grid.final_seeds=[0]", "grid.sweep={optim.lr: [0.001]}", "grid.warmup_samples=8",
+         "grid.batch_per_device=[8]", "grid.regimes={scratch: {}}", "grid.accum_price=null", "grid.workers=1"],
         cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = (out / "study.md").read_text()
-    assert "infonce/adamw/b8" in text and "sogclr/adamw/b8" in text
+    assert "scratch/infonce/adamw/b8" in text and "scratch/sogclr/adamw/b8" in text
     assert (tmp_path / ".cache" / "shards" / "openmoji_study" / "test" / "sizes.json").is_file()
-    items = json.loads((out / "sogclr_adamw_b8_lr0.001_s0" / "eval_items.json").read_text())
+    items = json.loads((out / "scratch_sogclr_adamw_b8_lr0.001_s0" / "eval_items.json").read_text())
     assert len(items["test"]["image_to_text"]) == 208 and len(items["val"]["image_to_text"]) == 195
 
 

@@ -29,7 +29,8 @@ def test_the_old_lists_are_views_of_the_table():
     from vlp.study import compare
 
     assert set(compare.HARMLESS_KEYS) == {"train.resume", "train.output_dir", "train.checkpoint_every",
-                                          "train.keep_last", "train.log_every", "eval.batch_size", "train.break_lock"}
+                                          "train.keep_last", "train.log_every", "eval.batch_size", "train.break_lock",
+                                          "train.save_final"}
     assert {"model.name", "model.hf_text_dir", "model.lock_image", "model.lock_image_unlocked_groups",
             "model.lock_text", "model.lock_text_unlocked_layers", "loss.name",
             "loss.temperature"} <= set(resume.STATE_KEYS)

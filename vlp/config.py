@@ -186,6 +186,9 @@ class TrainConfig:
     """Steps between checkpoints (0: only at the end)."""
     keep_last: int = 2
     """Number of step checkpoints to keep (0: keep all)."""
+    save_final: bool = True
+    """Write the final checkpoint and open_clip_model.pt at the end (false: neither, e.g. a study
+    run whose trained model is ranked in memory; an interrupted run then restarts)."""
     output_dir: str = "runs/default"
     """Where logs, checkpoints and eval results go."""
     resume: Optional[str] = None
@@ -429,6 +432,7 @@ RULES: dict[str, Rule] = {
     "train.eval_every": COUNT,
     "train.checkpoint_every": COUNT,
     "train.keep_last": COUNT,
+    "train.save_final": ANY,
     "train.output_dir": TEXT,
     "train.resume": Rule("'latest' or an existing checkpoint (step_N.pt file or step_N/ DCP folder)",
                          lambda v: v == "latest" or Path(v).is_file() or Path(v, ".metadata").is_file(),

@@ -78,6 +78,9 @@ class GridSpec:
     """If set, train.log_every = max(1, log_every_samples // global batch) (aligned curves)."""
     keep_checkpoints: bool = True
     """False: delete a run's checkpoints/ once it succeeded (open_clip_model.pt is kept)."""
+    keep_models: bool = True
+    """Study: False: runs write no final checkpoint and no open_clip_model.pt (train.save_final);
+    the study ranks each trained model in memory, and its eval_items.json and log are kept."""
     retries: int = 1
     """Extra attempts for a run that raises, before it is recorded as failed."""
     metric: str = "mean_R@1"
@@ -157,7 +160,8 @@ def parse_grid(raw: Any) -> GridSpec:
         seeds=_int_list(raw, "seeds", 0),
         loss_overrides=flat,
         **{k: raw[k] for k in ("out_dir", "warmup_samples", "log_every_samples", "keep_checkpoints",
-                               "retries", "metric", "select_metric", "test_shards", "workers") if k in raw},
+                               "retries", "metric", "select_metric", "test_shards", "workers", "keep_models")
+           if k in raw},
     )
     _parse_study(raw, spec)
     if not isinstance(spec.out_dir, str) or not spec.out_dir:
@@ -171,8 +175,9 @@ def parse_grid(raw: Any) -> GridSpec:
         value = getattr(spec, key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise ConfigError(f"config: grid.{key} must be an integer >= 0, got {value!r}")
-    if not isinstance(spec.keep_checkpoints, bool):
-        raise ConfigError(f"config: grid.keep_checkpoints must be true or false, got {spec.keep_checkpoints!r}")
+    for key in ("keep_checkpoints", "keep_models"):
+        if not isinstance(getattr(spec, key), bool):
+            raise ConfigError(f"config: grid.{key} must be true or false, got {getattr(spec, key)!r}")
     if spec.metric not in EVAL_KEYS:
         raise ConfigError(f"config: grid.metric must be one of {list(EVAL_KEYS)}, got {spec.metric!r}")
     return spec

@@ -57,6 +57,8 @@ def run_config(base: dict, grid, run, world: int = 1) -> Config:
         cfg.optim.warmup_steps = grid.warmup_samples // global_batch
     if grid.log_every_samples is not None:
         cfg.train.log_every = max(1, grid.log_every_samples // global_batch)
+    if not getattr(grid, "keep_models", True):  # a study ranking the model in memory keeps no weights
+        cfg.train.save_final = False
     return cfg.validate()
 
 

@@ -507,14 +507,16 @@ def write_study_report(out: Path, sweep_rows: list[dict], final_rows: list[dict]
 
 # ---------------------------------------------------------------------------- the loop
 def resolve_study_data(base: dict, acc, cache: Path) -> tuple[dict, dict[str, str]]:
-    """data.train_shards 'openmoji'/'openmoji:<px>'/'': fit/val/test OpenMoji shards. Otherwise
+    """data.train_shards 'openmoji'/'openmoji:<px>'/'': fit/val/test OpenMoji shards (val: data.eval_shards
+    when given; test: grid.test_shards when given, see regime_bases). Otherwise
     data.train_shards is trained on and data.eval_shards (val) and grid.test_shards must be given.
     data.eval_shards is then cleared: the study ranks val and test itself (eval_items.json)."""
     specs = embedded_shards(base, acc, ("fit", "val", "test"), cache)
     data = base["data"]
-    if specs is not None:
+    if specs is not None:  # a data.eval_shards given with the embedded data is the val set
+        val = data.get("eval_shards") or specs["val"]
         data["train_shards"], data["eval_shards"] = specs["fit"], None
-        return base, {"val": specs["val"], "test": specs["test"]}
+        return base, {"val": val, "test": specs["test"]}
     val, data["eval_shards"] = data.get("eval_shards"), None
     return base, {"val": val, "test": None}
 
@@ -556,8 +558,8 @@ def run_study(base: dict, grid, acc, report_only: bool = False) -> dict:
         todo = [r for r, d in zip(runs, done) if not d]
         acc.print(f"[compare] {len(runs)} runs ({len(runs) - len(todo)} already done) -> {out}")
         if todo and not report_only:
-            jobs = [(r, cfgs[r.name], bases[r.regime][1] if ranked else None) for r in todo]
-            execute(jobs, grid, acc)
+            execute([Job(r, cfgs[r.name], bases[r.regime][1] if ranked else None, grid.retries, grid.keep_checkpoints)
+                     for r in todo], grid, acc)
         return [row for r in runs if (row := study_row(r, out / r.name, metric_keys, items=ranked)) is not None]
 
     if acc.is_main_process:
@@ -618,50 +620,54 @@ def _warm(cfg, specs: dict, acc) -> None:
     acc.wait_for_everyone()
 
 
-def _run(job) -> dict:
-    """One study run in this process (a worker's task): train, then rank val and test."""
-    run, cfg, specs = job
-    accelerator = _worker_accelerator()
+@dataclass(frozen=True)
+class Job:
+    """One run to execute: its config, the val / test specs it is ranked on (None: a price run,
+    trained only), and the grid's retry and checkpoint policy. Picklable (worker processes)."""
+
+    run: StudyRun
+    cfg: Any
+    specs: Optional[dict]
+    retries: int = 1
+    keep_checkpoints: bool = True
+
+
+def run_job(job: Job, accelerator=None) -> dict:
+    """Train (and rank) one run in this process; its compare.json record. A worker process uses
+    one Accelerator of its own for all its runs."""
+    accelerator = accelerator or _process_accelerator()
+    specs = job.specs
     train = (lambda c, a: train_and_rank(c, a, specs)) if specs is not None else _train_only
-    return run_one(run, cfg, accelerator, train, _GRID_RETRIES[0], _GRID_KEEP[0])
+    return run_one(job.run, job.cfg, accelerator, train, job.retries, job.keep_checkpoints)
 
 
-_ACC: list = []
-_GRID_RETRIES, _GRID_KEEP = [1], [True]
+_ACCELERATOR: list = []  # a worker process's Accelerator, made by its first run
 
 
-def _worker_accelerator():
-    if not _ACC:
+def _process_accelerator():
+    if not _ACCELERATOR:
         from accelerate import Accelerator
 
-        _ACC.append(Accelerator())
-    return _ACC[0]
+        _ACCELERATOR.append(Accelerator())
+    return _ACCELERATOR[0]
 
 
-def _worker_init(retries: int, keep: bool) -> None:
-    _GRID_RETRIES[0], _GRID_KEEP[0] = retries, keep
-
-
-def execute(jobs: list, grid, acc) -> None:
-    """Run ``jobs`` (run, cfg, rank specs or None): in this process (every rank, in order), or
-    with grid.workers > 1 on one process, in that many spawned worker processes (independent
-    runs: the results are the same; only their timing shares the cores)."""
+def execute(jobs: list[Job], grid, acc) -> None:
+    """Run ``jobs``: in this process (every rank, in order), or with grid.workers > 1 on one
+    process, in that many spawned worker processes (independent runs: the results are the same;
+    only their timing shares the cores)."""
     workers = min(grid.workers, len(jobs))
     if workers <= 1 or acc.num_processes > 1:
-        _ACC[:] = [acc]
-        _worker_init(grid.retries, grid.keep_checkpoints)
         for i, job in enumerate(jobs):
-            acc.print(f"[compare] run {i + 1}/{len(jobs)}: {job[0].name}")
-            rec = _run(job)
-            acc.print(f"[compare] {job[0].name}: {rec['status']} in {rec['wall_time_s']:.0f} s")
+            acc.print(f"[compare] run {i + 1}/{len(jobs)}: {job.run.name}")
+            rec = run_job(job, acc)
+            acc.print(f"[compare] {job.run.name}: {rec['status']} in {rec['wall_time_s']:.0f} s")
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_init,
-                             initargs=(grid.retries, grid.keep_checkpoints)) as pool:
-        futures = {pool.submit(_run, job): job[0].name for job in jobs}
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(run_job, job): job.run.name for job in jobs}
         for i, future in enumerate(as_completed(futures)):
             rec = future.result()
             print(f"[compare] {i + 1}/{len(jobs)} {futures[future]}: {rec['status']} in {rec['wall_time_s']:.0f} s",

@@ -319,7 +319,8 @@ class Trainer:
         t_start = time.time()
         self.run_steps()
         train_time = time.time() - t_start
-        self.save_checkpoint()
+        if cfg.train.save_final:
+            self.save_checkpoint()
         return self.finish(train_time)
 
     def run_steps(self) -> None:
@@ -369,12 +370,13 @@ class Trainer:
 
     def finish(self, train_time: float) -> dict:
         """The export, the final evaluation and result.json."""
-        final = self.eval_model()  # collective under FSDP (full_state_dict gather)
-        if is_main():
-            from vlp.models.model import export_open_clip
+        if self.cfg.train.save_final:
+            final = self.eval_model()  # collective under FSDP (full_state_dict gather)
+            if is_main():
+                from vlp.models.model import export_open_clip
 
-            with self.folder.file("open_clip_model.pt", sidecar=True) as path:
-                export_open_clip(final, path)
+                with self.folder.file("open_clip_model.pt", sidecar=True) as path:
+                    export_open_clip(final, path)
         last_eval = self.evaluate()
         result = {"step": self.step, "samples_seen": self.samples_seen, "train_time_s": train_time,
                   "global_batch": self.global_batch, "nonfinite_steps": self.nonfinite_total,

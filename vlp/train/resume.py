@@ -118,6 +118,7 @@ RESUME_RULES: dict[str, KeyRule] = {
     "train.eval_every": _SAME,
     "train.checkpoint_every": _HARMLESS,
     "train.keep_last": _HARMLESS,
+    "train.save_final": _HARMLESS,
     "train.output_dir": KeyRule(APPLY, results=False, quiet=True),
     "train.resume": KeyRule(APPLY, results=False, quiet=True),
     "train.resume_mode": _SAME,
