@@ -88,11 +88,19 @@ def test_map_tables_and_mechanism_by_hand():
     ({"accum_price": {"batch_per_device": 4, "accum_steps": 3, "samples": 64}}, "must be one of grid.batch_per_device"),
     ({"accum_price": {"batch_per_device": 4, "accum_steps": 2}}, "must give batch_per_device"),
     ({"workers": 0}, "grid.workers"),
+    ({"regimes": {"lit": None}}, "or be false to leave it out"),
+    ({"regimes": {"lit": False}}, "leaves every regime out"),
 ])
 def test_map_config_refusals(raw, needle):
     with pytest.raises(ConfigError, match=needle):
         parse_grid({"losses": ["infonce"], "batch_per_device": [4, 8], "seeds": [0], "sweep": {"optim.lr": [1e-3]},
                     **raw})
+
+
+def test_a_regime_set_to_false_is_left_out():
+    grid = parse_grid({"losses": ["infonce"], "batch_per_device": [4], "seeds": [0], "sweep": {"optim.lr": [1e-3]},
+                       "optimizers": ["adamw"], "regimes": {"scratch": False, "lit": {"model.lock_image": True}}})
+    assert list(grid.regimes) == ["lit"] and {r.regime for r in sweep_runs(grid)} == {"lit"}
 
 
 def test_regimes_need_a_study():

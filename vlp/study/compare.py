@@ -99,7 +99,8 @@ class GridSpec:
     regimes: dict[str, dict] = field(default_factory=dict)
     """Study: named regimes, an axis of the arms: {name: {dotted key: value, ..., sweep: {...}?}}
     (e.g. scratch: {} and lit: {model.name: vlp-lit-lite0, model.lock_image: true, ...}); a
-    regime's own `sweep` replaces grid.sweep for it. Parsed to {name: {"set": {...}, "sweep": ...}}."""
+    regime's own `sweep` replaces grid.sweep for it; a regime set to false is left out
+    (grid.regimes.scratch=false). Parsed to {name: {"set": {...}, "sweep": ...}}."""
     accum_price: dict[str, Any] = field(default_factory=dict)
     """Study: {batch_per_device: b, accum_steps: k, samples: n}: per regime × loss, a timed run
     of the b·k contrastive batch as k micro-batches of b (b·k must be a grid batch; its gradient
@@ -241,9 +242,12 @@ def _parse_regimes(raw: Any, study: bool) -> dict[str, dict]:
     for name, table in raw.items():
         if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9][a-z0-9-]*", name):
             raise ConfigError(f"config: grid.regimes: name {name!r} must be lowercase letters, digits and '-'")
-        table = dict(table or {})
+        if table is False:  # grid.regimes.scratch=false: this regime is left out of the study
+            continue
         if not isinstance(table, dict):
-            raise ConfigError(f"config: grid.regimes.{name} must map dotted keys to values, got {table!r}")
+            raise ConfigError(f"config: grid.regimes.{name} must map dotted keys to values ({{}}: none), or be "
+                              f"false to leave it out, got {table!r}")
+        table = dict(table)
         sweep = table.pop("sweep", None)
         sets = _flatten(table)
         for key in sets:
@@ -261,6 +265,8 @@ def _parse_regimes(raw: Any, study: bool) -> dict[str, dict]:
             else:
                 _check_sweep_map(sweep, where)
         out[name] = {"set": sets, "sweep": sweep}
+    if not out:
+        raise ConfigError("config: grid.regimes leaves every regime out")
     return out
 
 

@@ -652,6 +652,20 @@ def _process_accelerator():
     return _ACCELERATOR[0]
 
 
+def _die_with_parent() -> None:
+    """A worker ends when the `vlp compare` process does (Linux: PR_SET_PDEATHSIG), so a killed
+    study leaves no runs going on in the background."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
 def execute(jobs: list[Job], grid, acc) -> None:
     """Run ``jobs``: in this process (every rank, in order), or with grid.workers > 1 on one
     process, in that many spawned worker processes (independent runs: the results are the same;
@@ -666,8 +680,10 @@ def execute(jobs: list[Job], grid, acc) -> None:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(run_job, job): job.run.name for job in jobs}
+    longest_first = sorted(jobs, key=lambda j: -j.cfg.train.samples // (j.run.batch_per_device * j.run.accum))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_die_with_parent) as pool:  # most steps first: no long run left last
+        futures = {pool.submit(run_job, job): job.run.name for job in longest_first}
         for i, future in enumerate(as_completed(futures)):
             rec = future.result()
             print(f"[compare] {i + 1}/{len(jobs)} {futures[future]}: {rec['status']} in {rec['wall_time_s']:.0f} s",
