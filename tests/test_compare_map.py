@@ -55,7 +55,7 @@ def test_tiny_map_two_regimes_workers_report_and_rerun(study_shards, tmp_path, t
     def no_training(*args, **kwargs):
         raise AssertionError("a finished run was trained again")
 
-    monkeypatch.setattr(compare_study, "execute", no_training)
+    monkeypatch.setattr(compare_study, "run_job", no_training)
     again = run_grid(base, grid)
     assert again["best"] == result["best"] and again["final"] == result["final"]
 

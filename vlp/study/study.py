@@ -558,18 +558,19 @@ def run_study(base: dict, grid, acc, report_only: bool = False) -> dict:
         todo = [r for r, d in zip(runs, done) if not d]
         acc.print(f"[compare] {len(runs)} runs ({len(runs) - len(todo)} already done) -> {out}")
         if todo and not report_only:
-            execute([Job(r, cfgs[r.name], bases[r.regime][1] if ranked else None, grid.retries, grid.keep_checkpoints)
-                     for r in todo], grid, acc)
+            executor.run([Job(r, cfgs[r.name], bases[r.regime][1] if ranked else None, grid.retries,
+                              grid.keep_checkpoints) for r in todo])
         return [row for r in runs if (row := study_row(r, out / r.name, metric_keys, items=ranked)) is not None]
 
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
     if not report_only:
         warm_caches(bases, grid, acc)
-    sweep = walk(sweep_runs(grid))
-    best = broadcast(select_best(sweep, grid.select_metric) if acc.is_main_process else None, acc)
-    finals = walk(final_runs(grid, best))
-    prices = walk(price_runs(grid, best), ranked=False)
+    with Executor(grid, acc) as executor:
+        sweep = walk(sweep_runs(grid))
+        best = broadcast(select_best(sweep, grid.select_metric) if acc.is_main_process else None, acc)
+        finals = walk(final_runs(grid, best))
+        prices = walk(price_runs(grid, best), ranked=False)
     text = ""
     if acc.is_main_process:
         text = write_study_report(out, sweep, finals, best, grid, prices)
@@ -666,28 +667,47 @@ def _die_with_parent() -> None:
             pass
 
 
-def execute(jobs: list[Job], grid, acc) -> None:
-    """Run ``jobs``: in this process (every rank, in order), or with grid.workers > 1 on one
-    process, in that many spawned worker processes (independent runs: the results are the same;
-    only their timing shares the cores)."""
-    workers = min(grid.workers, len(jobs))
-    if workers <= 1 or acc.num_processes > 1:
-        for i, job in enumerate(jobs):
-            acc.print(f"[compare] run {i + 1}/{len(jobs)}: {job.run.name}")
-            rec = run_job(job, acc)
-            acc.print(f"[compare] {job.run.name}: {rec['status']} in {rec['wall_time_s']:.0f} s")
-        return
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+class Executor:
+    """Runs a study's jobs: in this process (every rank, in order), or with grid.workers > 1 on
+    one process, in that many spawned worker processes kept for the whole study (independent
+    runs: the results are the same; only their timing shares the cores)."""
 
-    longest_first = sorted(jobs, key=lambda j: -j.cfg.train.samples // (j.run.batch_per_device * j.run.accum))
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_die_with_parent) as pool:  # most steps first: no long run left last
-        futures = {pool.submit(run_job, job): job.run.name for job in longest_first}
+    def __init__(self, grid, acc):
+        self.grid, self.acc, self.pool = grid, acc, None
+
+    def __enter__(self) -> "Executor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+    def run(self, jobs: list[Job]) -> None:
+        acc = self.acc
+        if self.grid.workers <= 1 or acc.num_processes > 1:
+            for i, job in enumerate(jobs):
+                acc.print(f"[compare] run {i + 1}/{len(jobs)}: {job.run.name}")
+                rec = run_job(job, acc)
+                acc.print(f"[compare] {job.run.name}: {rec['status']} in {rec['wall_time_s']:.0f} s")
+            return
+        from concurrent.futures import as_completed
+
+        # most steps first, so that no long run is left going alone at the end
+        longest_first = sorted(jobs, key=lambda j: -j.cfg.train.samples // (j.run.batch_per_device * j.run.accum))
+        futures = {self._pool().submit(run_job, job): job.run.name for job in longest_first}
         for i, future in enumerate(as_completed(futures)):
             rec = future.result()
             print(f"[compare] {i + 1}/{len(jobs)} {futures[future]}: {rec['status']} in {rec['wall_time_s']:.0f} s",
                   flush=True)
+
+    def _pool(self):
+        if self.pool is None:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            self.pool = ProcessPoolExecutor(self.grid.workers, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=_die_with_parent)
+        return self.pool
 
 
 def _train_only(cfg, accelerator) -> dict:
