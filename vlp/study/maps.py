@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from vlp.study.stats import seed_summary
+from vlp.study.stats import seed_summary, signed
 
 REFERENCE_LOSS = "infonce"
 CHALLENGER = "flatnce"
@@ -31,8 +31,8 @@ def _pct(s: Optional[dict]) -> str:
 def _diff(d: Optional[dict]) -> str:
     if d is None:
         return "—"
-    ci = "" if d.get("lo") is None else f" [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]"
-    return f"{100 * d['mean']:+.1f}{ci}" + (" ✓" if d.get("resolved") else "")
+    ci = "" if d.get("lo") is None else f" [{signed(d['lo'])}, {signed(d['hi'])}]"
+    return f"{signed(d['mean'])}{ci}" + (" ✓" if d.get("resolved") else "")
 
 
 def _mean(s: Optional[dict], fmt: str = "{:.3g}") -> str:

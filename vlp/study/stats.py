@@ -70,8 +70,14 @@ def bootstrap_ci(items: Sequence[float], stat: Callable[[list], float] = statist
     return lo, hi
 
 
-def _pp(x: float, scale: float) -> str:
-    return f"{x * scale:+.1f}"
+def signed(x: float, scale: float = 100.0) -> str:
+    """x·scale with a sign and 1 decimal; 2 decimals when 1 would print a non-zero value as
+    ±0.0 (a CI bound just off 0 must not read as 0)."""
+    value = x * scale
+    return f"{value:+.2f}" if value != 0 and abs(value) < 0.05 else f"{value:+.1f}"
+
+
+_pp = signed
 
 
 def verdict(differences: dict[str, Optional[dict]], reference: str, metric: str, scale: float = 100.0,

@@ -32,7 +32,7 @@ import torch
 
 from eval import keys
 from vlp.study.runs import broadcast, embedded_shards, plan_runs, run_config, run_one
-from vlp.study.stats import bootstrap_ci, paired_difference, seed_summary, verdict
+from vlp.study.stats import bootstrap_ci, paired_difference, seed_summary, signed, verdict
 
 REFERENCE_LOSS = "infonce"
 KS = (1, 5, 10)
@@ -359,8 +359,8 @@ def final_markdown(table: list[dict], metrics: tuple[str, ...]) -> str:
             d = e.get(f"diff/{m}")
             cells += [_pct(e.get(m)), "—" if boot is None else f"[{100 * boot[0]:.1f}, {100 * boot[1]:.1f}]",
                       "ref" if e["loss"] == REFERENCE_LOSS else
-                      ("—" if d is None else f"{100 * d['mean']:+.1f}" + ("" if d["lo"] is None else
-                       f" [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]") + (" ✓" if d["resolved"] else ""))]
+                      ("—" if d is None else signed(d["mean"]) + ("" if d["lo"] is None else
+                       f" [{signed(d['lo'])}, {signed(d['hi'])}]") + (" ✓" if d["resolved"] else ""))]
         cells += [_num(e.get("grad_ratio")), _num(e.get("logit_scale")), _num(e.get("infonce"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
