@@ -31,11 +31,11 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> Optional[int]:
     seen: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            try:
+            try:  # a DTensor (FSDP) has no plain storage; FSDP2's unsharded parameters, a freed one
                 storage = t.untyped_storage()
-            except (RuntimeError, NotImplementedError, TypeError):  # e.g. a DTensor (FSDP)
+                seen[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, NotImplementedError, TypeError):
                 return None
-            seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
 
