@@ -654,8 +654,9 @@ def _process_accelerator():
 
 
 def _die_with_parent() -> None:
-    """A worker ends when the `vlp compare` process does (Linux: PR_SET_PDEATHSIG), so a killed
-    study leaves no runs going on in the background."""
+    """Ask the kernel to end a worker when the process that made it ends (Linux PR_SET_PDEATHSIG).
+    It does in a plain pool; after a SIGKILL of `vlp compare` the workers were seen to stay (not
+    understood yet): end them by hand then. Ctrl-C reaches the whole process group."""
     import ctypes
     import signal
     import sys
