@@ -316,6 +316,12 @@ def transforms(pp: dict):
                              T.CenterCrop(cfg.size), T.ToTensor(), T.Normalize(cfg.mean, cfg.std)])
 
 
+def chosen_train_transform(data_cfg, train, eval_):
+    """The transform training uses: open_clip's random-crop train transform, or with
+    data.train_transform=eval the deterministic eval transform (what a feature cache needs)."""
+    return eval_ if data_cfg.train_transform == "eval" else train
+
+
 def _rgb(image):
     return image.convert("RGB")
 

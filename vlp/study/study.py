@@ -607,11 +607,12 @@ def _warm(cfg, specs: dict, acc) -> None:
     """One regime's caches: its training shards' stem outputs (every rank) and its val and test
     sets' (main process)."""
     from vlp.models.model import build_model
+    from vlp.models.towers import chosen_train_transform
     from vlp.train.data import TrainData
     from vlp.train.feature_cache import retrieval_features, training_features
 
     model, tokenizer, train_t, eval_t = build_model(cfg.model, cfg.loss)
-    transform = eval_t if cfg.data.train_transform == "eval" else train_t
+    transform = chosen_train_transform(cfg.data, train_t, eval_t)
     plan = TrainData(cfg, transform, tokenizer, acc.process_index, acc.num_processes).loader.plan
     training_features(cfg, model, transform, tokenizer, plan, acc.device)  # collective: every rank
     if acc.is_main_process:

@@ -33,6 +33,7 @@ from vlp.config import Config
 from vlp.distributed import (all_reduce, barrier, exit_with_launcher, gather_object, gather_with_grad, is_main,
                              positive_offset)
 from vlp.losses.registry import get_spec
+from vlp.models import towers
 from vlp.models.model import DualEncoder, build_model
 from vlp.models.temperature import temperature_policy
 from vlp.train import checkpoint as ckpt
@@ -78,7 +79,7 @@ class Trainer:
             raise ValueError(f"train.samples={cfg.train.samples} is smaller than one global batch "
                              f"({cfg.data.batch_per_device} per device x {self.world} processes x {self.accum} accum)")
         model, self.tokenizer, train_transform, self.eval_transform = build_model(cfg.model, cfg.loss)
-        self.train_transform = self.eval_transform if cfg.data.train_transform == "eval" else train_transform
+        self.train_transform = towers.chosen_train_transform(cfg.data, train_transform, self.eval_transform)
         self.data = self.data_class(cfg, self.train_transform, self.tokenizer, acc.process_index, self.world)
         if cfg.data.feature_cache:  # LiT: the locked stems' outputs once per sample, reused every epoch
             self.data.features = training_features(cfg, model, self.train_transform, self.tokenizer,
