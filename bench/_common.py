@@ -140,7 +140,7 @@ def _parallel_pairs(count: int, size: int, workers: int):
 def jpeg_shards(root: str | Path, count: int, per_shard: int, size: int = 512, workers: int = 1) -> str:
     """Write (once, cached under root) `count` synthetic JPEG pairs; return the shard spec.
     Chunks of 256 pairs have their own seed, so the data do not depend on `workers`."""
-    from data_pipelines.write import shard_spec, write_shards
+    from vlp.data.write import shard_spec, write_shards
 
     root = Path(root) / f"jpeg{size}_n{count}_s{per_shard}"
     if not (root / "sizes.json").is_file():

@@ -10,7 +10,7 @@ downscale), and smooth colour gradients + Gaussian noise (photo-like entropy) at
 scale 1: must be exact), 384x288, 512, 800x600, 1024x768 and 2560x1920 px (scales 1 to 8).
 
 Per image and trial, the same torch seed is set before each path:
-  plain  decode the whole JPEG, then the transform  (data_pipelines.decode.PlainDecoder)
+  plain  decode the whole JPEG, then the transform  (vlp.data.decode.PlainDecoder)
   fast   box from the header size, decode at DCT scale 1/s, resample the box (CropFirst)
   other  the plain path under a different seed (another crop of the same image): the size of
          the augmentation's own variation, the yardstick for the fast-vs-plain difference
@@ -49,7 +49,7 @@ def jpeg(image, quality: int = 90) -> bytes:
 
 def openmoji_jpegs(count: int, size: int = 512):
     """``count`` OpenMoji glyphs spread over the candidate list, rendered at ``size`` px."""
-    from data_pipelines.sources import openmoji
+    from vlp.data.sources import openmoji
 
     renderer = openmoji.Renderer(size)
     candidates = openmoji.candidate_emojis()
@@ -137,7 +137,7 @@ class Paths:
     def __init__(self, transform):
         import torch
 
-        from data_pipelines.decode import CropFirst, PlainDecoder
+        from vlp.data.decode import CropFirst, PlainDecoder
 
         self.transform = transform
         self.plain, self.fast = PlainDecoder(transform), CropFirst.of(transform)

@@ -140,8 +140,8 @@ def trainer_runs(args, endpoint: str) -> None:
     import fsspec
 
     from bench._common import paired_ratio, run, spread
-    from data_pipelines.sources.openmoji import load_pairs
-    from data_pipelines.write import write_shards
+    from vlp.data.sources.openmoji import load_pairs
+    from vlp.data.write import write_shards
 
     steps, every, rounds = args.steps or 60, args.every or 10, args.rounds or 3
     tmp = Path(tempfile.mkdtemp(prefix="vlp-bench-trainer-"))

@@ -53,7 +53,7 @@ def big_state(mb: int) -> dict:
 def measure(name: str, state: dict, folder: Path, rounds: int) -> None:
     import torch
 
-    from data_pipelines.tempfiles import atomic_write
+    from vlp.util import atomic_write
     from vlp.train import checkpoint as ckpt
     from vlp import integrity
 

@@ -9,8 +9,8 @@ RandomResizedCrop 224 + ToTensor + Normalize), same tokenizer (ViT-B-32's), batc
 DataLoader worker each, shuffled training mode with a 1000-sample shuffle buffer on both sides.
 
 Systems, alternated each round (A B C D, then rotated):
-  vlp           data_pipelines.stream.make_loader(mode="split", num_workers=1): the default path,
-                crop-first JPEG decode (data_pipelines/decode.py: the RandomResizedCrop box is
+  vlp           vlp.data.stream.make_loader(mode="split", num_workers=1): the default path,
+                crop-first JPEG decode (vlp/data/decode.py: the RandomResizedCrop box is
                 drawn from the header size, the JPEG decoded at the smallest DCT scale keeping
                 the box >= 224 px: 512 px sources decode at 256 px; same boxes as the plain path)
   vlp_full      the same loader on the plain path: the whole JPEG decoded, then the transform
@@ -95,7 +95,7 @@ def time_batches(iterable, skip: int, n: int, batch: int = BATCH) -> tuple[float
 
 
 def vlp_rate(spec, transform, tokenizer, skip, n, decode_size=None, buffer=1000, seed=0):
-    from data_pipelines.stream import make_loader
+    from vlp.data.stream import make_loader
 
     loader = make_loader(spec, batch_size=BATCH, transform=transform, tokenize=tokenizer, seed=seed,
                          num_workers=1, mode="split", shuffle_buffer=buffer, decode_size=decode_size)
@@ -158,7 +158,7 @@ def main(argv=None) -> None:
         "open_clip": keep("open_clip", lambda: open_clip_rate(
             spec, transform, tokenizer, args.skip, n, args.samples, buffer=args.buffer)),
     }
-    from data_pipelines.decode import image_decoder
+    from vlp.data.decode import image_decoder
 
     print(f"# decoders: vlp {type(image_decoder(transform)).__name__}, vlp_full "
           f"{type(image_decoder(Opaque(transform))).__name__}, vlp_draft224 "

@@ -38,11 +38,11 @@ def main(argv=None) -> None:
     import open_clip
     import torch
 
-    from data_pipelines.stream import make_loader
-    from eval.retrieval import embed_retrieval
-    from eval.zeroshot import build_classifier, load_templates
+    from vlp.data.stream import make_loader
+    from vlp.eval.retrieval import embed_retrieval
+    from vlp.eval.zeroshot import build_classifier, load_templates
     from vlp.config import LossConfig, ModelConfig
-    from data_pipelines.embedded import prepare_shards
+    from vlp.data.embedded import prepare_shards
     from vlp.models.model import DualEncoder, build_model
 
     torch.manual_seed(0)

@@ -6,7 +6,7 @@
 Model: configs/lit_openmoji.yaml's vlp-lit-lite0 (EfficientNet-Lite0 trunk at 128 px and
 all-MiniLM-L6-v2, both locked; only the projections and the temperature train), its towers
 made by scripts/prepare_lit.py from PyPI packages into a temp folder; the first --pairs OpenMoji
-training pairs at 128 px (data_pipelines.sources.openmoji) as shards. One process, CPU, 0
+training pairs at 128 px (vlp.data.sources.openmoji) as shards. One process, CPU, 0
 loader workers, batch 32, InfoNCE, data.train_transform=eval in both runs (the cache needs it),
 so both runs train on the same samples and give the same weights (tests/test_feature_cache.py).
 
@@ -33,8 +33,8 @@ def prepare(root: Path, pairs: int) -> tuple[Path, Path, str]:
     sys.path.insert(0, str(REPO / "scripts"))
     from prepare_lit import convert_efficientnet, extract_minilm
 
-    from data_pipelines.sources.openmoji import load_pairs
-    from data_pipelines.write import write_shards
+    from vlp.data.sources.openmoji import load_pairs
+    from vlp.data.write import write_shards
 
     (root / "towers").mkdir(parents=True)
     trunk, minilm = convert_efficientnet(root / "towers"), extract_minilm(root / "towers")

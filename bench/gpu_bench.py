@@ -16,7 +16,7 @@ Sections (each prints FIGURE lines; everything also goes to --out/gpu_bench.json
    forward + backward + loss matmuls) / step time / peak (H200 bf16 dense 989 TFLOP/s).
 2. real: synthetic 512 px JPEG shards written on the box (--real-samples, parallel), decoded
    by --workers loader workers per system:
-     vlp            Trainer.batches() (data_pipelines.stream, split mode) -> train_step
+     vlp            Trainer.batches() (vlp.data.stream, split mode) -> train_step
                     (default decode: crop-first, DCT scale from the crop box)
      vlp_draft224   the same with data.decode_size=224 (whole-image DCT downscale)
      open_clip      open_clip_train.data.get_wds_dataset (persistent workers) -> train_one_epoch

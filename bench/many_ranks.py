@@ -289,7 +289,7 @@ def train_case(nproc: int, mode: str, spec: str, root: Path, steps: int, every: 
 
 
 def part_train(args) -> list[dict]:
-    from data_pipelines.embedded import prepare_shards
+    from vlp.data.embedded import prepare_shards
 
     spec = prepare_shards(REPO / ".cache" / "shards" / "openmoji")["train"]
     rows = []

@@ -3,14 +3,14 @@
     OMP_NUM_THREADS=1 python bench/quality.py           # vlp-tiny, 12,800 samples/run, 2 seeds (~8 min)
     OMP_NUM_THREADS=1 python bench/quality.py --quick   # vlp-micro, 384 samples, 1 seed
 
-Same model config (vlp-tiny), same OpenMoji train shards (data_pipelines.embedded.prepare_shards),
+Same model config (vlp-tiny), same OpenMoji train shards (vlp.data.embedded.prepare_shards),
 same per-device batch (64), samples seen, optimiser (AdamW lr 1e-3, wd 0.1, betas 0.9/0.98,
 eps 1e-6, 50 warmup steps, cosine), fp32, 1 process, 1 worker, seeds 0 and 1. Only the
 trainers differ (and with them the data order: each has its own shuffler).
 
 Both final weights are evaluated by the same code: vlp.evaluate.load_model_from_checkpoint
 (vlp: the exported open_clip_model.pt; open_clip_train: checkpoints/epoch_1.pt, its
-state_dict) then eval.suite.run_eval_suite on the held-out OpenMoji eval shards (names never
+state_dict) then vlp.eval.suite.run_eval_suite on the held-out OpenMoji eval shards (names never
 seen in training): R@1 image->text and text->image, and their mean.
 """
 
@@ -29,7 +29,7 @@ from bench.train_throughput import open_clip_cmd, vlp_cmd  # noqa: E402
 
 
 def evaluate(weights: Path, model: str, eval_spec: str) -> dict:
-    from eval.suite import run_eval_suite
+    from vlp.eval.suite import run_eval_suite
     from vlp.evaluate import load_model_from_checkpoint
 
     net, tokenizer, eval_tf = load_model_from_checkpoint(str(weights), model_name=model)
@@ -54,7 +54,7 @@ def main(argv=None) -> None:
     steps = args.samples // args.batch
     header(f"quality: {args.model}, batch {args.batch}, {steps * args.batch} samples/run ({steps} steps), "
            f"seeds {args.seeds}")
-    from data_pipelines.embedded import prepare_shards
+    from vlp.data.embedded import prepare_shards
 
     specs = prepare_shards(REPO / ".cache" / "shards" / "openmoji")
     rows = []

@@ -12,7 +12,7 @@ Systems, alternated each round (rotating which goes first):
   local  make_loader('/cache/.../shard-{000000..000007}.tar')
   http   make_loader('http://127.0.0.1:PORT/shard-{000000..000007}.tar'): the same shards from
          python's ThreadingHTTPServer in a separate process (sizes.json fetched over HTTP;
-         each shard one streamed GET through fsspec, data_pipelines/shard_io.py)
+         each shard one streamed GET through fsspec, vlp/data/shard_io.py)
 
 Each run times batches [skip, skip + n) (worker start and the shuffle-buffer fill excluded).
 Also: images per worker-CPU-second (the client-side cost of streaming, insensitive to the
@@ -59,7 +59,7 @@ class HttpServer:
 
 
 def loader_rate(spec, transform, tokenizer, skip, n, workers, buffer, seed=0):
-    from data_pipelines.stream import make_loader
+    from vlp.data.stream import make_loader
 
     loader = make_loader(spec, batch_size=BATCH, transform=transform, tokenize=tokenizer, seed=seed,
                          num_workers=workers, mode="split", shuffle_buffer=buffer)

@@ -47,7 +47,7 @@ def real_shard(root: Path) -> Path:
 
     from PIL import Image
 
-    from data_pipelines.write import write_shards
+    from vlp.data.write import write_shards
 
     path = root / "real" / "shard-000000.tar"
     if not path.exists():
@@ -90,9 +90,9 @@ def planning(spec: str) -> dict:
     """The start-up parts, in this process (once each; the second make_loader is warm)."""
     import torch
 
-    from data_pipelines.shard_io import Retry
-    from data_pipelines.stream import make_loader
-    from data_pipelines.tars import expand_sources, shard_sizes
+    from vlp.data.shard_io import Retry
+    from vlp.data.stream import make_loader
+    from vlp.data.tars import expand_sources, shard_sizes
 
     out = {}
     t = time.perf_counter()
@@ -155,7 +155,7 @@ def late_rest_bytes(spec: str, batches: int = 400) -> int:
     buffer has churned, so its samples no longer form long runs (the bound, per worker)."""
     import torch
 
-    from data_pipelines.stream import make_loader
+    from vlp.data.stream import make_loader
 
     loader = make_loader(spec, batch_size=8, transform=lambda im: torch.zeros(1),
                          tokenize=lambda caps: caps, num_workers=0, shuffle_buffer=1000)

@@ -5,9 +5,9 @@ does memory or the open-file count grow with the batches read?
     OMP_NUM_THREADS=1 python bench/soak.py --minutes 30
     OMP_NUM_THREADS=1 python bench/soak.py --quick         # 0.5 minute, samples every 5 s
 
-What runs: `data_pipelines.stream.make_loader(..., mode="resampled", num_workers=4).epochs()`,
+What runs: `vlp.data.stream.make_loader(..., mode="resampled", num_workers=4).epochs()`,
 the generator the trainer's `TrainData.stream` iterates (one set of workers for all epochs), over
-the OpenMoji train shards (data_pipelines.embedded.prepare_shards: 4 shards, 1706 pairs), with
+the OpenMoji train shards (vlp.data.embedded.prepare_shards: 4 shards, 1706 pairs), with
 vlp-micro's own train transform and tokenizer (vlp.models.model.build_model) and batch 16, so
 an epoch is 106 batches and 10 minutes are hundreds of epochs. No model step (the loader is
 what holds files and worker memory; a step would only slow the stream down).
@@ -86,8 +86,8 @@ def main(argv=None) -> None:
     pin_threads()
     import psutil
 
-    from data_pipelines.embedded import prepare_shards
-    from data_pipelines.stream import make_loader
+    from vlp.data.embedded import prepare_shards
+    from vlp.data.stream import make_loader
     from vlp.config import load_config
     from vlp.models.model import build_model
 

@@ -41,7 +41,7 @@ OPEN_CLIP_WRAPPER = (
 
 
 def openmoji_train_spec() -> str:
-    from data_pipelines.embedded import prepare_shards
+    from vlp.data.embedded import prepare_shards
 
     return prepare_shards(REPO / ".cache" / "shards" / "openmoji")["train"]
 

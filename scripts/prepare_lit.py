@@ -38,8 +38,8 @@ def extract_minilm(out: Path) -> Path:
 
 
 def write_openmoji(out: Path, size: int = 128) -> None:
-    from data_pipelines.sources.openmoji import load_pairs
-    from data_pipelines.write import write_shards
+    from vlp.data.sources.openmoji import load_pairs
+    from vlp.data.write import write_shards
 
     for split in ("train", "eval"):
         if not (out / "shards" / split / "sizes.json").is_file():

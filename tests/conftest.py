@@ -9,8 +9,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture(scope="session")
 def tiny_shards(tmp_path_factory):
     """{'train': spec (160 pairs in 3 uneven shards), 'eval': spec (40 pairs)} at 32 px."""
-    from data_pipelines.sources.openmoji import load_pairs
-    from data_pipelines.write import write_shards
+    from vlp.data.sources.openmoji import load_pairs
+    from vlp.data.write import write_shards
 
     root = tmp_path_factory.mktemp("tiny_shards")
     train = load_pairs("train", image_size=32)[:160]

@@ -73,7 +73,7 @@ def quick_runs(tmp_path_factory):
     imports and waiting on child processes, so on 2 cores the module takes ~60-90 s instead of
     ~2 min); {script: (rc, stdout, stderr)}."""
     out_dir = tmp_path_factory.mktemp("gpu_bench")
-    from data_pipelines.embedded import prepare_shards
+    from vlp.data.embedded import prepare_shards
 
     prepare_shards(REPO / ".cache" / "shards" / "openmoji")  # once, before 4 scripts race for it
     pending = list(CASES)

@@ -15,7 +15,7 @@ from vlp.config import ConfigError
 
 
 def test_openmoji_study_split_is_disjoint_deterministic_and_keeps_eval():
-    from data_pipelines.sources.openmoji import load_pairs, study_split
+    from vlp.data.sources.openmoji import load_pairs, study_split
 
     names = {s: [p.meta["name"] for p in load_pairs(s)] for s in ("fit", "val", "test", "train", "eval")}
     fit, val, test = (set(names[s]) for s in ("fit", "val", "test"))
@@ -75,8 +75,8 @@ def test_study_config_refusals(bad, needle):
 @pytest.fixture(scope="module")
 def study_shards(tmp_path_factory):
     """Tiny fit / val / test shards at 32 px (disjoint names)."""
-    from data_pipelines.sources.openmoji import load_pairs
-    from data_pipelines.write import write_shards
+    from vlp.data.sources.openmoji import load_pairs
+    from vlp.data.write import write_shards
 
     root = tmp_path_factory.mktemp("study_shards")
     return {split: write_shards(load_pairs(split, image_size=32)[:n], root / split, prefix=split,

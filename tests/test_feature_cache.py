@@ -183,7 +183,7 @@ def test_the_cache_file_is_reused_and_a_damaged_one_rebuilt(tiny_shards, tmp_pat
 
 
 def test_the_key_follows_shards_and_weights(tiny_shards, timm_json, bert_dir):
-    from data_pipelines.stream import make_loader
+    from vlp.data.stream import make_loader
 
     model, tok, _, tf = build_model(ModelConfig(name=timm_json, hf_text_dir=bert_dir, lock_image=True,
                                                 lock_text=True), LossConfig())
@@ -210,8 +210,8 @@ def test_the_key_follows_shards_and_weights(tiny_shards, timm_json, bert_dir):
 # ----------------------------------------------------------------------------- retrieval
 
 def test_retrieval_ranks_from_cached_stems_are_exact(tiny_shards, timm_json, bert_dir):
-    from eval.retrieval import retrieval_ranks
-    from eval.suite import embed_retrieval_shards
+    from vlp.eval.retrieval import retrieval_ranks
+    from vlp.eval.suite import embed_retrieval_shards
 
     torch.manual_seed(3)
     model, tok, _, tf = build_model(ModelConfig(name=timm_json, hf_text_dir=bert_dir, lock_image=True,

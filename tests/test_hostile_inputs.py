@@ -492,7 +492,7 @@ def test_end_to_end_exit_status_and_stderr_of_a_real_process(tmp_path):
 def test_two_ranks_skip_counts_are_summed_in_result_and_log(tmp_path):
     """2 processes (accelerate launch, gloo): both ranks meet corrupt images; result.json and the
     log hold the sum of both ranks' counts, not rank 0's alone."""
-    from data_pipelines.sources.openmoji import load_pairs
+    from vlp.data.sources.openmoji import load_pairs
     from vlp_testing import run_env
 
     pairs = load_pairs("train", image_size=32)[:80]
@@ -578,7 +578,7 @@ def test_yaml_merge_keys_may_still_be_overridden(tmp_path):
 
 
 def test_every_error_line_is_capped():
-    from data_pipelines.messages import MAX_LINE, cap, first_line
+    from vlp.util import MAX_LINE, cap, first_line
 
     long = "unknown model " + "x" * 10_000_000 + " (see vlp/model_configs)"
     short = cap(long)
@@ -636,8 +636,8 @@ def test_16_bit_pngs_are_scaled_to_8_bits_not_clipped(tmp_path):
     import numpy as np
     from torchvision import transforms as T
 
-    from data_pipelines.decode import CropFirst, PlainDecoder, decode_rgb, to_rgb
-    from eval.datasets import open_rgb
+    from vlp.data.decode import CropFirst, PlainDecoder, decode_rgb, to_rgb
+    from vlp.eval.datasets import open_rgb
 
     ramp = (np.arange(32 * 32, dtype=np.uint32).reshape(32, 32) * 64).astype(np.uint16)  # 0 .. 65472
     buf = io.BytesIO()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from vlp_testing import REPO
 
-SOURCES = ("pyproject.toml", "README.md", "vlp", "data_pipelines", "eval", "configs")
+SOURCES = ("pyproject.toml", "README.md", "vlp", "configs")
 
 
 def _run(cmd, cwd, **kw):
@@ -34,7 +34,9 @@ def test_wheel_installed_outside_the_clone_runs_the_cli(tmp_path):
     wheel = next((tmp_path / "dist").glob("vlp-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert {"vlp/defaults/demo.yaml", "vlp/defaults/compare_small_batch.yaml",
-            "vlp/models/model_configs/vlp-tiny.json", "eval/imagenet_synsets.txt"} <= set(names)
+            "vlp/models/model_configs/vlp-tiny.json", "vlp/eval/imagenet_synsets.txt"} <= set(names)
+    tops = {n.split("/")[0] for n in names if not n.startswith("vlp-")}
+    assert tops == {"vlp"}, tops  # no generic top-level packages (eval, data_pipelines) in site-packages
 
     venv = tmp_path / "venv"
     made = _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path)

@@ -71,7 +71,7 @@ def test_eval_suite_hook_runs_zero_shot_classification(tiny_shards, tmp_path):
     a wrong label order, model or image set would change the figure."""
     from PIL import Image
 
-    from data_pipelines.sources.openmoji import load_pairs
+    from vlp.data.sources.openmoji import load_pairs
 
     pairs = [p for p in load_pairs("train", image_size=32)[:160] if "/" not in p.caption and "_" not in p.caption]
     pairs = pairs[::len(pairs) // 8][:8]

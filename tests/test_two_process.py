@@ -56,7 +56,7 @@ class _TwoRankStream:
 
 class _TwoRankData(TrainData):
     def make_loader(self, **extra):
-        from data_pipelines.stream import make_loader
+        from vlp.data.stream import make_loader
 
         d = self.cfg.data
         return _TwoRankStream([

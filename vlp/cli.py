@@ -33,7 +33,7 @@ def _local_only(value, option: str, hint: str) -> None:
 
 
 def cmd_shards(args) -> int:
-    from data_pipelines.write import shards_from_source
+    from vlp.data.write import shards_from_source
 
     _local_only(args.out, "vlp shards OUT", "write the shards locally, then copy them to the bucket; "
                 "training reads s3:// and gs:// shards directly")
@@ -80,7 +80,7 @@ def cmd_eval(args) -> int:
         precision=args.precision, device=args.device, pretrained=args.pretrained, classes=args.classes,
         wds=args.wds,
     )
-    from eval.report import markdown_tables
+    from vlp.eval.report import markdown_tables
 
     print(markdown_tables(results))
     return 0
@@ -104,7 +104,7 @@ def cmd_demo(args) -> int:
 
 
 def _print_eval(result: dict) -> None:
-    from eval.keys import EVAL_PREFIX
+    from vlp.eval.keys import EVAL_PREFIX
 
     names = [k for k in result if k.startswith(EVAL_PREFIX)]
     if names:
@@ -222,7 +222,7 @@ def peer_failure(error: BaseException) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from data_pipelines.messages import cap
+    from vlp.util import cap
     from vlp.train.preempt import EXIT_PREEMPTED, Preempted
 
     try:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal, Optional
 
 import yaml
 
-from data_pipelines import strict_yaml
+from vlp import util
 from vlp.losses.registry import NAMES as LOSS_NAMES
 from vlp.models import packaged, temperature
 
@@ -92,13 +92,13 @@ class DataConfig:
     decode_size: Optional[int] = None
     """Unset (default): the train transform's RandomResizedCrop box is drawn from the JPEG header
     and the JPEG decoded at the smallest DCT scale keeping the box >= the output size (same
-    boxes as a full decode; data_pipelines/decode.py). Set: the older whole-image DCT downscale
+    boxes as a full decode; vlp/data/decode.py). Set: the older whole-image DCT downscale
     keeping both sides >= this, the box drawn on the downscaled image (can upsample the crop;
     as fast as the default for open_clip's scale=(0.9, 1), see BENCHMARKS.md)."""
     num_samples: Optional[int] = None
     """Samples per epoch (all ranks). Needed for remote shards (URL or pipe:) that have no
     sizes.json or img2dataset *_stats.json beside them: their sizes are then assumed equal
-    (data_pipelines.tars.shard_sizes). Unset: the total of the shards' sizes."""
+    (vlp.data.tars.shard_sizes). Unset: the total of the shards' sizes."""
     io_retries: int = 3
     """Retries of a failed shard open or read (remote shards); a retry continues at the same
     byte, so batches do not change. A shard still failing counts as 'bad_shard'."""
@@ -542,8 +542,8 @@ def load_yaml(text: str, source: str = "config") -> Any:
     """Parse YAML like yaml.safe_load, but a mapping with a duplicate key is a ConfigError
     '<source>: duplicate key 'lr' on line 9 (first on line 4)' (for config, suite and compare files)."""
     try:
-        return strict_yaml.load(text)
-    except strict_yaml.DuplicateKey as e:
+        return util.load_yaml(text)
+    except util.DuplicateKey as e:
         raise ConfigError(f"config: {source}: {e}") from None
 
 

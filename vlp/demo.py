@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from eval import keys
+from vlp.eval import keys
 from vlp.config import PACKAGED_DEFAULTS, load_config
 
 DEFAULT_CONFIG = PACKAGED_DEFAULTS / "demo.yaml"  # = configs/demo.yaml, shipped in the package
@@ -31,7 +31,7 @@ def results_table(rows: list[dict]) -> str:
 
 
 def run_demo(out_dir: str = "runs/demo", overrides: Optional[list[str]] = None, config: Optional[str] = None) -> list[dict]:
-    from data_pipelines.embedded import prepare_shards
+    from vlp.data.embedded import prepare_shards
     from vlp.train.loop import Trainer
 
     t0 = time.time()

@@ -98,7 +98,7 @@ def build_suite(suite: Optional[str], shards: Optional[str], imagenet: Optional[
                 batch_size: int, precision: str, classes: Sequence[str] = (), wds: Sequence[str] = ()) -> dict:
     """The suite `vlp eval` runs: --suite's file plus one entry per --shards, --imagenet, --classes
     (a class-folder set) and --wds (a CLIP_benchmark webdataset folder) given."""
-    from eval.suite import check_suite, load_suite, wds_entry
+    from vlp.eval.suite import check_suite, load_suite, wds_entry
 
     spec = load_suite(suite) if suite else {}
     spec.setdefault("batch_size", batch_size)
@@ -130,7 +130,7 @@ def evaluate_checkpoint(checkpoint: Optional[str] = None, model_name: Optional[s
     """Run the suite on a vlp / open_clip checkpoint file (`checkpoint`, or `pretrained` as a
     file) or on published weights (`model_name` + `pretrained` tag / hf-hub name). Results go to
     out_dir (default: eval/ beside the checkpoint, else runs/eval/<model>)."""
-    from eval.suite import run_eval_suite
+    from vlp.eval.suite import run_eval_suite
 
     spec = build_suite(suite, shards, imagenet, templates, batch_size, precision, classes, wds)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -85,7 +85,7 @@ def write_manifest(path: str | Path, entries: Optional[dict[str, dict]] = None, 
     `entries` (name relative to the directory -> `entry`) supplies digests computed elsewhere
     (e.g. by the rank that wrote a file); files of the directory not in it are hashed here.
     `manifest_at`: write it there instead of `manifest_path(path)` (a file's temp name)."""
-    from data_pipelines.tempfiles import atomic_write
+    from vlp.util import atomic_write
 
     path = Path(path)
     entries = dict(entries or {})

@@ -3,7 +3,7 @@
     train      a logged optimizer step: step, samples_seen, epoch, samples_per_s, lr, the loss's
                metrics (vlp.losses.diagnostics) and skipped_* counts
     nonfinite  a step whose loss was not finite on some rank (skipped): step, nonfinite, lr
-    eval       an evaluation during training: step and eval/* metrics (eval.keys)
+    eval       an evaluation during training: step and eval/* metrics (vlp.eval.keys)
     result     the end of the run: what result.json holds, without its nested dicts
 
 Readers select records by this field, never by which keys a record happens to have. A resumed

@@ -155,7 +155,7 @@ class RunFolder:
         if self.remote:
             self.fs.pipe_file(self._key(name), data)
         else:
-            from data_pipelines.tempfiles import atomic_write
+            from vlp.util import atomic_write
 
             atomic_write(self._local(name), data)
 
@@ -491,7 +491,7 @@ class RunFolder:
         self.wait()
         removed = []
         if not self.remote:
-            from data_pipelines.tempfiles import pid_alive
+            from vlp.util import pid_alive
 
             root = Path(self.root)
             for stage in sorted(root.glob(".stage-*-*")) if root.is_dir() else []:
@@ -617,7 +617,7 @@ def check_writable(url, timeout_s: Optional[float] = None, option: str = "train.
         except OSError as e:
             raise StorageError(f"{option}={url}: cannot write there: {e.strerror or e}") from None
         return
-    from data_pipelines.shard_io import has_backend
+    from vlp.data.shard_io import has_backend
 
     if not has_backend(url):
         raise StorageError(f"{option}={url}: {_missing_backend(url).split(': ', 1)[1]}")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from data_pipelines.sources import openmoji
+from vlp.data.sources import openmoji
 
 
 @pytest.fixture(scope="session")

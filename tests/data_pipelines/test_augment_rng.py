@@ -2,7 +2,7 @@
 epoch replays the same crops with any number of workers."""
 import torch
 
-from data_pipelines.stream import make_loader
+from vlp.data.stream import make_loader
 
 
 def _random_tf(image):

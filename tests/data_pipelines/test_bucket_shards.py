@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from data_pipelines.stream import make_loader
-from data_pipelines.tars import expand_sources, shard_sizes
+from vlp.data.stream import make_loader
+from vlp.data.tars import expand_sources, shard_sizes
 from dp_helpers import to_tensor, tokenize
 from object_store import DropProxy, start_gcs, start_s3
 from test_remote import _assert_same, _batches, _http, _train, _weights, server  # noqa: F401 (fixture)

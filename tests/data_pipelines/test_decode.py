@@ -13,9 +13,9 @@ from dp_helpers import tokenize, write_sizes, write_tar
 from PIL import Image, ImageDraw
 from torchvision.transforms import Compose, RandomResizedCrop
 
-from data_pipelines import stream
-from data_pipelines.decode import CropFirst, PlainDecoder, dct_scale, image_decoder
-from data_pipelines.stream import make_loader
+from vlp.data import stream
+from vlp.data.decode import CropFirst, PlainDecoder, dct_scale, image_decoder
+from vlp.data.stream import make_loader
 
 TRAIN = open_clip.image_transform(224, is_train=True)
 

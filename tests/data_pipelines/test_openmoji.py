@@ -8,7 +8,7 @@ import os
 import numpy as np
 from PIL import Image
 
-from data_pipelines.sources import openmoji
+from vlp.data.sources import openmoji
 
 
 def test_enough_pairs_with_captions(openmoji_all):
@@ -62,7 +62,7 @@ def test_split_of_is_a_fixed_function_of_the_name():
 
     golden = {"red heart": "train", "flag of France": "train", "grinning face": "eval", "cat": "train"}
     assert {n: openmoji.split_of(n) for n in golden} == golden
-    code = f"from data_pipelines.sources.openmoji import split_of; print([split_of(n) for n in {list(golden)!r}])"
+    code = f"from vlp.data.sources.openmoji import split_of; print([split_of(n) for n in {list(golden)!r}])"
     for salt in ("1", "2"):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**os.environ, "PYTHONHASHSEED": salt}).stdout

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_pipelines.shard_io import Retry, ShardStream, open_shard
-from data_pipelines.stream import make_loader
-from data_pipelines.tars import expand_sources, shard_sizes
+from vlp.data.shard_io import Retry, ShardStream, open_shard
+from vlp.data.stream import make_loader
+from vlp.data.tars import expand_sources, shard_sizes
 from dp_helpers import to_tensor, tokenize
 from vlp_testing import PYTHON, REPO, run_env
 
@@ -272,7 +272,7 @@ def test_img2dataset_stats_give_sizes(tiny_shards, server):
 
 
 def test_eval_classification_shards_over_http(server):
-    from eval.datasets import ShardClassification, shard_classnames
+    from vlp.eval.datasets import ShardClassification, shard_classnames
     from dp_helpers import png_bytes, write_tar
 
     root = server[1].root / "cls" / "test"

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from data_pipelines import stream, tars
-from data_pipelines.stream import SEQ, BatchSizes, _bounds, make_loader, rest_samples
-from data_pipelines.tars import SizesFetchError, brace_expand, expand_sources, shard_sizes
+from vlp.data import stream, tars
+from vlp.data.stream import SEQ, BatchSizes, _bounds, make_loader, rest_samples
+from vlp.data.tars import SizesFetchError, brace_expand, expand_sources, shard_sizes
 from dp_helpers import png_bytes, to_tensor, tokenize, write_tar
 
 

@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 import torch
 
-from data_pipelines.stream import make_loader
-from data_pipelines.write import write_shards
+from vlp.data.stream import make_loader
+from vlp.data.write import write_shards
 from vlp_testing import noise_jpeg
 from dp_helpers import png_bytes, to_tensor, tokenize, write_sizes, write_tar
 

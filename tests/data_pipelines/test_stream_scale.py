@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
-from data_pipelines.sources import synthetic
-from data_pipelines.stream import read_shard, make_loader
-from data_pipelines.write import write_shards
+from vlp.data.sources import synthetic
+from vlp.data.stream import read_shard, make_loader
+from vlp.data.write import write_shards
 from dp_helpers import jpeg_bytes, png_bytes, to_tensor, tokenize, write_sizes, write_tar
 
 

@@ -1,4 +1,4 @@
-from data_pipelines.sources import synthetic
+from vlp.data.sources import synthetic
 
 
 def test_synthetic_is_deterministic_and_captioned():

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data_pipelines.sources import Pair
-from data_pipelines.stream import expand_sources, sizes_from_spec
-from data_pipelines.write import shard_spec, spec_for, write_shards
+from vlp.data.sources import Pair
+from vlp.data.stream import expand_sources, sizes_from_spec
+from vlp.data.write import shard_spec, spec_for, write_shards
 
 
 def _read_all(paths):

@@ -10,7 +10,7 @@ import tarfile
 import pytest
 from PIL import Image
 
-from data_pipelines.write import iter_source, shards_from_source
+from vlp.data.write import iter_source, shards_from_source
 from dp_helpers import jpeg_bytes, png_bytes
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eval_helpers import random_png, write_class_folders, write_tar
-from eval import datasets as D
+from vlp.eval import datasets as D
 
 
 def test_synsets_are_the_1000_sorted_ilsvrc_wnids():

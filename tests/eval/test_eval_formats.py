@@ -6,10 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from eval import datasets as D
-from eval.retrieval import embed_retrieval, retrieval_metrics
-from eval.suite import run_eval_suite, wds_entry
-from eval.zeroshot import build_classifier, zeroshot_classify
+from vlp.eval import datasets as D
+from vlp.eval.retrieval import embed_retrieval, retrieval_metrics
+from vlp.eval.suite import run_eval_suite, wds_entry
+from vlp.eval.zeroshot import build_classifier, zeroshot_classify
 from eval_helpers import random_png, write_class_folders, write_tar
 
 
@@ -89,7 +89,7 @@ def test_trainer_and_vlp_eval_use_eval_s_reader(monkeypatch, tiny_clip, tmp_path
     """Neither the trainer nor `vlp eval` hands eval another loader: run_eval_suite takes none."""
     import inspect
 
-    from eval import suite
+    from vlp.eval import suite
 
     assert "make_loader" not in inspect.signature(suite.run_eval_suite).parameters
     calls = []

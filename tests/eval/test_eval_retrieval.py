@@ -4,7 +4,7 @@ and embed_retrieval's caption/key bookkeeping."""
 import pytest
 import torch
 
-from eval.retrieval import (clip_benchmark_names, embed_retrieval, retrieval_metrics,
+from vlp.eval.retrieval import (clip_benchmark_names, embed_retrieval, retrieval_metrics,
                             summarize_ranks)
 
 

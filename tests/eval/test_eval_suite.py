@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from eval import datasets as D
-from eval import run_eval_suite
-from eval.retrieval import embed_retrieval, retrieval_metrics
-from eval.report import markdown_tables
+from vlp.eval import datasets as D
+from vlp.eval import run_eval_suite
+from vlp.eval.retrieval import embed_retrieval, retrieval_metrics
+from vlp.eval.report import markdown_tables
 from eval_helpers import random_png, write_class_folders, write_tar
 
 
@@ -83,7 +83,7 @@ def test_markdown_formats_percentages():
 
 
 def test_suite_file_with_a_duplicate_key_is_one_line(tmp_path):
-    from eval.suite import load_suite
+    from vlp.eval.suite import load_suite
 
     path = tmp_path / "suite.yaml"
     path.write_text("batch_size: 8\nretrieval: []\nbatch_size: 16\n")

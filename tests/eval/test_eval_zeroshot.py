@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from eval.zeroshot import (build_classifier, fill_template, load_templates, mean_per_class_recall,
+from vlp.eval.zeroshot import (build_classifier, fill_template, load_templates, mean_per_class_recall,
                            topk_accuracy, zeroshot_classify)
 
 CLASSNAMES = ["cat", "dog", "goldfish", "red panda", "toilet paper", "bus", "tree", "car", "ship", "frog"]

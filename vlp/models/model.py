@@ -287,7 +287,7 @@ def load_pretrained(clip: nn.Module, source: str, model_name: str = "") -> None:
     `model_name` or hf-hub:org/repo (vlp.models.towers.resolve_weights; open_clip.load_checkpoint:
     weights_only unpickling, key conversions, strict). Anything that is not one, or not for this
     model (a pickle with code, another architecture, a text file), is one ValueError line."""
-    from data_pipelines.messages import first_line
+    from vlp.util import first_line
 
     path = towers.resolve_weights(source, model_name) if model_name else source
     if not Path(path).is_file():
@@ -306,7 +306,7 @@ def load_pretrained(clip: nn.Module, source: str, model_name: str = "") -> None:
 def state_dict_mismatch(error: BaseException) -> str:
     """One line from load_state_dict's many-line error: how many keys are missing, unexpected
     or of another shape, with one example each."""
-    from data_pipelines.messages import first_line
+    from vlp.util import first_line
 
     text = str(error)
     parts = []

@@ -143,7 +143,7 @@ def tag_preprocess(source: Optional[str], model_name: str) -> dict:
 def read_state_dict(path: str, what: str) -> dict:
     """name -> tensor from an open_clip / timm / torchvision / safetensors file or a vlp step_*.pt
     (its "model"); anything else is one ValueError line naming `what`."""
-    from data_pipelines.messages import first_line
+    from vlp.util import first_line
     from vlp.integrity import check_weights_file
 
     check_weights_file(path, what)  # a vlp export's or checkpoint's checksums, before parsing

@@ -40,8 +40,8 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from eval import keys
-from eval.keys import EVAL_KEYS, RECALL_KS
+from vlp.eval import keys
+from vlp.eval.keys import EVAL_KEYS, RECALL_KS
 from vlp.config import (PACKAGED_DEFAULTS, Config, ConfigError, LossConfig, apply_overrides, from_dict, load_yaml,
                         set_dotted)
 from vlp.storage import RunFolder, is_url, open_run_folder
@@ -339,7 +339,7 @@ def expand_grid(grid: GridSpec) -> list[RunSpec]:
 
 def resolve_data(base: dict, acc) -> dict:
     """data.train_shards '' or 'openmoji': the embedded OpenMoji shards (train + held-out eval)."""
-    from data_pipelines.embedded import SHARD_CACHE
+    from vlp.data.embedded import SHARD_CACHE
 
     specs = embedded_shards(base, acc, ("train", "eval"), SHARD_CACHE)
     if specs is not None:

@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Optional, Sequence
 
-from eval.keys import CHANCE_R1, EVAL_KEYS
+from vlp.eval.keys import CHANCE_R1, EVAL_KEYS
 from vlp import records
 
 # EVAL_KEYS: both directions' R@k and mean_R@k; R@10 is the steadier number on a small eval set

@@ -158,7 +158,7 @@ def embedded_shards(base: dict, acc, splits: tuple[str, ...], root: Path) -> Opt
     size = embedded_size(base.setdefault("data", {}).get("train_shards"))
     if size is None:
         return None
-    from data_pipelines.embedded import prepare_shards
+    from vlp.data.embedded import prepare_shards
 
     root = Path(root) if size == DEFAULT_PX else Path(root) / f"{size}px"
     if acc.is_main_process:  # renders and writes once; the others then only read the specs

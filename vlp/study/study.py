@@ -15,7 +15,7 @@ Runs: <out_dir>/<loss>_<optim>_b<batch>_<setting>_s<seed>/ (Trainer files + eval
 1-based rank of every val and test query in both directions, from which all study metrics and
 bootstraps are computed). Reruns skip runs with result.json and eval_items.json.
 Data: data.train_shards 'openmoji' trains on the OpenMoji 'fit' names, selects on 'val' and reports
-on 'test' (= the demo's held-out 'eval' names; data_pipelines/sources/openmoji.py).
+on 'test' (= the demo's held-out 'eval' names; vlp/data/sources/openmoji.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from eval import keys
+from vlp.eval import keys
 from vlp.study.runs import broadcast, embedded_shards, plan_runs, run_config, run_one
 from vlp.study.stats import bootstrap_ci, paired_difference, seed_summary, signed, verdict
 
@@ -244,7 +244,7 @@ def study_row(run: StudyRun, run_dir: Path, metric_keys: tuple[str, ...], n_boot
 def cached_item_ranks(model, tokenizer, transform, spec: str, device, batch_size: int, cache: str) -> dict[str, list[int]]:
     """eval_item_ranks for a model with locked stems (data.feature_cache): the stems' outputs over
     the set come from the cache (built once, by the same eval reader), only the heads run."""
-    from eval.retrieval import retrieval_ranks
+    from vlp.eval.retrieval import retrieval_ranks
     from vlp.train.feature_cache import embed_features, retrieval_features
 
     img_feat, txt_feat, txt_to_img = retrieval_features(model, tokenizer, transform, spec, device, batch_size,
@@ -258,9 +258,9 @@ def cached_item_ranks(model, tokenizer, transform, spec: str, device, batch_size
 def eval_item_ranks(model, tokenizer, transform, spec: str, device, batch_size: int = 256,
                     cache: Optional[str] = None) -> dict[str, list[int]]:
     """1-based rank of the correct item for every query of a retrieval set, both directions: the
-    eval suite's reader and ranking (eval.suite, eval.retrieval), ties included."""
-    from eval.retrieval import retrieval_ranks
-    from eval.suite import embed_retrieval_shards
+    eval suite's reader and ranking (vlp.eval.suite, vlp.eval.retrieval), ties included."""
+    from vlp.eval.retrieval import retrieval_ranks
+    from vlp.eval.suite import embed_retrieval_shards
 
     with torch.no_grad():
         img, txt, txt_to_img = embed_retrieval_shards(model, tokenizer, transform, spec, device, batch_size)

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from data_pipelines.messages import first_line
+from vlp.util import first_line
 from vlp import integrity
 from vlp.distributed import barrier, gather_object, get_rank, is_distributed
 
@@ -46,7 +46,7 @@ def atomic_save(obj, path: str | Path, manifest: bool = True) -> None:
     checksum manifest, last. A dict `obj` is saved with MARK_KEY, so a later load knows a
     manifest must exist. A failed write (disk full, quota, I/O error) removes the temp file and
     raises CheckpointError: every earlier checkpoint stays as it was."""
-    from data_pipelines.tempfiles import atomic_write
+    from vlp.util import atomic_write
 
     path = Path(path)
     if manifest and isinstance(obj, dict):
@@ -210,7 +210,7 @@ def set_aside(path: str | Path) -> Path:
 
 def remove_stale_temps(ckpt_dir: str | Path) -> list[Path]:
     """Remove temp files of saves killed before their rename (their PID is dead); return them."""
-    from data_pipelines.tempfiles import remove_stale_temps as remove
+    from vlp.util import remove_stale_temps as remove
 
     return remove(ckpt_dir, TEMP_PATTERN)
 

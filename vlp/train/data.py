@@ -6,7 +6,7 @@
     entry = TrainData.merge(gather_object([data.state_dict()]))   # the checkpoint's "data" entry
     data.load_state_dict(entry, rank, world, position)            # on resume
 
-The stream (data_pipelines.stream) yields dicts that mix the data with bookkeeping (epoch, index
+The stream (vlp.data.stream) yields dicts that mix the data with bookkeeping (epoch, index
 in it, skip counts, which pieces of the epoch each worker has left). TrainData keeps the
 bookkeeping: the epoch and batch reached, the rest of an epoch begun under another layout
 (vlp.train.resume), and this rank's skip counts; the loop gets only `Batch`es.
@@ -67,7 +67,7 @@ class TrainData:
 
     def make_loader(self, **extra):
         """This rank's stream (``extra``: e.g. ``pieces``, the rest of an epoch)."""
-        from data_pipelines.stream import make_loader
+        from vlp.data.stream import make_loader
 
         d = self.cfg.data
         return make_loader(  # cached features: images are checked, not decoded (same samples)

@@ -1,11 +1,11 @@
 """Evaluation during and after training: data.eval_shards as the 'heldout' retrieval set, plus
-eval.suite's tasks, run on the main process (eval.suite)."""
+eval.suite's tasks, run on the main process (vlp.eval.suite)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from eval import keys
+from vlp.eval import keys
 
 
 class Evaluator:
@@ -22,7 +22,7 @@ class Evaluator:
         """data.eval_shards as the 'heldout' retrieval set, plus eval.suite's tasks."""
         suite = {"batch_size": self.cfg.eval.batch_size, "retrieval": [], "classification": []}
         if self.cfg.eval.suite:
-            from eval.suite import load_suite
+            from vlp.eval.suite import load_suite
 
             extra = load_suite(self.cfg.eval.suite)
             suite.update({k: v for k, v in extra.items() if k not in ("retrieval", "classification")})
@@ -40,7 +40,7 @@ class Evaluator:
         """Zero-shot retrieval / classification of `model`; a flat dict of floats. The 'heldout'
         set's metrics keep their plain names (image_to_text_R@1, ...); other tasks are prefixed
         with their name (imagenet/top1, ...)."""
-        from eval.suite import run_eval_suite
+        from vlp.eval.suite import run_eval_suite
 
         name = f"eval_step{step}"
         out_dir = self.folder.local_dir(name) if self.folder.remote else Path(self.folder.root) / name

@@ -149,8 +149,8 @@ def build_training_tensors(model, transform, tokenizer, plan, batch_size: int, d
                            decode_size: Optional[int] = None) -> dict[str, torch.Tensor]:
     """{"image", "text", "valid"} over every sample of the plan's shards, read once in order
     (read_shard, check_sample, the stream's decoder and `transform`), rows = plan.sample_id."""
-    from data_pipelines.decode import image_decoder
-    from data_pipelines.tars import check_sample, read_shard
+    from vlp.data.decode import image_decoder
+    from vlp.data.tars import check_sample, read_shard
 
     splits = check_cacheable(model)
     n = sum(plan.sizes)
@@ -201,7 +201,7 @@ def _note(line: str) -> None:
 def _load(path: Path, key: str, names: tuple[str, ...], rebuild: bool) -> Optional[dict]:
     """The tensors of a cache file, or (rebuild) None with a note when it is unreadable or not
     this key's; without rebuild that is one ValueError line."""
-    from data_pipelines.messages import first_line
+    from vlp.util import first_line
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -220,7 +220,7 @@ def _load(path: Path, key: str, names: tuple[str, ...], rebuild: bool) -> Option
 
 
 def _write(path: Path, key: str, tensors: dict) -> None:
-    from data_pipelines.tempfiles import atomic_write
+    from vlp.util import atomic_write
 
     atomic_write(path, lambda f: torch.save({"format": FORMAT, "key": key, **tensors}, f))
 
@@ -274,7 +274,7 @@ def training_features(cfg, model, transform, tokenizer, plan, device) -> Feature
 
 
 class _StemOutputs:
-    """Stands in for the model in eval.suite.embed_retrieval_shards: encode_image / encode_text
+    """Stands in for the model in vlp.eval.suite.embed_retrieval_shards: encode_image / encode_text
     return the stems' outputs (whatever `normalize` says), so the one eval reader decides the
     images, captions, order and keys."""
 
@@ -300,10 +300,10 @@ class _StemOutputs:
 def retrieval_features(model, tokenizer, transform, spec: str, device, batch_size: int,
                        cache: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(img_feat (N, Di), txt_feat (M, Dt), txt_to_img (M,)): the stems' outputs over a retrieval
-    shard set as eval.suite.embed_retrieval_shards reads it; memoized per key in this process,
+    shard set as vlp.eval.suite.embed_retrieval_shards reads it; memoized per key in this process,
     and in the folder `cache` when given. Heads on top: `embed_features`."""
-    from eval.datasets import expand_shards
-    from eval.suite import embed_retrieval_shards
+    from vlp.eval.datasets import expand_shards
+    from vlp.eval.suite import embed_retrieval_shards
 
     splits = check_cacheable(model)
     key = cache_key(model, splits, "retrieval", transform, tokenizer, shards_id(expand_shards(spec)), batch_size)

@@ -27,7 +27,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, set_seed
 
-from eval import keys
+from vlp.eval import keys
 from vlp import records, storage
 from vlp.config import Config
 from vlp.distributed import (all_reduce, barrier, exit_with_launcher, gather_object, gather_with_grad, is_main,

@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
-from data_pipelines.messages import first_line
+from vlp.util import first_line
 from vlp import integrity, storage
 from vlp.config import ConfigError
 from vlp.distributed import barrier, gather_object, get_rank, get_world_size, is_main

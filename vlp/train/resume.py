@@ -1,7 +1,7 @@
 """Resume on a changed cluster: which changes a checkpoint allows, and where the data goes on.
 
 The data a step sees is decided by the *layout*: world size, per-device batch, accum_steps,
-num_workers, seed, shuffle buffer and mode (data_pipelines.stream: rank r owns a contiguous
+num_workers, seed, shuffle buffer and mode (vlp.data.stream: rank r owns a contiguous
 range of the epoch, worker w the batches j = w mod W of it, each read through a seeded shuffle
 buffer). Hence:
 

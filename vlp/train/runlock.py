@@ -47,7 +47,7 @@ def _proc_start(pid: int) -> Optional[str]:
 
 
 def _holder_alive(holder: dict) -> bool:
-    from data_pipelines.tempfiles import pid_alive
+    from vlp.util import pid_alive
 
     pid = holder.get("pid")
     if not isinstance(pid, int) or not pid_alive(pid):

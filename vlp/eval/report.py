@@ -1,6 +1,6 @@
 """Writers for eval results: metrics.json (our names + CLIP_benchmark names) and a markdown table.
 
-`results` is what `eval.suite.run_eval_suite` returns: {dataset_name: entry}, where entry is
+`results` is what `vlp.eval.suite.run_eval_suite` returns: {dataset_name: entry}, where entry is
   {"task": "retrieval", "metrics": {...}, "clip_benchmark": {...}, "n_images": N, "n_texts": M}
   {"task": "classification", "metrics": {...}, "clip_benchmark": {...}, "n": N, "num_classes": C, ...}
 """
@@ -10,7 +10,7 @@ import json
 import os
 from typing import Any
 
-from data_pipelines.tempfiles import atomic_write
+from vlp.util import atomic_write
 
 RETRIEVAL_COLUMNS = [
     ("image→text R@1", "image_to_text_R@1"), ("R@5", "image_to_text_R@5"), ("R@10", "image_to_text_R@10"),

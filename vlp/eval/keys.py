@@ -1,6 +1,6 @@
 """Metric names, built in one place and looked up, never parsed back out of strings.
 
-Retrieval (eval.retrieval):  recall(direction, k) = "image_to_text_R@1", ...; mean_recall(k) =
+Retrieval (vlp.eval.retrieval):  recall(direction, k) = "image_to_text_R@1", ...; mean_recall(k) =
 "mean_R@1" (the mean of both directions); chance R@1 = 1 / number of images.
 Results of a training run (vlp.train.loop): eval_key(metric, task) = "eval/image_to_text_R@1" for
 the held-out set (HELDOUT, data.eval_shards) and "eval/<task>/<metric>" for an eval.suite task.

@@ -16,7 +16,7 @@ n15075141 = toilet paper). Taken from public LOC_synset_mapping.txt / imagenet_c
 copies (three independent repositories agree on all 1000 wnids, in order).
 
 Shards: plain tar files in webdataset layout (members "<key>.<ext>", a sample's members
-adjacent), read with the training stream's reader (data_pipelines.tars). Image ext: any of
+adjacent), read with the training stream's reader (vlp.data.tars). Image ext: any of
 IMAGE_EXTS. Classification label: "cls" (an integer as text, CLIP_benchmark's layout).
 Retrieval captions: "txt" (or the training stream's other caption members), one caption per
 non-empty line (CLIP_benchmark's wds retrieval layout). This is the one retrieval reader: the
@@ -34,8 +34,8 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from data_pipelines.shard_io import is_url, read_small
-from data_pipelines.tars import IMAGE_EXTS, TEXT_EXTS, read_shard, expand_sources
+from vlp.data.shard_io import is_url, read_small
+from vlp.data.tars import IMAGE_EXTS, TEXT_EXTS, read_shard, expand_sources
 
 IMAGE_EXTENSIONS = tuple(f".{ext}" for ext in IMAGE_EXTS)  # the shard reader's list: one definition
 SYNSETS_PATH = Path(__file__).with_name("imagenet_synsets.txt")
@@ -63,7 +63,7 @@ def open_rgb(source) -> Image.Image | Skip:
     import io
 
     try:
-        from data_pipelines.decode import to_rgb
+        from vlp.data.decode import to_rgb
 
         with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as im:
             return to_rgb(im)  # 16-bit greyscale scaled to 8 bits, not clipped to white
@@ -219,20 +219,20 @@ def class_folder(root, transform: Optional[Callable] = None,
 def expand_shards(spec: Union[str, Sequence[str]]) -> list[str]:
     """A brace pattern ("eval/{000..009}.tar"), a glob, a directory (its sizes.json shards, else
     its *.tar, sorted), a "::"-joined string of those, or a list of those → list of tar paths
-    (order kept). The training stream's rules (data_pipelines.tars.expand_sources)."""
+    (order kept). The training stream's rules (vlp.data.tars.expand_sources)."""
     parts = [spec] if isinstance(spec, str) else list(spec)
     return [p for source in expand_sources("::".join(str(p) for p in parts)) for p in source]
 
 
 def iter_tar_samples(path: str) -> Iterator[dict[str, bytes]]:
     """Samples of a tar as {"__key__": key, ext: bytes}, every member kept (webdataset's grouping
-    rule, data_pipelines.tars). Eval sets are read whole: an unreadable shard or member is an
+    rule, vlp.data.tars). Eval sets are read whole: an unreadable shard or member is an
     error, not a skip."""
     skipped: Counter[str] = Counter()
     for _, key, members in read_shard(path, 0, None, skipped, exts=None):
         yield {"__key__": key, **members}
     if skipped:
-        from data_pipelines.tars import read_head, describe_unreadable
+        from vlp.data.tars import read_head, describe_unreadable
 
         raise ValueError(f"eval shard {path} is unreadable ({describe_unreadable(read_head(path))}); "
                          "eval shards must be complete")
@@ -333,7 +333,7 @@ def shard_classnames(shards, classnames: Union[None, str, Sequence[str]]) -> lis
     if classnames is not None:
         return read_lines(classnames) if isinstance(classnames, (str, os.PathLike)) else list(classnames)
     shard = expand_shards(shards)[0]
-    if is_url(shard):  # remote shards: the same two places, fetched (data_pipelines.shard_io)
+    if is_url(shard):  # remote shards: the same two places, fetched (vlp.data.shard_io)
         here = shard.rsplit("/", 1)[0]
         for cand in (f"{here}/classnames.txt", f"{here.rsplit('/', 1)[0]}/classnames.txt"):
             data = read_small(cand)

@@ -1,5 +1,5 @@
-"""The embedded default data set as shards: OpenMoji pairs (data_pipelines.sources.openmoji)
-written once per split under .cache/shards/ (data_pipelines.write). Sources produce pairs;
+"""The embedded default data set as shards: OpenMoji pairs (vlp.data.sources.openmoji)
+written once per split under .cache/shards/ (vlp.data.write). Sources produce pairs;
 this module is the one place that turns the embedded ones into shards."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from data_pipelines.sources.openmoji import load_pairs
-from data_pipelines.write import shard_spec, write_shards
+from vlp.data.sources.openmoji import load_pairs
+from vlp.data.write import shard_spec, write_shards
 
 SHARD_CACHE = Path(".cache") / "shards" / "openmoji"  # relative: under the working directory
 

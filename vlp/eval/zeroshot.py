@@ -5,7 +5,7 @@ templates, L2-normalise again; columns of a [d, C] matrix. Same numbers as
 `open_clip.build_zero_shot_classifier`. Logits = image_emb @ classifier (no ×100: a positive scale
 changes no rank).
 
-Tie convention (shared with eval.retrieval): classes are ordered by descending logit, equal
+Tie convention (shared with vlp.eval.retrieval): classes are ordered by descending logit, equal
 logits by increasing class index (a stable descending argsort). The target's rank is its
 1-based position in that order; top-k hits iff rank <= k; the prediction for mean per-class
 recall is the rank-1 class. Without ties this equals `logits.topk(k)`.
@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Sequence, Union
 import torch
 from tqdm import tqdm
 
-from eval.retrieval import autocast_for, trim_padding
+from vlp.eval.retrieval import autocast_for, trim_padding
 
 Template = Union[str, Callable[[str], str]]
 

@@ -51,12 +51,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from data_pipelines.decode import image_decoder
-from data_pipelines.tars import (  # noqa: F401  (re-exported: the public shard helpers)
+from vlp.data.decode import image_decoder
+from vlp.data.tars import (  # noqa: F401  (re-exported: the public shard helpers)
     IMAGE_EXTS, TEXT_EXTS, check_sample, read_shard, decode_image, expand_sources, image_decodes,
     shard_sizes, sizes_from_spec, warn_bad_shard,
 )
-from data_pipelines.shard_io import Retry
+from vlp.data.shard_io import Retry
 
 SKIP_KINDS = ("corrupt_image", "missing_caption", "missing_image", "bad_member", "bad_shard")
 MODES = ("split", "resampled", "sequential")
@@ -845,7 +845,7 @@ def make_loader(
                  same samples are used and replaced as with decoding) and each batch's "image"
                  is an empty (b, 0) tensor: for training on cached features (vlp.train.feature_cache).
     urls:        each element a local path, an fsspec URL or 'pipe:COMMAND'
-                 (data_pipelines.shard_io); remote shards are streamed, never downloaded whole.
+                 (vlp.data.shard_io); remote shards are streamed, never downloaded whole.
     num_samples: samples per epoch over all ranks (default: total from sizes.json); also what
                  remote shards without sizes.json / *_stats.json are laid out by
                  (tars.shard_sizes: equal shares, an assumption).
@@ -855,7 +855,7 @@ def make_loader(
     weights:     resampled mode: per-source weights, e.g. '1::2' (each shard of a source is
                  drawn with its source's weight, like open_clip's upsampling factors).
     decode_size: None (default): a transform that starts with a RandomResizedCrop takes the
-                 crop-first JPEG decode (data_pipelines/decode.py: the same crop boxes, the DCT
+                 crop-first JPEG decode (vlp/data/decode.py: the same crop boxes, the DCT
                  scale chosen from the box). An int forces the older whole-image DCT downscale
                  keeping both sides >= it, the box then drawn on the downscaled image.
     pieces:      split mode: read these (shard index, begin, end) pieces as the epoch instead

@@ -1,10 +1,10 @@
-"""Readers of image-text pairs on disk, for `vlp shards` (data_pipelines.write.shards_from_source):
+"""Readers of image-text pairs on disk, for `vlp shards` (vlp.data.write.shards_from_source):
 an image folder with .txt sidecars, a CSV/TSV of paths and captions (open_clip's format), parquet
 files with image bytes, a Hugging Face `imagefolder` (metadata.jsonl/csv) or a dataset saved with
 `save_to_disk`; and the built-in sources by name ('openmoji', 'synthetic:N').
 
 Every reader yields pair-likes (a Pair, or a dict with key, caption or caption_path, image or
-image_path, meta) in a stable order; ``data_pipelines.write.encode_pair`` reads and checks them.
+image_path, meta) in a stable order; ``vlp.data.write.encode_pair`` reads and checks them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from data_pipelines.tars import IMAGE_EXTS
+from vlp.data.tars import IMAGE_EXTS
 
 # column names tried in order when a table's columns are not given
 CAPTION_COLUMNS = ("caption", "text", "title", "txt", "sentence", "prompt")

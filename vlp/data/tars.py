@@ -16,7 +16,7 @@ import tarfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 
-from data_pipelines.shard_io import (
+from vlp.data.shard_io import (
     PIPE, Retry, ShardReadError, has_backend, is_remote, is_url, open_shard, read_many,
     read_small,
 )
@@ -62,7 +62,7 @@ def expand_sources(urls: str, *, retry: Retry = Retry(), tables: Tables | None =
     for a missing local path. A directory stands for the shards listed in its sizes.json (else
     its *.tar, sorted); a glob ('d/*.tar') for its sorted matches.
 
-    Remote elements (fsspec URLs, ``pipe:`` commands; data_pipelines.shard_io) are taken as
+    Remote elements (fsspec URLs, ``pipe:`` commands; vlp.data.shard_io) are taken as
     written, not checked here (a missing one fails when read, as a 'bad_shard'); a URL ending in
     '/' stands for the shards its sizes.json lists. Remote globs are not expanded: use braces.
 
@@ -219,7 +219,7 @@ def shard_sizes(paths: list[str], num_samples: int | None = None, *, retry: Retr
                 tables: Tables | None = None) -> list[int]:
     """Samples per shard, from metadata only for remote shards:
 
-    1. ``sizes.json`` beside the shards ({name: samples}; what data_pipelines.write writes);
+    1. ``sizes.json`` beside the shards ({name: samples}; what vlp.data.write writes);
     2. img2dataset's ``<name>_stats.json`` beside each shard (its "successes" count);
     3. local shards only: counted from the tar (headers only);
     4. ``num_samples`` (data.num_samples): the shards whose size is still unknown share what is
@@ -388,7 +388,7 @@ def read_shard(path: str, start: int, stop: int | None, skipped: Counter,
     except (OSError, tarfile.TarError, EOFError) as e:
         if fileobj is not None:
             fileobj.close()
-        if errors is not None:  # the caller reports it with the count (data_pipelines.stream)
+        if errors is not None:  # the caller reports it with the count (vlp.data.stream)
             errors.append(str(e) if isinstance(e, ShardReadError) else
                           f"{path}: {type(e).__name__}: {e}")
         elif isinstance(e, ShardReadError):
@@ -508,7 +508,7 @@ def image_decodes(data: bytes) -> bool:
 
 def decode_image(data: bytes, decode_size: int | None = None):
     """PIL RGB image from bytes; JPEGs are DCT-downscaled while both sides stay >= size (16-bit
-    greyscale scaled to 8 bits: data_pipelines.decode.decode_rgb)."""
-    from data_pipelines.decode import decode_rgb
+    greyscale scaled to 8 bits: vlp.data.decode.decode_rgb)."""
+    from vlp.data.decode import decode_rgb
 
     return decode_rgb(data, decode_size)

@@ -31,7 +31,7 @@ from typing import Any
 
 from .sources import check_key
 from .sources.files import iter_source
-from .tempfiles import atomic_write
+from vlp.util import atomic_write
 
 MAX_IMAGE_BYTES = 1 << 28  # 256 MiB: larger "images" are skipped as too_large (never read)
 MAX_CAPTION_BYTES = 1 << 20
@@ -238,7 +238,7 @@ class ShardWriter:
             raise ShardError(f"{self.out_dir} already holds {len(existing)} shard(s) named {prefix}-NNNNNN.tar "
                              f"({existing[0]}, ...): nothing written; pass --overwrite to replace them, "
                              "or choose another output folder or --prefix")
-        from .tempfiles import remove_stale_temps
+        from vlp.util import remove_stale_temps
 
         removed = remove_stale_temps(self.out_dir, TEMP_PATTERN)
         self.notes = [f"removed {len(removed)} temp file(s) of killed writers ({removed[0].name}, ...)"] if removed else []

@@ -13,10 +13,10 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from eval import datasets as D
-from eval.report import write_reports
-from eval.retrieval import clip_benchmark_names, embed_retrieval, retrieval_metrics
-from eval.zeroshot import build_classifier, load_templates, zeroshot_classify
+from vlp.eval import datasets as D
+from vlp.eval.report import write_reports
+from vlp.eval.retrieval import clip_benchmark_names, embed_retrieval, retrieval_metrics
+from vlp.eval.zeroshot import build_classifier, load_templates, zeroshot_classify
 
 SUITE_KEYS = {"retrieval", "classification", "batch_size", "num_workers", "precision", "chunk_size"}
 RETRIEVAL_KEYS = {"name", "shards", "wds", "split", "batch_size"}
@@ -77,15 +77,15 @@ def load_suite(path: str) -> dict:
     """A suite YAML file, checked (check_suite)."""
     import yaml
 
-    from data_pipelines import strict_yaml
-    from data_pipelines.messages import first_line
+    from vlp.util import DuplicateKey, load_yaml
+    from vlp.util import first_line
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"eval suite not found: {path}")
     try:
         with open(path, encoding="utf-8") as f:
-            suite = strict_yaml.load(f.read()) or {}
-    except strict_yaml.DuplicateKey as e:
+            suite = load_yaml(f.read()) or {}
+    except DuplicateKey as e:
         raise ValueError(f"eval suite {path}: {e}") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ValueError(f"eval suite {path} is not valid YAML: {first_line(e)}") from None
@@ -148,7 +148,7 @@ def embed_retrieval_shards(model, tokenizer, transform, shards: str, device, bat
                            num_workers: int = 0, skipped: Optional[Counter] = None, precision: str = "fp32",
                            show_progress: bool = False):
     """(img_emb, txt_emb, txt_to_img) of a retrieval shard set, read by the one eval reader
-    (eval.datasets.ShardRetrieval); skipped images are counted into `skipped`."""
+    (vlp.eval.datasets.ShardRetrieval); skipped images are counted into `skipped`."""
     loader = D.make_eval_loader(D.ShardRetrieval(shards, transform, tokenizer), batch_size, num_workers,
                                 collate_fn=D.collate_retrieval)
     return embed_retrieval(model, counting(loader, Counter() if skipped is None else skipped), device,
@@ -184,7 +184,7 @@ def run_eval_suite(
     zeroshot_classification_templates.txt when it has one), "simple", a file, or a list. Shard
     class names default to classnames.txt beside/above the shards.
     Metrics are fractions in [0, 1] (metrics.json, the returned dict); metrics.md shows percent.
-    Retrieval shards are read by eval's one reader, eval.datasets.ShardRetrieval (an image and a
+    Retrieval shards are read by eval's one reader, vlp.eval.datasets.ShardRetrieval (an image and a
     caption member per sample, one caption per line: CLIP_benchmark's wds layout; every sample
     once, in shard order), the same for `vlp eval`, the trainer and the benchmarks.
 

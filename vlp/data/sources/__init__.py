@@ -1,6 +1,6 @@
 """Built-in offline sources of (image, caption) pairs.
 
-Every source yields :class:`Pair` objects; ``data_pipelines.write.write_shards`` turns any
+Every source yields :class:`Pair` objects; ``vlp.data.write.write_shards`` turns any
 iterable of them into webdataset shards.
 
 - ``openmoji``: ~1.9k real emoji renders with their Unicode names (the default demo data).

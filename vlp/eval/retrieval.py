@@ -29,7 +29,7 @@ from typing import Iterable, Sequence
 import torch
 from tqdm import tqdm
 
-from eval import keys
+from vlp.eval import keys
 
 # ----------------------------------------------------------------------------- metrics (pure)
 
