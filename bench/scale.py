@@ -92,7 +92,7 @@ def planning(spec: str) -> dict:
 
     from vlp.data.shard_io import Retry
     from vlp.data.stream import make_loader
-    from vlp.data.tars import expand_sources, shard_sizes
+    from vlp.data.shard_list import expand_sources, shard_sizes
 
     out = {}
     t = time.perf_counter()

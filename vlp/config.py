@@ -98,7 +98,7 @@ class DataConfig:
     num_samples: Optional[int] = None
     """Samples per epoch (all ranks). Needed for remote shards (URL or pipe:) that have no
     sizes.json or img2dataset *_stats.json beside them: their sizes are then assumed equal
-    (vlp.data.tars.shard_sizes). Unset: the total of the shards' sizes."""
+    (vlp.data.shard_list.shard_sizes). Unset: the total of the shards' sizes."""
     io_retries: int = 3
     """Retries of a failed shard open or read (remote shards); a retry continues at the same
     byte, so batches do not change. A shard still failing counts as 'bad_shard'."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from vlp.data.stream import make_loader
-from vlp.data.tars import expand_sources, shard_sizes
+from vlp.data.shard_list import expand_sources, shard_sizes
 from dp_helpers import to_tensor, tokenize
 from object_store import DropProxy, start_gcs, start_s3
 from test_remote import _assert_same, _batches, _http, _train, _weights, server  # noqa: F401 (fixture)

@@ -20,7 +20,7 @@ import torch
 
 from vlp.data.shard_io import Retry, ShardStream, open_shard
 from vlp.data.stream import make_loader
-from vlp.data.tars import expand_sources, shard_sizes
+from vlp.data.shard_list import expand_sources, shard_sizes
 from dp_helpers import to_tensor, tokenize
 from vlp_testing import PYTHON, REPO, run_env
 

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from vlp.data import stream, tars
+from vlp.data import shard_list, stream
 from vlp.data.stream import SEQ, BatchSizes, _bounds, make_loader, rest_samples
-from vlp.data.tars import SizesFetchError, brace_expand, expand_sources, shard_sizes
+from vlp.data.shard_list import SizesFetchError, brace_expand, expand_sources, shard_sizes
 from dp_helpers import png_bytes, to_tensor, tokenize, write_tar
 
 
@@ -96,7 +96,7 @@ def test_local_sizes_json_opened_once_per_directory(tmp_path, monkeypatch):
         opened[os.path.basename(str(path))] += 1
         return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(tars, "open", counting_open, raising=False)
+    monkeypatch.setattr(shard_list, "open", counting_open, raising=False)
     spec = f"{tmp_path}/a/s-{{000000..000299}}.tar::{tmp_path}/b::{tmp_path}/b/s-{{000000..000009}}.tar"
     run = loader(spec, batch_size=8, shuffle_buffer=4)
     assert len(run.plan.paths) == 610 and sum(run.plan.sizes) == 610 * 12
@@ -280,7 +280,7 @@ def test_rest_against_other_sizes_is_refused(uneven, tmp_path):
 
 def test_sizes_table_shared_by_expand_and_sizes(tmp_path):
     root = _layout(tmp_path / "d", 50, declared=99)
-    assert stream.sizes_from_spec(str(root)) == 50 * 99
+    assert shard_list.sizes_from_spec(str(root)) == 50 * 99
     tables: dict = {}
     paths = [p for src in expand_sources(str(root), tables=tables) for p in src]
     (root / "sizes.json").unlink()  # shard_sizes uses the table expand_sources read (else: 12)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from vlp.data.sources import synthetic
-from vlp.data.stream import read_shard, make_loader
+from vlp.data.stream import make_loader
+from vlp.data.tars import read_shard
 from vlp.data.write import write_shards
 from dp_helpers import jpeg_bytes, png_bytes, to_tensor, tokenize, write_sizes, write_tar
 

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from vlp.data.sources import Pair
-from vlp.data.stream import expand_sources, sizes_from_spec
+from vlp.data.shard_list import expand_sources, sizes_from_spec
 from vlp.data.write import shard_spec, spec_for, write_shards
 
 

@@ -52,10 +52,8 @@ import numpy as np
 import torch
 
 from vlp.data.decode import image_decoder
-from vlp.data.tars import (  # noqa: F401  (re-exported: the public shard helpers)
-    IMAGE_EXTS, TEXT_EXTS, check_sample, read_shard, decode_image, expand_sources, image_decodes,
-    shard_sizes, sizes_from_spec, warn_bad_shard,
-)
+from vlp.data.shard_list import expand_sources, shard_sizes
+from vlp.data.tars import IMAGE_EXTS, TEXT_EXTS, check_sample, image_decodes, read_shard, warn_bad_shard
 from vlp.data.shard_io import Retry
 
 SKIP_KINDS = ("corrupt_image", "missing_caption", "missing_image", "bad_member", "bad_shard")
@@ -848,7 +846,7 @@ def make_loader(
                  (vlp.data.shard_io); remote shards are streamed, never downloaded whole.
     num_samples: samples per epoch over all ranks (default: total from sizes.json); also what
                  remote shards without sizes.json / *_stats.json are laid out by
-                 (tars.shard_sizes: equal shares, an assumption).
+                 (shard_list.shard_sizes: equal shares, an assumption).
     drop_last:   split mode only; False pads ranks by wrapping around (a few repeats) and
                  keeps a partial last batch.
     start_batch: skip this many batches of ``epoch`` (resume); see ``Loader.set_epoch``.

@@ -35,7 +35,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from vlp.data.shard_io import is_url, read_small
-from vlp.data.tars import IMAGE_EXTS, TEXT_EXTS, read_shard, expand_sources
+from vlp.data.shard_list import expand_sources
+from vlp.data.tars import IMAGE_EXTS, TEXT_EXTS, read_shard
 
 IMAGE_EXTENSIONS = tuple(f".{ext}" for ext in IMAGE_EXTS)  # the shard reader's list: one definition
 SYNSETS_PATH = Path(__file__).with_name("imagenet_synsets.txt")
@@ -219,7 +220,7 @@ def class_folder(root, transform: Optional[Callable] = None,
 def expand_shards(spec: Union[str, Sequence[str]]) -> list[str]:
     """A brace pattern ("eval/{000..009}.tar"), a glob, a directory (its sizes.json shards, else
     its *.tar, sorted), a "::"-joined string of those, or a list of those → list of tar paths
-    (order kept). The training stream's rules (vlp.data.tars.expand_sources)."""
+    (order kept). The training stream's rules (vlp.data.shard_list.expand_sources)."""
     parts = [spec] if isinstance(spec, str) else list(spec)
     return [p for source in expand_sources("::".join(str(p) for p in parts)) for p in source]
 
