@@ -4,7 +4,7 @@ files with image bytes, a Hugging Face `imagefolder` (metadata.jsonl/csv) or a d
 `save_to_disk`; and the built-in sources by name ('openmoji', 'synthetic:N').
 
 Every reader yields pair-likes (a Pair, or a dict with key, caption or caption_path, image or
-image_path, meta) in a stable order; ``vlp.data.write.encode_pair`` reads and checks them.
+image_path, meta) in a stable order; ``vlp.data.encode.encode_pair`` reads and checks them.
 """
 
 from __future__ import annotations
