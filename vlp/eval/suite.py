@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import Counter
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -191,46 +191,18 @@ def run_eval_suite(
     Returns {name: {"task", "metrics", "clip_benchmark", sizes...}}; out_dir=None writes nothing.
     """
     check_suite(suite)
-    bs, nw = int(suite.get("batch_size", 64)), int(suite.get("num_workers", 0))
-    precision, chunk = suite.get("precision", "fp32"), int(suite.get("chunk_size", 4096))
+    opts = _Options(int(suite.get("batch_size", 64)), int(suite.get("num_workers", 0)),
+                    suite.get("precision", "fp32"), int(suite.get("chunk_size", 4096)), show_progress)
     device = torch.device(device)
     results: dict[str, Any] = {}
-
-    def _name(entry, where):
-        if "name" not in entry:
-            raise ValueError(f"{where} entry needs a 'name'")
-        if entry["name"] in results:
-            raise ValueError(f"duplicate eval name {entry['name']!r}")
-        return entry["name"]
-
     for entry in suite.get("retrieval") or []:
         _check_keys(entry, RETRIEVAL_KEYS, "retrieval entry")
-        name, ebs = _name(entry, "retrieval"), int(entry.get("batch_size", bs))
-        skipped: Counter[str] = Counter()
-        img_emb, txt_emb, txt_to_img = embed_retrieval_shards(model, tokenizer, transform, shards_of(entry), device,
-                                                              ebs, nw, skipped, precision, show_progress)
-        metrics = retrieval_metrics(img_emb.to(device), txt_emb.to(device), txt_to_img.to(device), chunk_size=chunk)
-        results[name] = {"task": "retrieval", "metrics": metrics, "clip_benchmark": clip_benchmark_names(metrics),
-                         "n_images": int(img_emb.shape[0]), "n_texts": int(txt_emb.shape[0]),
-                         "skipped": dict(sorted(skipped.items())), "units": UNITS}
-
+        results[_entry_name(entry, "retrieval", results)] = _retrieval_task(
+            model, tokenizer, transform, entry, device, opts)
     for entry in suite.get("classification") or []:
         _check_keys(entry, CLASSIFICATION_KEYS, "classification entry")
-        name = _name(entry, "classification")
-        dataset, classnames = _classification_dataset(entry, transform)
-        templates_spec = entry.get("templates") or _shard_templates(entry) or "openai"
-        classifier = build_classifier(model, tokenizer, classnames, load_templates(templates_spec), device,
-                                      precision=precision, show_progress=show_progress)
-        loader = D.make_eval_loader(dataset, int(entry.get("batch_size", bs)), nw)
-        skipped = Counter(getattr(dataset, "skipped", {}))  # left out when the folders were read
-        metrics = zeroshot_classify(model, classifier, counting(loader, skipped), device, precision=precision,
-                                    show_progress=show_progress)
-        n = metrics.pop("n")
-        results[name] = {"task": "classification", "metrics": metrics, "clip_benchmark": clip_benchmark_names(metrics),
-                         "n": n, "num_classes": len(classnames),
-                         "templates": templates_spec if isinstance(templates_spec, str) else "custom",
-                         "skipped": dict(sorted(skipped.items())), "units": UNITS}
-
+        results[_entry_name(entry, "classification", results)] = _classification_task(
+            model, tokenizer, transform, entry, device, opts)
     for name, result in results.items():
         result["warnings"] = meaningless(result["task"], result)
         for text in result["warnings"]:
@@ -239,3 +211,49 @@ def run_eval_suite(
     if out_dir is not None:
         write_reports(results, out_dir)
     return results
+
+
+class _Options(NamedTuple):
+    """A suite's shared settings: batch size, loader workers, precision, retrieval chunk."""
+
+    batch_size: int
+    num_workers: int
+    precision: str
+    chunk_size: int
+    show_progress: bool
+
+
+def _entry_name(entry: dict, where: str, results: dict) -> str:
+    if "name" not in entry:
+        raise ValueError(f"{where} entry needs a 'name'")
+    if entry["name"] in results:
+        raise ValueError(f"duplicate eval name {entry['name']!r}")
+    return entry["name"]
+
+
+def _retrieval_task(model, tokenizer, transform, entry: dict, device: torch.device, opts: _Options) -> dict:
+    skipped: Counter[str] = Counter()
+    img_emb, txt_emb, txt_to_img = embed_retrieval_shards(
+        model, tokenizer, transform, shards_of(entry), device, int(entry.get("batch_size", opts.batch_size)),
+        opts.num_workers, skipped, opts.precision, opts.show_progress)
+    metrics = retrieval_metrics(img_emb.to(device), txt_emb.to(device), txt_to_img.to(device),
+                                chunk_size=opts.chunk_size)
+    return {"task": "retrieval", "metrics": metrics, "clip_benchmark": clip_benchmark_names(metrics),
+            "n_images": int(img_emb.shape[0]), "n_texts": int(txt_emb.shape[0]),
+            "skipped": dict(sorted(skipped.items())), "units": UNITS}
+
+
+def _classification_task(model, tokenizer, transform, entry: dict, device: torch.device, opts: _Options) -> dict:
+    dataset, classnames = _classification_dataset(entry, transform)
+    templates_spec = entry.get("templates") or _shard_templates(entry) or "openai"
+    classifier = build_classifier(model, tokenizer, classnames, load_templates(templates_spec), device,
+                                  precision=opts.precision, show_progress=opts.show_progress)
+    loader = D.make_eval_loader(dataset, int(entry.get("batch_size", opts.batch_size)), opts.num_workers)
+    skipped = Counter(getattr(dataset, "skipped", {}))  # left out when the folders were read
+    metrics = zeroshot_classify(model, classifier, counting(loader, skipped), device, precision=opts.precision,
+                                show_progress=opts.show_progress)
+    n = metrics.pop("n")
+    return {"task": "classification", "metrics": metrics, "clip_benchmark": clip_benchmark_names(metrics),
+            "n": n, "num_classes": len(classnames),
+            "templates": templates_spec if isinstance(templates_spec, str) else "custom",
+            "skipped": dict(sorted(skipped.items())), "units": UNITS}
