@@ -172,7 +172,7 @@ def default_cache_dir() -> Path:
     root = os.environ.get("VLP_CACHE")
     if root:
         return Path(root) / "openmoji"
-    return Path(__file__).resolve().parents[2] / ".cache" / "openmoji"
+    return Path(__file__).resolve().parents[3] / ".cache" / "openmoji"
 
 
 def _render_into(directory: Path, image_size: int) -> None:
