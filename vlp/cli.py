@@ -18,6 +18,29 @@ USER_ERRORS = (ConfigError, FileNotFoundError, NotADirectoryError, ValueError, F
                FileExistsError, IsADirectoryError, PermissionError)
 
 
+class _Once(argparse.Action):
+    """Store an option's value; giving the option a second time is refused in one line
+    (argparse would keep the last value without a word: `vlp eval --out a --out b` writes to b)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault("_given", {})  # dest -> the first value given
+        if self.dest in given:
+            raise ConfigError(f"{'/'.join(self.option_strings)} is given twice ({given[self.dest]!r} and "
+                              f"{values!r}): give it once")
+        given[self.dest] = values
+        setattr(namespace, self.dest, values)
+
+
+class _Parser(argparse.ArgumentParser):
+    """vlp's parsers: every single-valued option is given at most once (_Once); repeatable
+    options say so with action="append"."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _Once)
+        self.register("action", "store", _Once)
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", help="YAML config file (configs/*.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. loss.name=flatnce data.batch_per_device=32")
@@ -188,12 +211,13 @@ def _add_demo(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vlp", description="CLIP-style contrastive pretraining (InfoNCE, FlatNCE, SigLIP)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="vlp", description="CLIP-style contrastive pretraining (InfoNCE, FlatNCE, SigLIP)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     for add in (_add_shards, _add_train, _add_eval, _add_compare, _add_demo):
         add(sub)
     return parser
+
 
 def user_message(error: BaseException) -> str:
     """One line for the user. An exception from a DataLoader worker arrives re-raised by torch as
@@ -221,11 +245,11 @@ def peer_failure(error: BaseException) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     from vlp.util import cap
     from vlp.train.preempt import EXIT_PREEMPTED, Preempted
 
     try:
+        args = build_parser().parse_args(argv)  # a repeated option: one line below, like a config error
         return args.func(args)
     except Preempted as e:  # saved; the scheduler requeues on this status (launch/slurm.sbatch)
         print(f"vlp: {e}", file=sys.stderr)
