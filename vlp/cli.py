@@ -118,9 +118,11 @@ def cmd_compare(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    from vlp.config import parse_overrides
     from vlp.demo import run_demo
 
     _local_only(args.out, "vlp demo --out", "the demo writes its shards and runs locally")
+    parse_overrides(args.overrides)  # a malformed or repeated override: refused before the shards are written
 
     run_demo(out_dir=args.out, overrides=args.overrides, config=args.config)
     return 0
