@@ -141,3 +141,21 @@ def test_number_rule_edges():
     r = number(0, 1, hi_open=True)
     assert r.ok(0) and r.ok(0.999) and not r.ok(1) and not r.ok(-1e-9) and not r.ok(math.nan)
     assert set(map(repr, r.bad)) == {"nan", "inf", "-inf", "-0.5", "1"}
+
+
+def test_the_keys_page_is_in_step_with_the_declarations():
+    """docs/configuration.md lists every key as vlp/config_keys.py declares it (scripts/config_keys.py)."""
+    import importlib.util
+
+    from vlp_testing import REPO
+
+    spec = importlib.util.spec_from_file_location("config_keys_script", REPO / "scripts" / "config_keys.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    page = script.PAGE.read_text()
+    assert script.with_keys(page) == page, "docs/configuration.md is out of step: run python scripts/config_keys.py"
+    table = script.keys_markdown()
+    assert all(f"| `{name}` |" in table for name in KEYS)
+    assert "| `data.batch_per_device` | int | `64` | > 0 | layout: refused when exact, applied when continue |" in table
+    assert "| `loss.tau` | float or null | null | finite and > 0 and &lt;= 1 | refused (logit_scale comes from the " \
+           "checkpoint) |" in table

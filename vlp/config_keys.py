@@ -21,6 +21,8 @@ from vlp.losses.registry import NAMES as LOSS_NAMES
 
 @dataclass
 class ModelConfig:
+    """`model:` the dual encoder: architecture, initial weights, locked towers."""
+
     name: str = key("vlp-tiny", NAME, SHAPES_MODEL)
     """open_clip model name (built-in or vlp/models/model_configs/*.json) or a path to a model JSON."""
     pretrained: Optional[str] = key(None, WEIGHTS, WEIGHTS_WIN)
@@ -64,6 +66,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    """`data:` the training and held-out shards and how they are read."""
+
     train_shards: str = key("", ANY,  # empty: not given (`vlp train` asks for it)
                             KeyRule(REFUSE, "the saved data position is in the old shard list"))
     """Webdataset spec: brace expansion, several sources joined by '::'."""
@@ -107,6 +111,8 @@ class DataConfig:
 
 @dataclass
 class LossConfig:
+    """`loss:` the contrastive loss and its temperature."""
+
     name: Literal[LOSS_NAMES] = key("infonce", ANY, LAYOUT_STATE)
     """Contrastive loss over the gathered global batch (the names of vlp/losses/registry.py)."""
     temperature: Optional[Literal["learnable", "fixed", "split"]] = key(None, ANY, LAYOUT_STATE)
@@ -134,6 +140,8 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
+    """`optim:` the optimizer and the learning-rate schedule."""
+
     name: Literal["adamw", "lars", "sgd"] = key(
         "adamw", ANY, KeyRule(REFUSE, "the saved optimizer state is another optimizer's"))
     """adamw (fused); lars: SGD with momentum and LARS's layer-wise trust ratio (SimCLR/FlatNCE
@@ -148,8 +156,11 @@ class OptimConfig:
     weight_decay: float = key(0.2, number(0), APPLIED)
     """AdamW weight decay (never on biases, norms, embeddings' gains or logit_scale/bias)."""
     beta1: float = key(0.9, number(0, 1, hi_open=True), APPLIED)
+    """AdamW: decay rate of the gradient's moving average."""
     beta2: float = key(0.98, number(0, 1, hi_open=True), APPLIED)
+    """AdamW: decay rate of the squared gradient's moving average."""
     eps: float = key(1e-6, number(0, lo_open=True), APPLIED)
+    """AdamW: added to the denominator."""
     warmup_steps: int = key(50, COUNT, APPLIED)  # resumed: the LR lambda reads the new config
     """Linear warmup steps."""
     schedule: Literal["cosine", "constant", "const-cooldown"] = key("cosine", ANY, APPLIED)
@@ -162,6 +173,8 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
+    """`train:` the run: budget, precision, parallelism, logging, checkpoints, resume."""
+
     seed: int = key(0, SEED, LAYOUT_KEY)
     """Seeds model init and the data order."""
     samples: int = key(100_000, POSITIVE_INT, APPLIED)
@@ -212,6 +225,8 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
+    """`eval:` evaluation during training."""
+
     batch_size: int = key(256, POSITIVE_INT, HARMLESS)
     """Batch size for embedding eval data."""
     suite: Optional[str] = key(None, FILE, APPLIED)
