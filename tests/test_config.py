@@ -80,6 +80,21 @@ def test_overrides_are_parsed_once_each():
      "on one line"),
 ])
 def test_repeated_or_multi_line_overrides_are_one_line(overrides, message):
+    """A command line gives each key once (vlp.cli: parse_overrides(once=True)); a line break is
+    refused wherever overrides are read."""
+    from vlp.config import parse_overrides
+
     with pytest.raises(ConfigError) as e:
-        load_config(DEMO, overrides)
+        parse_overrides(overrides, once=True)
     assert str(e.value) == message
+    if "line break" in message:
+        with pytest.raises(ConfigError) as e:
+            load_config(DEMO, overrides)
+        assert str(e.value) == message
+
+
+def test_a_program_may_replace_its_own_earlier_overrides():
+    """Lists a program builds (the demo's settings, then the user's) are read in order, later items
+    replacing earlier ones; only a user's command line must give each key once."""
+    cfg = load_config(DEMO, ["train.samples=64", "optim={lr: 0.1, warmup_steps: 0}", "train.samples=96", "optim.lr=0.2"])
+    assert (cfg.train.samples, cfg.optim.lr, cfg.optim.warmup_steps) == (96, 0.2, 0)

@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from vlp.cli import main
-from vlp_testing import REPO, write_tar
+from vlp_testing import REPO, overrides, write_tar
 
 TINY = ["model.name=vlp-micro", "data.batch_per_device=16", "optim.lr=2e-3", "optim.warmup_steps=2",
         "train.log_every=1", "data.shuffle_buffer=64", "train.samples=64", "data.eval_shards=null"]
@@ -61,7 +61,7 @@ def png(color, size=(24, 16)) -> bytes:
 
 def train(shards, out, *extra):
     return ["train", "-c", REPO / "configs/demo.yaml", f"data.train_shards={shards}", f"train.output_dir={out}",
-            *TINY, *extra]
+            *overrides(*TINY, *extra)]
 
 
 # ----------------------------------------------------------------------------- vlp shards

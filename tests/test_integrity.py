@@ -13,7 +13,7 @@ import torch
 from vlp.train import checkpoint as ckpt
 from vlp import integrity
 from vlp.cli import main
-from vlp_testing import REPO
+from vlp_testing import REPO, overrides
 
 TINY = ["model.name=vlp-micro", "data.batch_per_device=16", "optim.lr=2e-3", "optim.warmup_steps=2",
         "train.log_every=1", "data.shuffle_buffer=64", "train.samples=64", "data.eval_shards=null"]
@@ -21,7 +21,7 @@ TINY = ["model.name=vlp-micro", "data.batch_per_device=16", "optim.lr=2e-3", "op
 
 def train_args(shards, out, *extra):
     return ["train", "-c", str(REPO / "configs/demo.yaml"), f"data.train_shards={shards}",
-            f"train.output_dir={out}", *TINY, *extra]
+            f"train.output_dir={out}", *overrides(*TINY, *extra)]
 
 
 def run(capsys, *args):

@@ -9,7 +9,7 @@ import pytest
 from vlp.train import resume
 from vlp.cli import main
 from vlp.config import KEYS, ConfigError, load_config
-from vlp_testing import REPO
+from vlp_testing import REPO, overrides
 
 TINY = ["model.name=vlp-micro", "data.batch_per_device=16", "optim.lr=2e-3", "optim.warmup_steps=2",
         "optim.schedule=constant", "train.log_every=1", "data.shuffle_buffer=64", "train.samples=64",
@@ -65,7 +65,7 @@ def test_check_resume_refuses_a_refused_key_in_one_line():
 
 def _train(shards, out, *extra):
     return ["train", "-c", str(REPO / "configs/demo.yaml"), f"data.train_shards={shards}",
-            f"train.output_dir={out}", *TINY, *extra]
+            f"train.output_dir={out}", *overrides(*TINY, *extra)]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import gc
 import os
 import sys
 
-from vlp.config import ConfigError
+from vlp.config import ConfigError, load_config, parse_overrides
 
 USER_ERRORS = (ConfigError, FileNotFoundError, NotADirectoryError, ValueError, FloatingPointError,
                FileExistsError, IsADirectoryError, PermissionError)
@@ -71,10 +71,15 @@ def cmd_shards(args) -> int:
     return 0
 
 
-def cmd_train(args) -> int:
-    from vlp.config import load_config
+def _command_line_overrides(args) -> list[str]:
+    """The dotted overrides of this command line, each key given once (else one line: the last
+    would win without a word), none holding a line break."""
+    parse_overrides(args.overrides, once=True)
+    return args.overrides
 
-    cfg = load_config(args.config, args.overrides)  # config errors surface before torch is imported
+
+def cmd_train(args) -> int:
+    cfg = load_config(args.config, _command_line_overrides(args))  # config errors come before torch's import
     if not cfg.data.train_shards:
         raise ConfigError("config: data.train_shards is empty: give a shard spec (see `vlp shards`)")
     from vlp.train.loop import Trainer
@@ -112,19 +117,17 @@ def cmd_eval(args) -> int:
 def cmd_compare(args) -> int:
     from vlp.study.compare import DEFAULT_CONFIG, load_compare_config, run_grid
 
-    base, grid = load_compare_config(args.config or DEFAULT_CONFIG, args.overrides, quick=args.quick)
+    base, grid = load_compare_config(args.config or DEFAULT_CONFIG, _command_line_overrides(args), quick=args.quick)
     run_grid(base, grid, report_only=args.report_only)
     return 0
 
 
 def cmd_demo(args) -> int:
-    from vlp.config import parse_overrides
     from vlp.demo import run_demo
 
     _local_only(args.out, "vlp demo --out", "the demo writes its shards and runs locally")
-    parse_overrides(args.overrides)  # a malformed or repeated override: refused before the shards are written
-
-    run_demo(out_dir=args.out, overrides=args.overrides, config=args.config)
+    # checked before the shards are written
+    run_demo(out_dir=args.out, overrides=_command_line_overrides(args), config=args.config)
     return 0
 
 

@@ -156,11 +156,13 @@ def from_dict(data: dict, cls: type = Config, prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
-def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
+def parse_overrides(overrides: Sequence[str], once: bool = False) -> list[tuple[str, Any]]:
     """(key, value) of each `a.b=value` override, the value parsed as YAML. Refused in one line:
-    an item without '=', one holding a line break (YAML would fold it into a space without a
-    word), and two overrides of one key, or of a key and the section holding it (the last would
-    win without a word: `data.train_shards=A data.train_shards=B` trains on B alone)."""
+    an item without '=' and one holding a line break (YAML would fold it into a space without a
+    word). once: also two overrides of one key, or of a key and the section holding it, where
+    the last would win without a word (`data.train_shards=A data.train_shards=B` trains on B
+    alone): the rule of a user's command line (vlp.cli). Without it a later item replaces an
+    earlier one (a program adding its own settings to a base list)."""
     pairs: list[tuple[str, Any]] = []
     given: dict[str, str] = {}  # key -> the override that set it
     for item in overrides:
@@ -169,7 +171,7 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
         if "=" not in item:
             raise ConfigError(f"config: override '{item}' must look like key.sub=value")
         key, raw = item.split("=", 1)
-        for other, first in given.items():
+        for other, first in given.items() if once else ():
             if key == other or key.startswith(f"{other}.") or other.startswith(f"{key}."):
                 raise ConfigError(f"config: overrides {short(first)} and {short(item)} both set "
                                   f"{max(key, other, key=len)}: give each key once")
@@ -183,7 +185,7 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
 
 
 def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
-    """Apply `a.b=value` overrides (parse_overrides) onto a nested dict."""
+    """Apply `a.b=value` overrides (parse_overrides) onto a nested dict, in order."""
     for key, value in parse_overrides(overrides):
         set_dotted(data, key, value)
     return data
