@@ -27,8 +27,8 @@ def _port() -> int:
 
 
 def _train_args(shards, out, *extra):
-    return ["-m", "vlp", "train", "-c", "configs/demo.yaml", f"data.train_shards={shards['train']}",
-            f"train.output_dir={out}", *overrides(*COMMON, *extra)]
+    return ["-m", "vlp", "train", "-c", "configs/demo.yaml", *overrides(
+                f"data.train_shards={shards['train']}", f"train.output_dir={out}", *COMMON, *extra)]
 
 
 def _launch(args, machines=1, rank=0, port=None, wait=True):

@@ -146,8 +146,8 @@ def test_fsdp_bf16_policy_trains_like_fp32(runs):
 def _launch(shards, out, *extra, wait=True):
     cmd = [ACCELERATE, "launch", "--config_file", "launch/cpu_2proc.yaml", "--main_process_port",
            str(29500 + (os.getpid() + 7) % 1000), "-m", "vlp", "train", "-c", "configs/demo.yaml",
-           f"data.train_shards={shards['train']}", f"train.output_dir={out}",
-           *overrides(*COMMON, "train.parallel=fsdp", *extra)]
+           *overrides(f"data.train_shards={shards['train']}", f"train.output_dir={out}", *COMMON,
+                      "train.parallel=fsdp", *extra)]
     env = run_env() | {"ACCELERATE_USE_CPU": "1"}
     if not wait:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -20,8 +20,8 @@ TINY = ["model.name=vlp-micro", "data.batch_per_device=16", "optim.lr=2e-3", "op
 
 
 def train_args(shards, out, *extra):
-    return ["train", "-c", str(REPO / "configs/demo.yaml"), f"data.train_shards={shards}",
-            f"train.output_dir={out}", *overrides(*TINY, *extra)]
+    return ["train", "-c", str(REPO / "configs/demo.yaml"), *overrides(
+                f"data.train_shards={shards}", f"train.output_dir={out}", *TINY, *extra)]
 
 
 def run(capsys, *args):

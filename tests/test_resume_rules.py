@@ -64,8 +64,8 @@ def test_check_resume_refuses_a_refused_key_in_one_line():
 
 
 def _train(shards, out, *extra):
-    return ["train", "-c", str(REPO / "configs/demo.yaml"), f"data.train_shards={shards}",
-            f"train.output_dir={out}", *overrides(*TINY, *extra)]
+    return ["train", "-c", str(REPO / "configs/demo.yaml"), *overrides(
+                f"data.train_shards={shards}", f"train.output_dir={out}", *TINY, *extra)]
 
 
 @pytest.fixture(scope="module")
