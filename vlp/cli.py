@@ -24,7 +24,7 @@ class _Once(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         given = namespace.__dict__.setdefault("_given", {})  # dest -> the first value given
-        if self.dest in given:
+        if self.dest in given and self.option_strings:  # (a positional is argparse's to fill)
             raise ConfigError(f"{'/'.join(self.option_strings)} is given twice ({given[self.dest]!r} and "
                               f"{values!r}): give it once")
         given[self.dest] = values
@@ -126,7 +126,6 @@ def cmd_demo(args) -> int:
     from vlp.demo import run_demo
 
     _local_only(args.out, "vlp demo --out", "the demo writes its shards and runs locally")
-    # checked before the shards are written
     run_demo(out_dir=args.out, overrides=_command_line_overrides(args), config=args.config)
     return 0
 
