@@ -30,6 +30,15 @@ def bench_env(**extra: str) -> dict:
     return env
 
 
+def overrides(*items: str) -> list[str]:
+    """`key=value` overrides for a `vlp` command line, a later item replacing an earlier one of the
+    same key (a script's extras over its base list; `vlp` refuses a key given twice)."""
+    merged: dict[str, str] = {}
+    for item in items:
+        merged[item.split("=", 1)[0]] = item
+    return list(merged.values())
+
+
 def pin_threads() -> None:
     """The benchmarks measure one compute thread per process (OMP_NUM_THREADS=1)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")

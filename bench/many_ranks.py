@@ -61,7 +61,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import PYTHON, REPO, bench_env, figure, header, median  # noqa: E402
+from bench._common import PYTHON, REPO, bench_env, figure, header, median, overrides  # noqa: E402
 
 GIB = 1024 ** 3
 GUARD_BYTES = 1.5 * GIB  # a launch is killed when the machine has less available than this
@@ -131,12 +131,12 @@ class RssSampler:
 def launch_cmd(nproc: int, spec: str, out: Path, mode: str, steps: int, every: int, extra=()) -> list[str]:
     return [PYTHON, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "launch" / "cpu_2proc.yaml"),
             "--num_processes", str(nproc), "--main_process_port", str(free_port()),
-            "-m", "vlp", "train", "-c", str(REPO / "configs" / "demo.yaml"),
+            "-m", "vlp", "train", "-c", str(REPO / "configs" / "demo.yaml"), *overrides(
             "model.name=vlp-micro", f"data.train_shards={spec}", "data.eval_shards=",
             "data.batch_per_device=2", "data.num_workers=0", "data.shuffle_buffer=64",
             f"train.samples={steps * 2 * nproc}", "train.log_every=1", f"train.checkpoint_every={every}",
             "train.keep_last=0", "train.eval_every=0", f"train.parallel={mode}", f"train.output_dir={out}",
-            "optim.lr=1e-3", "optim.warmup_steps=2", *extra]
+            "optim.lr=1e-3", "optim.warmup_steps=2", *extra)]
 
 
 def kill_job(launcher_pid: int) -> None:

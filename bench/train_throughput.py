@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import (  # noqa: E402
-    PYTHON, REPO, alternate, bench_env, figure, header, median, paired_ratio, run, spread,
+    PYTHON, REPO, alternate, bench_env, figure, header, median, overrides, paired_ratio, run, spread,
 )
 
 OPEN_CLIP_WRAPPER = (
@@ -48,12 +48,12 @@ def openmoji_train_spec() -> str:
 
 def vlp_cmd(spec: str, out: Path, model: str, batch: int, steps: int, workers: int, seed: int = 0,
             lr: float = 1e-3, warmup: int = 10, extra: list[str] | None = None) -> list[str]:
-    return [PYTHON, "-m", "vlp", "train", "-c", str(REPO / "configs" / "demo.yaml"),
+    return [PYTHON, "-m", "vlp", "train", "-c", str(REPO / "configs" / "demo.yaml"), *overrides(
             f"model.name={model}", f"data.train_shards={spec}", f"data.batch_per_device={batch}",
             f"data.num_workers={workers}", "data.shuffle_buffer=1000", f"train.samples={steps * batch}",
             "train.log_every=1", "train.checkpoint_every=0", "train.eval_every=0",
             f"train.output_dir={out}", f"train.seed={seed}", f"optim.lr={lr}",
-            f"optim.warmup_steps={warmup}", *(extra or [])]
+            f"optim.warmup_steps={warmup}", *(extra or []))]
 
 
 def open_clip_cmd(spec: str, logs: Path, model: str, batch: int, steps: int, workers: int, seed: int = 0,

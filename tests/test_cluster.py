@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlp_testing import PYTHON, REPO, run_env
+from vlp_testing import PYTHON, REPO, overrides, run_env
 
 ACCELERATE = shutil.which("accelerate", path=str(Path(os.sys.executable).parent)) or "accelerate"
 COMMON = ["model.name=vlp-micro", "data.batch_per_device=8", "optim.lr=1e-3", "optim.warmup_steps=2",
@@ -27,8 +27,8 @@ def _port() -> int:
 
 
 def _train_args(shards, out, *extra):
-    return ["-m", "vlp", "train", "-c", "configs/demo.yaml", f"data.train_shards={shards['train']}",
-            f"train.output_dir={out}", *COMMON, *extra]
+    return ["-m", "vlp", "train", "-c", "configs/demo.yaml", *overrides(
+                f"data.train_shards={shards['train']}", f"train.output_dir={out}", *COMMON, *extra)]
 
 
 def _launch(args, machines=1, rank=0, port=None, wait=True):

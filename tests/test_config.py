@@ -51,3 +51,50 @@ def test_temperature_default_depends_on_loss():
     assert load_config(DEMO, ["loss.name=infonce"]).loss.temperature == "learnable"
     assert load_config(DEMO, ["loss.name=siglip"]).loss.temperature == "learnable"
     assert load_config(DEMO, ["loss.name=flatnce", "loss.temperature=fixed"]).loss.temperature == "fixed"
+
+
+def test_overrides_are_parsed_once_each():
+    from vlp.config import parse_overrides
+
+    assert parse_overrides(["optim.lr=1e-3", "grid.seeds=[0, 1]", "data.eval_shards=", "train.output_dir=a b",
+                            "data.weights=1::2", "x.y={a: 1}"]) == [
+        ("optim.lr", "1e-3"), ("grid.seeds", [0, 1]), ("data.eval_shards", None), ("train.output_dir", "a b"),
+        ("data.weights", "1::2"), ("x.y", {"a": 1})]
+    assert parse_overrides(["data.mode=split", "data.modes=x", "dat.mode=y"])  # prefixes of names, not of keys
+    # (YAML 1.1 reads 1e-3 as a string; the field's type turns it into a float: test_demo_config_loads...)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.train_shards=A.tar", "data.train_shards=B.tar"],
+     "config: overrides 'data.train_shards=A.tar' and 'data.train_shards=B.tar' both set data.train_shards: "
+     "give each key once"),
+    (["optim.lr=1", "optim.lr=1"], "config: overrides 'optim.lr=1' and 'optim.lr=1' both set optim.lr: give each "
+     "key once"),
+    (["optim.lr=1", "optim={lr: 2}"], "config: overrides 'optim.lr=1' and 'optim={lr: 2}' both set optim.lr: give "
+     "each key once"),
+    (["train.output_dir=a\nb"], "config: override 'train.output_dir=a\\nb' holds a line break: give each override "
+     "on one line"),
+    (["train.output_dir=a\rb"], "config: override 'train.output_dir=a\\rb' holds a line break: give each override "
+     "on one line"),
+    (["train.output_dir\n=a"], "config: override 'train.output_dir\\n=a' holds a line break: give each override "
+     "on one line"),
+])
+def test_repeated_or_multi_line_overrides_are_one_line(overrides, message):
+    """A command line gives each key once (vlp.cli: parse_overrides(once=True)); a line break is
+    refused wherever overrides are read."""
+    from vlp.config import parse_overrides
+
+    with pytest.raises(ConfigError) as e:
+        parse_overrides(overrides, once=True)
+    assert str(e.value) == message
+    if "line break" in message:
+        with pytest.raises(ConfigError) as e:
+            load_config(DEMO, overrides)
+        assert str(e.value) == message
+
+
+def test_a_program_may_replace_its_own_earlier_overrides():
+    """Lists a program builds (the demo's settings, then the user's) are read in order, later items
+    replacing earlier ones; only a user's command line must give each key once."""
+    cfg = load_config(DEMO, ["train.samples=64", "optim={lr: 0.1, warmup_steps: 0}", "train.samples=96", "optim.lr=0.2"])
+    assert (cfg.train.samples, cfg.optim.lr, cfg.optim.warmup_steps) == (96, 0.2, 0)

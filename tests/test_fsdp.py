@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from _dist_utils import run_distributed
-from vlp_testing import REPO, run_env
+from vlp_testing import REPO, overrides, run_env
 
 ACCELERATE = shutil.which("accelerate", path=str(Path(os.sys.executable).parent)) or "accelerate"
 COMMON = ["model.name=vlp-micro", "data.batch_per_device=8", "data.num_workers=0", "optim.lr=1e-3",
@@ -146,7 +146,8 @@ def test_fsdp_bf16_policy_trains_like_fp32(runs):
 def _launch(shards, out, *extra, wait=True):
     cmd = [ACCELERATE, "launch", "--config_file", "launch/cpu_2proc.yaml", "--main_process_port",
            str(29500 + (os.getpid() + 7) % 1000), "-m", "vlp", "train", "-c", "configs/demo.yaml",
-           f"data.train_shards={shards['train']}", f"train.output_dir={out}", *COMMON, "train.parallel=fsdp", *extra]
+           *overrides(f"data.train_shards={shards['train']}", f"train.output_dir={out}", *COMMON,
+                      "train.parallel=fsdp", *extra)]
     env = run_env() | {"ACCELERATE_USE_CPU": "1"}
     if not wait:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

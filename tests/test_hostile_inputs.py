@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from vlp.cli import main
-from vlp_testing import REPO, write_tar
+from vlp_testing import REPO, overrides, write_tar
 
 TINY = ["model.name=vlp-micro", "data.batch_per_device=16", "optim.lr=2e-3", "optim.warmup_steps=2",
         "train.log_every=1", "data.shuffle_buffer=64", "train.samples=64", "data.eval_shards=null"]
@@ -60,8 +60,8 @@ def png(color, size=(24, 16)) -> bytes:
 
 
 def train(shards, out, *extra):
-    return ["train", "-c", REPO / "configs/demo.yaml", f"data.train_shards={shards}", f"train.output_dir={out}",
-            *TINY, *extra]
+    return ["train", "-c", REPO / "configs/demo.yaml",
+            *overrides(f"data.train_shards={shards}", f"train.output_dir={out}", *TINY, *extra)]
 
 
 # ----------------------------------------------------------------------------- vlp shards
@@ -503,8 +503,8 @@ def test_two_ranks_skip_counts_are_summed_in_result_and_log(tmp_path):
     accelerate = Path(os.sys.executable).parent / "accelerate"
     out = tmp_path / "run"
     cmd = [str(accelerate), "launch", "--config_file", "launch/cpu_2proc.yaml", "--main_process_port",
-           str(30500 + os.getpid() % 1000), "-m", "vlp", *[str(a) for a in train(tmp_path / "mix-{0..1}.tar", out)],
-           "data.batch_per_device=8", "train.samples=64"]
+           str(30500 + os.getpid() % 1000), "-m", "vlp",
+           *[str(a) for a in train(tmp_path / "mix-{0..1}.tar", out, "data.batch_per_device=8", "train.samples=64")]]
     proc = subprocess.run(cmd, cwd=REPO, env=run_env() | {"ACCELERATE_USE_CPU": "1"}, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -13,15 +13,15 @@ import torch
 from vlp.train import checkpoint as ckpt
 from vlp import integrity
 from vlp.cli import main
-from vlp_testing import REPO
+from vlp_testing import REPO, overrides
 
 TINY = ["model.name=vlp-micro", "data.batch_per_device=16", "optim.lr=2e-3", "optim.warmup_steps=2",
         "train.log_every=1", "data.shuffle_buffer=64", "train.samples=64", "data.eval_shards=null"]
 
 
 def train_args(shards, out, *extra):
-    return ["train", "-c", str(REPO / "configs/demo.yaml"), f"data.train_shards={shards}",
-            f"train.output_dir={out}", *TINY, *extra]
+    return ["train", "-c", str(REPO / "configs/demo.yaml"), *overrides(
+                f"data.train_shards={shards}", f"train.output_dir={out}", *TINY, *extra)]
 
 
 def run(capsys, *args):

@@ -1,14 +1,15 @@
-"""Config changes on resume are explicit (issue 21): one table (vlp.train.resume.RESUME_RULES) says for
-every key whether a resume applies a new value (and logs it) or refuses it; a lowered optim.lr
-is really trained with (the loaded optimizer and scheduler state would keep the saved one)."""
+"""Config changes on resume are explicit (issue 21): one table (vlp.train.resume.RESUME_RULES, read from
+each key's declaration, issue 27) says for every key whether a resume applies a new value (and logs
+it) or refuses it; a lowered optim.lr is really trained with (the loaded optimizer and scheduler
+state would keep the saved one)."""
 import json
 
 import pytest
 
 from vlp.train import resume
 from vlp.cli import main
-from vlp.config import RULES, ConfigError, load_config
-from vlp_testing import REPO
+from vlp.config import KEYS, ConfigError, load_config
+from vlp_testing import REPO, overrides
 
 TINY = ["model.name=vlp-micro", "data.batch_per_device=16", "optim.lr=2e-3", "optim.warmup_steps=2",
         "optim.schedule=constant", "train.log_every=1", "data.shuffle_buffer=64", "train.samples=64",
@@ -19,10 +20,10 @@ def cfg_dict(*overrides):
     return load_config(None, ["model.name=vlp-micro", *overrides]).to_dict()
 
 
-def test_the_table_has_one_rule_for_every_config_key():
-    assert set(resume.RESUME_RULES) == set(RULES)
+def test_the_table_is_read_from_the_declarations():
+    assert list(resume.RESUME_RULES.items()) == [(name, k.resume) for name, k in KEYS.items()]
     assert all(r.kind in (resume.APPLY, resume.LAYOUT, resume.REFUSE) for r in resume.RESUME_RULES.values())
-    assert all(r.why for r in resume.RESUME_RULES.values() if r.kind == resume.REFUSE)
+    assert all(r.why for r in resume.RESUME_RULES.values() if r.kind == resume.REFUSE)  # the refusal says why
 
 
 def test_the_old_lists_are_views_of_the_table():
@@ -63,8 +64,8 @@ def test_check_resume_refuses_a_refused_key_in_one_line():
 
 
 def _train(shards, out, *extra):
-    return ["train", "-c", str(REPO / "configs/demo.yaml"), f"data.train_shards={shards}",
-            f"train.output_dir={out}", *TINY, *extra]
+    return ["train", "-c", str(REPO / "configs/demo.yaml"), *overrides(
+                f"data.train_shards={shards}", f"train.output_dir={out}", *TINY, *extra)]
 
 
 @pytest.fixture(scope="module")

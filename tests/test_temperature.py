@@ -47,3 +47,26 @@ def test_default_tau_checked_against_the_clamp():
     with pytest.raises(ConfigError, match="initial logit_scale 14.29 above loss.max_logit_scale=10.0"):
         load_config(None, ["loss.max_logit_scale=10"])
     assert load_config(None, ["loss.name=siglip", "loss.max_logit_scale=10"]).loss.tau is None  # t = 10 fits
+
+
+@pytest.mark.parametrize("transform", ["augment", "eval"])
+def test_the_build_decides_policy_and_train_transform_once(tiny_shards, tmp_path, monkeypatch, transform):
+    """(issue 27) build_model computes the policy (once) and the train transform; the Trainer reads
+    both from what build_model returned and decides neither again."""
+    from vlp.models import model as model_module
+    from vlp.models.model import build_model
+    from vlp.train.loop import Trainer
+
+    cfg = load_config(None, ["model.name=vlp-micro", "loss.name=flatnce", "loss.tau=0.05", "data.batch_per_device=8",
+                             f"data.train_shards={tiny_shards['train']}", "data.eval_shards=null", "train.samples=16",
+                             f"data.train_transform={transform}", f"train.output_dir={tmp_path / 'run'}"])
+    calls = []
+    monkeypatch.setattr(model_module, "temperature_policy", lambda loss: calls.append(loss) or temperature_policy(loss))
+    trainer = Trainer(cfg)
+    assert calls == [cfg.loss]  # one build, one policy
+    assert trainer.temperature is trainer.unwrapped.temperature == temperature_policy(cfg.loss)
+    assert trainer.temperature.scale_grad == "split" and trainer.temperature.init_log_scale == math.log(20.0)
+    _, _, train_tf, eval_tf = build_model(cfg.model, cfg.loss, data_cfg=cfg.data)
+    assert repr(trainer.train_transform) == repr(eval_tf if transform == "eval" else train_tf)
+    assert ("RandomResizedCrop" in repr(trainer.train_transform)) == (transform == "augment")
+    assert trainer.data.transform is trainer.train_transform

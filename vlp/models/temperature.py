@@ -1,19 +1,21 @@
 """Temperature policy: the one place that decides how logit_scale (and SigLIP's logit_bias)
 start, whether they train, which gradient they get and where they are clamped.
 
-    policy = temperature_policy(cfg.loss)
-    # build_model: init_log_scale, init_logit_bias, trainable
-    # the trainer: scale_grad (passed to every loss call), clamp_() after each optimizer step
+    policy = temperature_policy(cfg.loss)      # the one place it is decided
+    # vlp.config: checks it (before torch) and fills in loss.temperature = policy.mode
+    # build_model: init_log_scale, init_logit_bias, trainable; the model carries it (model.temperature)
+    # the trainer reads model.temperature: scale_grad (every loss call), clamp_() after each step
 
 The model stores log t (t = logit_scale = 1/tau) and returns t = exp(log t).
 
 Modes (`loss.temperature`):
   learnable  log t is a parameter trained by the loss's own gradient;
   fixed      t = 1/tau, never trained (also after loading pretrained weights);
-  split      (FlatNCE only) the encoders get FlatNCE's gradient, log t gets InfoNCE's:
+  split      (FlatNCE, SogCLR) the encoders get the loss's gradient, log t gets InfoNCE's:
              FlatNCE's gradient w.r.t. t, mean_i E_w[s_ij - s_ip], does not calibrate a
              temperature and drives t to the clamp (README "Losses and temperature").
-Unset: `split` for FlatNCE (best of the three on the small-batch grid), `learnable` otherwise.
+Unset: `split` for FlatNCE and SogCLR (best of the three on the small-batch grid), `learnable`
+otherwise (the loss's registry entry).
 
 Initial values when `loss.tau` is unset: CLIP's t = 1/0.07 (open_clip's default
 init_logit_scale) for the softmax losses, `siglip_init()` (t = 10, bias = -10) for SigLIP. A set
@@ -77,19 +79,30 @@ def published_init(loss_name: str):
 
 
 def temperature_policy(loss_cfg) -> TemperaturePolicy:
-    """Map a LossConfig (validated or not: an unset mode gets its default) to its policy."""
+    """Map a LossConfig (validated or not: an unset mode gets its default) to its policy; a
+    LossConfig no policy fits (an unknown mode, split for a loss it does not apply to, an initial
+    logit_scale above the clamp) is a one-line ValueError naming the keys.
+
+    The one place the policy is decided: vlp.config.Config.validate calls it to check the
+    section and fill in the mode, build_model applies it and hands it on with the model
+    (`DualEncoder.temperature`), and the trainer reads it from there."""
     mode = loss_cfg.temperature or default_mode(loss_cfg.name)
     mode = RENAMED_MODES.get(mode, mode)
     if mode not in MODES:
         raise ValueError(f"loss.temperature must be one of {list(MODES)}, got {mode!r}")
     if mode == "split" and loss_cfg.name not in SPLIT_LOSSES:
         raise ValueError(f"loss.temperature=split only applies to loss.name={' or '.join(SPLIT_LOSSES)}")
+    init_log_scale = initial_log_scale(loss_cfg.name, loss_cfg.tau)
+    scale = math.exp(init_log_scale)
+    if scale > loss_cfg.max_logit_scale * (1 + 1e-9):
+        raise ValueError(f"loss.tau={loss_cfg.tau!r} gives initial logit_scale {scale:.4g} above "
+                         f"loss.max_logit_scale={loss_cfg.max_logit_scale!r}: the clamp would change it silently; "
+                         "raise loss.max_logit_scale or set tau")
     init = published_init(loss_cfg.name)
-    bias = init.logit_bias if init is not None else None
     return TemperaturePolicy(
         mode=mode,
-        init_log_scale=initial_log_scale(loss_cfg.name, loss_cfg.tau),
-        init_logit_bias=bias,
+        init_log_scale=init_log_scale,
+        init_logit_bias=init.logit_bias if init is not None else None,
         trainable=mode != "fixed",
         scale_grad="split" if mode == "split" else "same",
         max_log_scale=math.log(loss_cfg.max_logit_scale),

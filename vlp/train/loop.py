@@ -33,9 +33,7 @@ from vlp.config import Config
 from vlp.distributed import (all_reduce, barrier, exit_with_launcher, gather_object, gather_with_grad, is_main,
                              positive_offset)
 from vlp.losses.registry import get_spec
-from vlp.models import towers
 from vlp.models.model import DualEncoder, build_model
-from vlp.models.temperature import temperature_policy
 from vlp.train import checkpoint as ckpt
 from vlp.train import parallel, preempt, resume, runlock
 from vlp.train.data import Batch, TrainData
@@ -78,8 +76,9 @@ class Trainer:
         if self.total_steps < 1:
             raise ValueError(f"train.samples={cfg.train.samples} is smaller than one global batch "
                              f"({cfg.data.batch_per_device} per device x {self.world} processes x {self.accum} accum)")
-        model, self.tokenizer, train_transform, self.eval_transform = build_model(cfg.model, cfg.loss)
-        self.train_transform = towers.chosen_train_transform(cfg.data, train_transform, self.eval_transform)
+        # the model, its temperature policy and the train transform (data.train_transform), chosen once
+        model, self.tokenizer, self.train_transform, self.eval_transform = build_model(cfg.model, cfg.loss,
+                                                                                       data_cfg=cfg.data)
         self.data = self.data_class(cfg, self.train_transform, self.tokenizer, acc.process_index, self.world)
         if cfg.data.feature_cache:  # LiT: the locked stems' outputs once per sample, reused every epoch
             self.data.features = training_features(cfg, model, self.train_transform, self.tokenizer,
@@ -89,7 +88,7 @@ class Trainer:
         self.loss_spec = get_spec(cfg.loss.name)  # stateful: per-sample state, checkpointed
         self.loss = self.loss_spec.build(cfg.loss, self.data.num_samples, self.total_steps)
         self.loss_fn = self.loss  # the callable the step uses (a test may wrap it)
-        self.temperature = temperature_policy(cfg.loss)  # gradient routing and clamp of logit_scale
+        self.temperature = model.temperature  # build_model's policy: gradient routing and clamp of logit_scale
         # fused AdamW: one kernel over all parameters (1.3x end-to-end on CPU, BENCHMARKS.md)
         self.model, self.optimizer = self.strategy.prepare(model, lambda m: build_optimizer(
             param_groups(m, cfg.optim.weight_decay), cfg.optim, acc.device.type))

@@ -24,113 +24,22 @@ buffer). Hence:
   step 12"); ``apply_optim_changes`` makes the optimizer and LR schedule follow the new values
   (a loaded optimizer state would otherwise keep the saved lr, weight decay and betas).
 
-Which key is which is ONE table, ``RESUME_RULES``; checkpoint.changed_settings and
-vlp compare's harmless keys are views of it.
+Which key is which is ONE table, ``RESUME_RULES``, read from each key's declaration
+(vlp/config_keys.py); checkpoint.changed_settings and vlp compare's harmless keys are views of it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
-from vlp.config import Config, ConfigError
+from vlp.config import KEYS, Config, ConfigError
+from vlp.config_rules import APPLY, LAYOUT, REFUSE, KeyRule
 from vlp.train.data import DataPosition
 
 # ----------------------------------------------------------------------------- the rules table
-APPLY, LAYOUT, REFUSE = "apply", "layout", "refuse"
-
-
-@dataclass(frozen=True)
-class KeyRule:
-    """What a resume does with a changed config key.
-
-    kind: APPLY: the new value is used from the resume step on (and logged); LAYOUT: it decides
-    the data order, so exact mode refuses it and continue mode applies it; REFUSE: it cannot apply
-    to a saved run (the weights, optimizer state or shard pieces would not fit, or the checkpoint's
-    value wins), so it is refused by name. shapes_state: the saved tensors depend on it (named when
-    a checkpoint does not load). results: a change can alter what the run computes (vlp compare
-    treats a finished run as stale on such a change). quiet: not logged when applied."""
-
-    kind: str
-    why: str = ""
-    shapes_state: bool = False
-    results: bool = True
-    quiet: bool = False
-
-
-_WEIGHTS_WIN = KeyRule(REFUSE, "the weights come from the checkpoint")
-_SHAPE = KeyRule(REFUSE, "the saved model has other parameters", shapes_state=True)
-_SAME = KeyRule(APPLY)  # read afresh from the config every step or at start
-_HARMLESS = KeyRule(APPLY, results=False)
-
-RESUME_RULES: dict[str, KeyRule] = {
-    # ONE line per config field (tests/test_resume_rules.py checks it covers vlp.config.RULES)
-    "model.name": _SHAPE,
-    "model.pretrained": _WEIGHTS_WIN,
-    "model.image_pretrained": _WEIGHTS_WIN,
-    "model.text_pretrained": _WEIGHTS_WIN,
-    "model.hf_text_dir": _SHAPE,
-    "model.text_pooler": KeyRule(REFUSE, "the text tower was trained with the saved pooling"),
-    "model.text_proj": _SHAPE,
-    "model.text_context_length": _SHAPE,
-    "model.grad_checkpointing": _SAME,
-    "model.lock_image": _SHAPE,
-    "model.lock_image_unlocked_groups": _SHAPE,
-    "model.lock_text": _SHAPE,
-    "model.lock_text_unlocked_layers": _SHAPE,
-    "data.train_shards": KeyRule(REFUSE, "the saved data position is in the old shard list"),
-    "data.eval_shards": _SAME,
-    "data.batch_per_device": KeyRule(LAYOUT),
-    "data.num_workers": KeyRule(LAYOUT),
-    "data.mode": KeyRule(LAYOUT),
-    "data.weights": KeyRule(LAYOUT),
-    "data.shuffle_buffer": KeyRule(LAYOUT),
-    "data.decode_size": _SAME,
-    "data.num_samples": KeyRule(LAYOUT),
-    "data.io_retries": _SAME,
-    "data.io_backoff_s": _SAME,
-    "data.train_transform": _SAME,  # the stream's transform, read at start
-    "data.feature_cache": _SAME,  # read at start; the same batches with or without (to 1e-6)
-    "loss.name": KeyRule(LAYOUT, shapes_state=True),
-    "loss.temperature": KeyRule(LAYOUT, shapes_state=True),
-    "loss.tau": KeyRule(REFUSE, "logit_scale comes from the checkpoint"),
-    "loss.max_logit_scale": _SAME,
-    "loss.gamma": _SAME,
-    "loss.gamma_min": _SAME,
-    "loss.gamma_schedule": _SAME,
-    "optim.name": KeyRule(REFUSE, "the saved optimizer state is another optimizer's"),
-    "optim.momentum": _SAME,  # apply_optim_changes
-    "optim.trust_coefficient": _SAME,
-    "optim.lr": _SAME,
-    "optim.weight_decay": _SAME,
-    "optim.beta1": _SAME,
-    "optim.beta2": _SAME,
-    "optim.eps": _SAME,
-    "optim.warmup_steps": _SAME,  # the LR lambda reads the new config
-    "optim.schedule": _SAME,
-    "optim.cooldown_steps": _SAME,
-    "optim.grad_clip": _SAME,
-    "train.seed": KeyRule(LAYOUT),
-    "train.samples": _SAME,
-    "train.accum_steps": KeyRule(LAYOUT),
-    "train.precision": _SAME,
-    "train.log_every": _HARMLESS,
-    "train.eval_every": _SAME,
-    "train.checkpoint_every": _HARMLESS,
-    "train.keep_last": _HARMLESS,
-    "train.save_final": _HARMLESS,
-    "train.output_dir": KeyRule(APPLY, results=False, quiet=True),
-    "train.resume": KeyRule(APPLY, results=False, quiet=True),
-    "train.resume_mode": _SAME,
-    "train.dist_timeout_s": _SAME,
-    "train.max_nonfinite": _SAME,
-    "train.compile": _SAME,
-    "train.parallel": _SAME,  # either format resumes under either parallelism
-    "train.wandb_project": _SAME,
-    "train.break_lock": KeyRule(APPLY, results=False, quiet=True),
-    "eval.batch_size": _HARMLESS,
-    "eval.suite": _SAME,
-}
+RESUME_RULES: dict[str, KeyRule] = {name: k.resume for name, k in KEYS.items()}
+"""What a resume does with each changed key: read from the keys' declarations (vlp/config_keys.py,
+`key(default, rule, resume)`; the kinds APPLY, LAYOUT, REFUSE: vlp.config_rules.KeyRule)."""
 
 # derived views for the modules that used to keep their own lists
 LAYOUT_KEYS = tuple(k for k, r in RESUME_RULES.items() if r.kind == LAYOUT)
