@@ -139,6 +139,14 @@ class LossConfig:
     """SogCLR, gamma_schedule=cosine: the value gamma decays to at the end of the run (FastCLIP)."""
     gamma_schedule: Literal["constant", "cosine"] = "constant"
     """SogCLR: constant gamma, or FastCLIP's cosine decay from gamma to gamma_min over the run."""
+    rho: float = 8.0
+    """fastclip, isogclr: rho of the temperature objective tau * (log g + rho); larger, smaller tau."""
+    tau_lr: float = 1e-4
+    """isogclr: step size of the per-sample temperatures (momentum SGD, vlp/losses/isogclr.py)."""
+    tau_min: float = 0.01
+    """isogclr: lower bound of the per-sample temperatures."""
+    tau_max: float = 1.0
+    """isogclr: upper bound of the per-sample temperatures (loss.tau, their start, lies between)."""
 
 
 @dataclass
@@ -410,6 +418,10 @@ RULES: dict[str, Rule] = {
     "loss.gamma": number(0, 1, lo_open=True),
     "loss.gamma_min": number(0, 1, lo_open=True),
     "loss.gamma_schedule": ANY,
+    "loss.rho": number(),
+    "loss.tau_lr": number(0),
+    "loss.tau_min": number(0, 1, lo_open=True),
+    "loss.tau_max": number(0, 1, lo_open=True),
     "optim.name": ANY,
     "optim.momentum": number(0, 1, hi_open=True),
     "optim.trust_coefficient": number(0, lo_open=True),

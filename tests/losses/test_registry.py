@@ -10,7 +10,7 @@ import pytest
 from vlp.losses import LOSSES, get_loss
 
 
-@pytest.mark.parametrize("name", ["infonce", "flatnce", "siglip"])
+@pytest.mark.parametrize("name", ["infonce", "flatnce", "siglip", "dcl"])
 def test_each_name_finds_the_loss_of_its_file(name):
     """One loss per file, registered under the file's name: a swapped entry would train another loss."""
     fn = get_loss(name)

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from vlp.losses.common import anchors, check_inputs, fp32_block, softplus_exact
+from vlp.losses.common import SCALE_GRAD_MODES, anchors, check_inputs, fp32_block, softplus_exact
 from vlp.losses.diagnostics import diagnostics_from_softmax
 from vlp.losses.sharded import (GAMMA_SCHEDULES, ShardedState, _all_gather, _Table, gamma_at, ids_on,
                                 local_row, owner_of, rows_on, shards_needed, update_log_u)
@@ -81,6 +81,8 @@ class SogCLRLoss(ShardedState):
     See vlp.losses.sharded.ShardedState for the state's rules (repeated calls, collectives).
     """
 
+    SCALE_GRAD = SCALE_GRAD_MODES  # the scale_grad modes this loss accepts
+
     @property
     def log_u(self) -> Tensor:
         """(rows, 2) fp32 copy of this rank's shard, row k = sample rank + world * k (with one
@@ -90,7 +92,8 @@ class SogCLRLoss(ShardedState):
     def __call__(self, img_local: Tensor, txt_local: Tensor, img_global: Tensor, txt_global: Tensor,
                  logit_scale: Tensor, logit_bias: Tensor | None = None, *, offset: int = 0,
                  scale_grad: str = "same", ids: Tensor) -> tuple[Tensor, dict[str, float]]:
-        b, big_b = check_inputs(img_local, txt_local, img_global, txt_global, offset, scale_grad)
+        b, big_b = check_inputs(img_local, txt_local, img_global, txt_global, offset, scale_grad,
+                                self.SCALE_GRAD)
         ids = self._check_ids(ids, b)
         device = img_local.device
         looked_up = self._lookup(ids, device)  # collective (world > 1)

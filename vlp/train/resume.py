@@ -98,6 +98,10 @@ RESUME_RULES: dict[str, KeyRule] = {
     "loss.gamma": _SAME,
     "loss.gamma_min": _SAME,
     "loss.gamma_schedule": _SAME,
+    "loss.rho": _SAME,
+    "loss.tau_lr": _SAME,
+    "loss.tau_min": _SAME,
+    "loss.tau_max": _SAME,
     "optim.name": KeyRule(REFUSE, "the saved optimizer state is another optimizer's"),
     "optim.momentum": _SAME,  # apply_optim_changes
     "optim.trust_coefficient": _SAME,
