@@ -85,8 +85,9 @@ class NaiveFastCLIP:
         v = both_directions(img, txt, t)  # (2n,) image->text anchors first
         keys = [(int(k), 0) for k in ids] + [(int(k), 1) for k in ids]
         new = [moving_average(self.log_u.get(key), float(vi) - math.log(n - 1), self.gamma)
-               for key, vi in zip(keys, v)]
-        w = torch.tensor([math.exp(float(vi) - math.log(n - 1) - u) for vi, u in zip(v, new)], dtype=v.dtype)
+               for key, vi in zip(keys, v.detach())]
+        w = torch.tensor([math.exp(float(vi) - math.log(n - 1) - u) for vi, u in zip(v.detach(), new)],
+                         dtype=v.dtype)
         surrogate = (w * v).mean() / t.detach() + (sum(new) / len(new) + self.rho) / t
         for key, u in zip(keys, new):
             self.log_u[key] = fp32(u)
@@ -122,7 +123,7 @@ class NaiveISogCLR:
         keys, taus = keys[0] + keys[1], taus[0] + taus[1]
         terms, updates = [], []
         for key, vi, ei, tau in zip(keys, v, e, taus):
-            log_g = float(vi) - math.log(n - 1)
+            log_g = float(vi.detach()) - math.log(n - 1)
             u = moving_average(self.log_u.get(key), log_g, self.gamma)
             w = math.exp(log_g - u)
             terms.append(tau * w * vi)
