@@ -272,6 +272,10 @@ class Config:
         why = feature_cache_problem(self)
         if why:
             raise ConfigError(f"config: {why}")
+        start = self.loss.tau if self.loss.tau is not None else temperature.CLIP_TAU
+        if self.loss.name == "isogclr" and not self.loss.tau_min <= start <= self.loss.tau_max:
+            raise ConfigError(f"config: loss.name=isogclr needs loss.tau_min <= tau ({start:g}) <= loss.tau_max, "
+                              f"got [{self.loss.tau_min:g}, {self.loss.tau_max:g}]")
         scale = math.exp(policy.init_log_scale)
         if scale > self.loss.max_logit_scale * (1 + 1e-9):
             raise ConfigError(

@@ -100,3 +100,14 @@ def test_fresh_rows_and_refusals():
         iso(img, txt, img, txt, torch.tensor(5.0), scale_grad="split", ids=torch.arange(4))
     spec = get_spec("isogclr")
     assert spec.stateful and default_mode("isogclr") == "fixed"
+
+
+def test_config_refuses_a_start_outside_the_bounds():
+    from vlp.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"loss.tau_min <= tau \(0.07\) <= loss.tau_max"):
+        load_config(None, ["loss.name=isogclr", "loss.tau_min=0.1"])
+    with pytest.raises(ConfigError, match="loss.tau_max"):
+        load_config(None, ["loss.name=isogclr", "loss.tau=0.5", "loss.tau_max=0.3"])
+    cfg = load_config(None, ["loss.name=isogclr", "loss.tau=0.05", "loss.tau_lr=0.001"])
+    assert cfg.loss.temperature == "fixed" and (cfg.loss.tau_min, cfg.loss.tau_max, cfg.loss.rho) == (0.01, 1.0, 8.0)
