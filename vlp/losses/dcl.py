@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from vlp.losses.common import anchors, check_inputs, fp32_block, softplus_exact
+from vlp.losses.common import anchors, check_inputs, fp32_block
 from vlp.losses.diagnostics import diagnostics_from_softmax
 
 
