@@ -121,15 +121,16 @@ class LossConfig:
     """Contrastive loss over the gathered global batch (the names of vlp/losses/registry.py)."""
     temperature: Optional[Literal["learnable", "fixed", "split"]] = None
     """learnable: logit_scale trained by the loss; fixed: 1/tau, never trained;
-    split: (FlatNCE, SogCLR) encoders get the loss's gradient, logit_scale InfoNCE's.
-    Unset: 'split' for FlatNCE and SogCLR (best of the three on the small-batch grid, and it keeps
-    logit_scale off the clamp; see README "Losses and temperature"), 'learnable' otherwise.
+    split: (FlatNCE, DCL, SogCLR) encoders get the loss's gradient, logit_scale InfoNCE's.
+    Unset: 'split' for FlatNCE, DCL and SogCLR (best of the three on the small-batch grid, and it
+    keeps logit_scale off the clamp; see README "Losses and temperature"), 'fixed' for iSogCLR
+    (per-sample temperatures in its state), 'learnable' otherwise (docs/losses.md).
     The old name 'infonce' for 'split' is still read (configs and checkpoints of older runs).
     vlp/models/temperature.py turns this section into the model's init and the trainer's rules."""
     tau: Optional[float] = None
     """Initial temperature (learnable/split) or the fixed one (fixed), in (0, 1] with
     1/tau <= max_logit_scale. Unset: the loss's published init (CLIP 0.07; SigLIP's
-    siglip_init(), logit_scale 10 and bias -10)."""
+    siglip_init(), logit_scale 10 and bias -10). isogclr: every sample's start."""
     max_logit_scale: float = 100.0
     """logit_scale = 1/tau is clamped to [1, max_logit_scale] after each optimizer step."""
     gamma: float = 0.9
