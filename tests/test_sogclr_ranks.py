@@ -99,7 +99,7 @@ def test_two_rank_state_of_the_new_losses_resumes_exactly(tiny_shards, tmp_path,
     kind = FastCLIPLoss if name == "fastclip" else ISogCLRLoss
     extra = (f"loss.name={name}", "loss.gamma=0.5", "loss.rho=1.0", "loss.tau_lr=0.01", "train.checkpoint_every=4")
     full = tmp_path / "full"
-    proc = _launch(tiny_shards, full, *extra)
+    proc = _launch(tiny_shards, full, *extra, "train.keep_last=3")
     assert proc.returncode == 0, proc.stderr[-4000:]
     ck = full / "checkpoints"
     part = tmp_path / "part"
@@ -107,7 +107,7 @@ def test_two_rank_state_of_the_new_losses_resumes_exactly(tiny_shards, tmp_path,
     for p in (part / "checkpoints").iterdir():
         if int(p.name.split("_")[1].split(".")[0]) > 8:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
-    proc = _launch(tiny_shards, part, *extra, "train.resume=latest")
+    proc = _launch(tiny_shards, part, *extra, "train.keep_last=3", "train.resume=latest")
     assert proc.returncode == 0 and "step_00000008.pt" in proc.stdout, proc.stderr[-4000:]
     last = sorted(p.name for p in ck.iterdir() if p.name.endswith(".ranks"))[-1]
     for r in range(2):
