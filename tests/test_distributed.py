@@ -43,7 +43,8 @@ def _load_open_clip_loss():
 oc_loss = _load_open_clip_loss()
 F64 = torch.float64
 WORLD, B_LOCAL, D_IMG, D_TXT, D = 2, 3, 6, 5, 4
-CONFIGS = [("infonce", "same"), ("flatnce", "same"), ("flatnce", "split"), ("siglip", "same")]
+CONFIGS = [("infonce", "same"), ("flatnce", "same"), ("flatnce", "split"), ("siglip", "same"),
+           ("dcl", "same"), ("dcl", "split")]
 ATOL = 1e-9  # the contract is 1e-6; float64 makes the real agreement ~1e-15
 
 

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 
+import pytest
 import torch
 
 from test_two_process import ACCELERATE, _launch
@@ -78,3 +79,51 @@ def test_two_rank_u_per_rank_files_exact_resume_and_changed_worlds(tiny_shards, 
     last = sorted(p for p in (three / "checkpoints").iterdir() if p.name.endswith(".ranks"))[-1]
     assert sorted(x.name for x in last.iterdir() if x.suffix == ".pt") == [f"rank{r:05d}-of-00003.pt" for r in range(3)]
     assert torch.isfinite(_whole(last, 3).log_u).all()
+
+
+def _whole_of(loss_fn, folder, world: int):
+    """The full table of ``loss_fn``'s kind put together from a checkpoint's per-rank files."""
+    loss_fn.load_state_dict(torch.load(folder / f"rank{r:05d}-of-{world:05d}.pt", weights_only=True)["loss"]
+                            for r in range(world))
+    return loss_fn.state_dict()[loss_fn.STATE_KEY]
+
+
+@pytest.mark.parametrize("name", ["fastclip", "isogclr"])
+def test_two_rank_state_of_the_new_losses_resumes_exactly(tiny_shards, tmp_path, name):
+    """FastCLIP's u and iSogCLR's u, temperatures and momenta in a real 2-process run: one file
+    per rank, resumed from step 8 on 2 ranks bit-identical (state and weights), and on 1 process
+    (resume_mode=continue) with every sample's row kept."""
+    from vlp.losses.fastclip import FastCLIPLoss
+    from vlp.losses.isogclr import ISogCLRLoss
+
+    kind = FastCLIPLoss if name == "fastclip" else ISogCLRLoss
+    extra = (f"loss.name={name}", "loss.gamma=0.5", "loss.rho=1.0", "loss.tau_lr=0.01", "train.checkpoint_every=4")
+    full = tmp_path / "full"
+    proc = _launch(tiny_shards, full, *extra, "train.keep_last=3")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ck = full / "checkpoints"
+    part = tmp_path / "part"
+    shutil.copytree(full, part)
+    for p in (part / "checkpoints").iterdir():
+        if int(p.name.split("_")[1].split(".")[0]) > 8:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    proc = _launch(tiny_shards, part, *extra, "train.keep_last=3", "train.resume=latest")
+    assert proc.returncode == 0 and "step_00000008.pt" in proc.stdout, proc.stderr[-4000:]
+    last = sorted(p.name for p in ck.iterdir() if p.name.endswith(".ranks"))[-1]
+    for r in range(2):
+        a, b = (torch.load(d / "checkpoints" / last / f"rank{r:05d}-of-00002.pt", weights_only=True)["loss"]
+                for d in (full, part))
+        key = kind.STATE_KEY
+        assert a[key].shape[0] == 80 and torch.equal(a[key], b[key]) and a["step"] == b["step"]
+    wa, wb = (torch.load(d / "open_clip_model.pt", weights_only=True)["state_dict"] for d in (full, part))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+    cfg = load_config(REPO / "configs/demo.yaml", [
+        f"data.train_shards={tiny_shards['train']}", "data.eval_shards=", f"train.output_dir={tmp_path / 'one'}",
+        "model.name=vlp-micro", "data.batch_per_device=16", "data.shuffle_buffer=32", *extra[:-1],
+        "train.samples=320", f"train.resume={ck / 'step_00000008.pt'}", "train.resume_mode=continue"])
+    one = Trainer(cfg)
+    one.maybe_resume()
+    whole = _whole_of(kind(160, rank=0, world_size=1), ck / "step_00000008.ranks", 2)
+    assert torch.equal(one.loss.state_dict()[kind.STATE_KEY], whole) and one.loss.step == 8
+    assert torch.isfinite(whole[:, 0]).sum() > 100

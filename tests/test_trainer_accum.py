@@ -28,7 +28,8 @@ def _grads(t: Trainer, batches):
 
 
 @pytest.mark.parametrize("loss,temperature", [("infonce", "learnable"), ("flatnce", "learnable"),
-                                              ("flatnce", "split"), ("siglip", "learnable")])
+                                              ("flatnce", "split"), ("siglip", "learnable"),
+                                              ("dcl", "learnable"), ("dcl", "split")])
 def test_accum_2_equals_double_batch(tiny_shards, loss, temperature):
     torch.manual_seed(0)
     images = torch.randn(8, 3, 32, 32, dtype=torch.float64)
@@ -57,7 +58,7 @@ def test_accum_2_equals_double_batch(tiny_shards, loss, temperature):
         torch.testing.assert_close(g2[name], naive[name], atol=1e-10, rtol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("loss", ["infonce", "flatnce", "sogclr", "siglip"])
+@pytest.mark.parametrize("loss", ["infonce", "flatnce", "sogclr", "siglip", "dcl", "fastclip", "isogclr"])
 def test_accum_16x8_equals_batch_128(tiny_shards, loss):
     """The study's price of the alternative (grid.accum_price): 16 micro-batches of 8 give the
     gradient of one contrastive batch of 128, for every loss of the map (so that arm's accuracy
@@ -75,6 +76,34 @@ def test_accum_16x8_equals_batch_128(tiny_shards, loss):
     assert g1.keys() == g2.keys() and len(g1) > 10
     for name in g1:
         torch.testing.assert_close(g2[name], g1[name], atol=1e-10, rtol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("loss", ["sogclr", "fastclip", "isogclr"])
+def test_accum_equals_big_batch_with_a_moving_state(tiny_shards, loss):
+    """Stateful losses past their first step: 4 micro-batches of 4 and one batch of 16 give the
+    same gradients on a second step whose ids were half seen (u, and iSogCLR's temperatures,
+    already moved), and commit the same state."""
+    torch.manual_seed(2)
+    images = torch.randn(2, 16, 3, 32, 32, dtype=torch.float64)
+    text = torch.randint(1, 1000, (2, 16, 16))
+    ids = torch.stack([torch.arange(16), torch.arange(8, 24)])
+    big = _trainer(tiny_shards["train"], loss, 1, "learnable", batch=16)  # FastCLIP: t's own gradient
+    acc = _trainer(tiny_shards["train"], loss, 4, "learnable", batch=4)
+    acc.unwrapped.load_state_dict(big.unwrapped.state_dict())
+    for step in range(2):
+        l1, g1 = _grads(big, [Batch(images[step], text[step], ids[step])])
+        l2, g2 = _grads(acc, [Batch(images[step, i:i + 4], text[step, i:i + 4], ids[step, i:i + 4])
+                              for i in range(0, 16, 4)])
+        big.loss.commit()
+        acc.loss.commit()
+        assert l1 == pytest.approx(l2, abs=1e-10)
+        assert g1.keys() == g2.keys() and len(g1) > 10
+        for name in g1:
+            torch.testing.assert_close(g2[name], g1[name], atol=1e-10, rtol=1e-7, msg=name)
+    a, b = big.loss.state_dict(), acc.loss.state_dict()
+    key = big.loss.STATE_KEY
+    torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=0)
+    assert torch.isfinite(a[key][:24]).all() and a["step"] == b["step"] == 2
 
 
 def test_param_groups_no_decay_on_gains_biases_and_scale(tiny_shards):

@@ -52,6 +52,10 @@ class Config:
         for why in (parallel_problem(self), feature_cache_problem(self)):
             if why:
                 raise ConfigError(f"config: {why}")
+        start = self.loss.tau if self.loss.tau is not None else temperature.CLIP_TAU
+        if self.loss.name == "isogclr" and not self.loss.tau_min <= start <= self.loss.tau_max:
+            raise ConfigError(f"config: loss.name=isogclr needs loss.tau_min <= tau ({start:g}) <= loss.tau_max, "
+                              f"got [{self.loss.tau_min:g}, {self.loss.tau_max:g}]")
         return self
 
     def to_dict(self) -> dict:

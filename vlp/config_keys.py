@@ -117,16 +117,17 @@ class LossConfig:
     """Contrastive loss over the gathered global batch (the names of vlp/losses/registry.py)."""
     temperature: Optional[Literal["learnable", "fixed", "split"]] = key(None, ANY, LAYOUT_STATE)
     """learnable: logit_scale trained by the loss; fixed: 1/tau, never trained;
-    split: (FlatNCE, SogCLR) encoders get the loss's gradient, logit_scale InfoNCE's.
-    Unset: 'split' for FlatNCE and SogCLR (best of the three on the small-batch grid, and it keeps
-    logit_scale off the clamp; see README "Losses and temperature"), 'learnable' otherwise.
+    split: (FlatNCE, DCL, SogCLR) encoders get the loss's gradient, logit_scale InfoNCE's.
+    Unset: 'split' for FlatNCE, DCL and SogCLR (best of the three on the small-batch grid, and it
+    keeps logit_scale off the clamp; see docs/losses.md), 'fixed' for iSogCLR (per-sample
+    temperatures in its state), 'learnable' otherwise.
     The old name 'infonce' for 'split' is still read (configs and checkpoints of older runs).
     vlp/models/temperature.py turns this section into the model's init and the trainer's rules."""
     tau: Optional[float] = key(None, number(0, 1, lo_open=True),
                                KeyRule(REFUSE, "logit_scale comes from the checkpoint"))
     """Initial temperature (learnable/split) or the fixed one (fixed), in (0, 1] with
     1/tau <= max_logit_scale. Unset: the loss's published init (CLIP 0.07; SigLIP's
-    siglip_init(), logit_scale 10 and bias -10)."""
+    siglip_init(), logit_scale 10 and bias -10). isogclr: every sample's start."""
     max_logit_scale: float = key(100.0, number(1), APPLIED)
     """logit_scale = 1/tau is clamped to [1, max_logit_scale] after each optimizer step."""
     gamma: float = key(0.9, number(0, 1, lo_open=True), APPLIED)
@@ -136,6 +137,14 @@ class LossConfig:
     """SogCLR, gamma_schedule=cosine: the value gamma decays to at the end of the run (FastCLIP)."""
     gamma_schedule: Literal["constant", "cosine"] = key("constant", ANY, APPLIED)
     """SogCLR: constant gamma, or FastCLIP's cosine decay from gamma to gamma_min over the run."""
+    rho: float = key(8.0, number(), APPLIED)
+    """fastclip, isogclr: rho of the temperature objective tau * (log g + rho); larger, smaller tau."""
+    tau_lr: float = key(1e-4, number(0), APPLIED)
+    """isogclr: step size of the per-sample temperatures (momentum SGD, vlp/losses/isogclr.py)."""
+    tau_min: float = key(0.01, number(0, 1, lo_open=True), APPLIED)
+    """isogclr: lower bound of the per-sample temperatures."""
+    tau_max: float = key(1.0, number(0, 1, lo_open=True), APPLIED)
+    """isogclr: upper bound of the per-sample temperatures (loss.tau, their start, lies between)."""
 
 
 @dataclass

@@ -103,7 +103,8 @@ def test_every_loss_reports_the_diagnostics(name):
     img_l, txt_l, t = img_g[2:4], txt_g[2:4], torch.tensor(8.0)
     loss, metrics = LOSSES[name](img_l, txt_l, img_g, txt_g, t, torch.tensor(-1.0), offset=2)
     expected = contrastive_diagnostics(img_l, txt_l, img_g, txt_g, t, offset=2)
-    extra = {"infonce": {"loss"}, "flatnce": {"loss", "flatnce"}, "siglip": {"loss", "siglip", "logit_bias"}}
+    extra = {"infonce": {"loss"}, "flatnce": {"loss", "flatnce"}, "siglip": {"loss", "siglip", "logit_bias"},
+             "dcl": {"loss"}}
     assert set(metrics) == KEYS | extra[name]
     assert metrics["loss"] == pytest.approx(loss.item(), abs=1e-6)
     for key in KEYS:

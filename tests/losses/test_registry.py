@@ -10,7 +10,7 @@ import pytest
 from vlp.losses import LOSSES, get_loss
 
 
-@pytest.mark.parametrize("name", ["infonce", "flatnce", "siglip"])
+@pytest.mark.parametrize("name", ["infonce", "flatnce", "siglip", "dcl"])
 def test_each_name_finds_the_loss_of_its_file(name):
     """One loss per file, registered under the file's name: a swapped entry would train another loss."""
     fn = get_loss(name)
@@ -30,3 +30,22 @@ def test_one_signature():
         "offset", "scale_grad",
     ]
     assert all(sig == first for sig in signatures.values())
+
+
+def test_compare_grids_name_every_registered_loss():
+    """`vlp compare` takes its loss names from the registry: a grid of the new losses expands to
+    one run per loss, each a valid config with that loss and its default temperature mode."""
+    from vlp.losses.registry import NAMES
+    from vlp.models.temperature import default_mode
+    from vlp.study.compare import expand_grid, parse_grid, run_config
+
+    assert {"dcl", "fastclip", "isogclr"} <= set(NAMES)
+    grid = parse_grid({"losses": ["dcl", "fastclip", "isogclr"], "batch_per_device": [8], "seeds": [0],
+                       "loss_overrides": {"isogclr": {"loss.rho": 1.0, "loss.tau_lr": 1e-3}}})
+    runs = {r.loss: r for r in expand_grid(grid)}
+    assert sorted(runs) == ["dcl", "fastclip", "isogclr"]
+    for name, run in runs.items():
+        cfg = run_config({"train": {"samples": 64}}, grid, run)
+        assert cfg.loss.name == name and cfg.loss.temperature == default_mode(name)
+    iso = run_config({"train": {"samples": 64}}, grid, runs["isogclr"]).loss
+    assert (iso.rho, iso.tau_lr) == (1.0, 1e-3)

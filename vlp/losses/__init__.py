@@ -44,6 +44,7 @@ class LossFn(Protocol):
 _LAZY = {
     "infonce_loss": "vlp.losses.infonce",
     "flatnce_loss": "vlp.losses.flatnce",
+    "dcl_loss": "vlp.losses.dcl",
     "siglip_loss": "vlp.losses.siglip",
     "siglip_init": "vlp.losses.siglip",
     "contrastive_diagnostics": "vlp.losses.diagnostics",

@@ -62,11 +62,27 @@ def _sogclr(cls, loss_cfg, num_samples: int, total_steps: int):
     return cls(num_samples, loss_cfg.gamma, loss_cfg.gamma_min, loss_cfg.gamma_schedule, total_steps)
 
 
+def _fastclip(cls, loss_cfg, num_samples: int, total_steps: int):
+    return cls(num_samples, loss_cfg.gamma, loss_cfg.gamma_min, loss_cfg.gamma_schedule, total_steps,
+               rho=loss_cfg.rho)
+
+
+def _isogclr(cls, loss_cfg, num_samples: int, total_steps: int):
+    start = {} if loss_cfg.tau is None else {"tau_init": loss_cfg.tau}  # unset: the loss's default
+    rule = cls.Rule(**start, tau_lr=loss_cfg.tau_lr, tau_min=loss_cfg.tau_min, tau_max=loss_cfg.tau_max,
+                    rho=loss_cfg.rho)
+    return cls(num_samples, loss_cfg.gamma, loss_cfg.gamma_min, loss_cfg.gamma_schedule, total_steps, rule=rule)
+
+
 REGISTRY: dict[str, LossSpec] = {spec.name: spec for spec in (
     LossSpec("infonce", "vlp.losses.infonce:infonce_loss"),
     LossSpec("flatnce", "vlp.losses.flatnce:flatnce_loss", temperature="split"),
     LossSpec("siglip", "vlp.losses.siglip:siglip_loss", init="vlp.losses.siglip:siglip_init"),
     LossSpec("sogclr", "vlp.losses.sogclr:SogCLRLoss", stateful=True, temperature="split", factory=_sogclr),
+    LossSpec("dcl", "vlp.losses.dcl:dcl_loss", temperature="split"),
+    LossSpec("fastclip", "vlp.losses.fastclip:FastCLIPLoss", stateful=True, factory=_fastclip),
+    # per-sample temperatures in the loss's state; the model's logit_scale is unused: fixed
+    LossSpec("isogclr", "vlp.losses.isogclr:ISogCLRLoss", stateful=True, temperature="fixed", factory=_isogclr),
 )}
 NAMES = tuple(REGISTRY)  # loss.name's choices (vlp.config)
 STATELESS = tuple(name for name, spec in REGISTRY.items() if not spec.stateful)

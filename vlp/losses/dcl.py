@@ -1,0 +1,75 @@
+"""DCL, the decoupled contrastive loss (Yeh et al. 2022, "Decoupled Contrastive Learning",
+arXiv 2110.06848): InfoNCE with the positive taken out of the denominator.
+
+For local anchor i with positive column p = offset + i and margins d_ij = t * (s_ij - s_ip) over
+the negatives j != p of the gathered batch (image->text and text->image, averaged):
+
+    DCL_i = -log( e^{t s_ip} / sum_{j != p} e^{t s_ij} ) = logsumexp_{j != p} d_ij = v_i
+
+So DCL is the mean of FlatNCE's statistic v_i, and its gradient, mean_i grad v_i, is FlatNCE's
+gradient exactly (FlatNCE = mean_i exp(v_i - v_i.detach()), value 1): DCL is FlatNCE's gradient
+as a plain loss, with a value that moves (it can be negative: log(B - 1) - DCL is a
+leave-one-out bound on the mutual information). grad InfoNCE_i = sigma(v_i) grad DCL_i: InfoNCE's
+gradient is DCL's damped by the positive's probability, the "negative-positive coupling" the
+paper removes. Cross-modal negatives only (CLIP's two directions), as FlatNCE here.
+
+``scale_grad`` as FlatNCE: "same", t gets DCL's own gradient mean_i E_w[s_ij - s_ip], which does
+not calibrate a temperature; "split" (the default mode, vlp.models.temperature), t gets
+InfoNCE's. The reported ``loss`` is DCL's value; "infonce" is in the metrics as for every loss.
+
+Usage: ``loss, metrics = dcl_loss(img_b, txt_b, img_B, txt_B, logit_scale, offset=o,
+scale_grad="split")``
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from vlp.losses.common import anchors, check_inputs, fp32_block
+from vlp.losses.diagnostics import diagnostics_from_softmax
+
+
+class _DecoupledObjective(torch.autograd.Function):
+    """Value mean_i v_i (DCL). Gradient 1/n on every v_i and, when v_t needs it ("split"),
+    InfoNCE's sigma(v_t,i)/n on v_t (v_t equals v in value)."""
+
+    @staticmethod
+    def forward(ctx, v: Tensor, v_t: Tensor) -> Tensor:
+        ctx.save_for_backward(v_t)
+        return v.mean()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (v_t,) = ctx.saved_tensors
+        n = v_t.numel()
+        grad_v = (grad / n).expand(n) if ctx.needs_input_grad[0] else None
+        grad_v_t = torch.sigmoid(v_t) * (grad / n) if ctx.needs_input_grad[1] else None
+        return grad_v, grad_v_t
+
+
+def dcl_loss(
+    img_local: Tensor,
+    txt_local: Tensor,
+    img_global: Tensor,
+    txt_global: Tensor,
+    logit_scale: Tensor,
+    logit_bias: Tensor | None = None,
+    *,
+    offset: int = 0,
+    scale_grad: str = "same",
+) -> tuple[Tensor, dict[str, float]]:
+    """Symmetric DCL; returns (loss, metrics). ``logit_bias`` cancels in the margins (kept in the
+    graph with a zero gradient)."""
+    b, big_b = check_inputs(img_local, txt_local, img_global, txt_global, offset, scale_grad)
+    with fp32_block(img_local.device):
+        a = anchors(img_local, txt_local, img_global, txt_global, logit_scale, logit_bias,
+                    b, big_b, offset, scale_grad)
+        if scale_grad == "same":
+            loss = a.v.mean()  # v carries the features' and t's gradient
+        else:
+            loss = _DecoupledObjective.apply(a.v, a.v_t)
+            if a.bias is not None:
+                loss = loss + 0.0 * a.bias  # cancels in the margins; kept in the graph for DDP
+    metrics = diagnostics_from_softmax(a.parts, a.t, extra={"loss": loss})
+    return loss, metrics
