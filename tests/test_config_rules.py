@@ -115,13 +115,13 @@ KNOWN = "(known: pypi:efficientnet-lite0, pypi:all-minilm-l6-v2)"
     (["train.parallel=fsdp", "train.precision=fp16"], "config: train.parallel=fsdp does not support "
      "train.precision=fp16 (use bf16)"),
     (["loss.name=siglip", "loss.temperature=split"], "config: loss.temperature=split only applies to "
-     "loss.name=flatnce or sogclr"),
+     "loss.name=flatnce or sogclr or dcl"),
     (["loss.tau=0.001"], "config: loss.tau=0.001 gives initial logit_scale 1000 above loss.max_logit_scale=100.0: "
      "the clamp would change it silently; raise loss.max_logit_scale or set tau"),
     (["data.feature_cache=memory", "data.train_transform=eval", "model.lock_image=true", "model.lock_text=true",
       "train.parallel=fsdp"], "config: data.feature_cache supports train.parallel=ddp only"),
     (["train.seed=-1"], "config: train.seed must be >= 0 and <= 4.29497e+09, got -1"),
-    (["loss.name=3"], "config: loss.name must be one of ['infonce', 'flatnce', 'siglip', 'sogclr'], got 3"),
+    (["loss.name=3"], "config: loss.name must be one of ['infonce', 'flatnce', 'siglip', 'sogclr', 'dcl', 'fastclip', 'isogclr'], got 3"),
 ])
 def test_whole_error_lines(overrides, message):
     with pytest.raises(ConfigError) as e:
