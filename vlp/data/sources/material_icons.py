@@ -37,7 +37,7 @@ TEMPLATES = ("an icon of {name}", "a {name} icon", "a pictogram of {name}", "a s
 _ENTRY = re.compile(r'^\s*"([a-z0-9_]+)":\s*([0-9a-fA-F]{4,6}),?\s*$', re.MULTILINE)
 
 
-def read_codepoints(path: Path = CODEPOINTS) -> list[tuple[str, int]]:
+def read_codepoints(path: Path) -> list[tuple[str, int]]:
     """(name, code point) of every icon in the SCSS map, sorted by name."""
     entries = _ENTRY.findall(require(path, NAME, PACKAGES).read_text(encoding="utf-8"))
     if not entries:
@@ -97,14 +97,17 @@ def _versions(font_path: Path, codepoints: Path) -> str:
 
 
 def ensure_rendered(image_size: int = 64, cache_dir: str | os.PathLike | None = None,
-                    font_path: Path = FONT, codepoints: Path = CODEPOINTS) -> Path:
-    """Render once into the cache (a few seconds); return the folder with index.json."""
+                    font_path: Path | None = None, codepoints: Path | None = None) -> Path:
+    """Render once into the cache (~10 s); return the folder with index.json. ``font_path`` and
+    ``codepoints``: the package's files (default ``FONT``, ``CODEPOINTS``)."""
+    font_path = Path(font_path) if font_path is not None else FONT
+    codepoints = Path(codepoints) if codepoints is not None else CODEPOINTS
     target = cache_path(NAME, _versions(font_path, codepoints), image_size, cache_dir)
     return build_once(target, lambda tmp: _render_into(tmp, image_size, font_path, codepoints))
 
 
 def load_pairs(split: str = "all", image_size: int = 64, cache_dir: str | os.PathLike | None = None,
-               font_path: Path = FONT, codepoints: Path = CODEPOINTS) -> list[Pair]:
+               font_path: Path | None = None, codepoints: Path | None = None) -> list[Pair]:
     """Material Icons pairs of ``split`` sorted by icon name; Pair.meta holds name, icon, codepoint
     and split. Raises MissingPackage without the package."""
     return load_split(ensure_rendered(image_size, cache_dir, font_path, codepoints), split)

@@ -8,7 +8,7 @@ One pair per drawing: the SVG's content hash is the identity (the same file sits
 category folders, as copies or symlinks), its cleaned title the name, the PNG render squared on
 white at ``image_size`` px the image, and "clip art of <title>" (plus a short description where the
 author wrote a specific one) the caption. Skipped and counted in index.json: drawings without a
-usable title, titles shared by more than ``COLLECTION_SIZE`` drawings (the name of a collection,
+usable title, blank renders, titles shared by more than ``COLLECTION_SIZE`` drawings (the name of a collection,
 not a caption: "Lemon SVG theme"), a title already taken by an earlier drawing (one pair per
 caption), renders too large to decode safely, and unreadable files.
 
@@ -33,7 +33,7 @@ from .cached import build_once, cache_path, load_split, png_bytes, require, squa
 NAME = "openclipart"
 PACKAGES = ("openclipart-svg", "openclipart-png")
 ROOT = Path("/usr/share/openclipart")
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 COLLECTION_SIZE = 3  # a title on more distinct drawings than this names a collection
 TITLE_MAX = 80
 DESCRIPTION_MAX = 100
@@ -76,14 +76,14 @@ def usable_title(title: str) -> bool:
     return sum(ch.isalpha() for ch in title) >= 2
 
 
-def svg_files(root: Path = ROOT) -> list[Path]:
+def svg_files(root: Path) -> list[Path]:
     """Every SVG (symlinks included) under ``root``/svg, sorted by relative path."""
     svg_root = require(root / "svg", NAME, PACKAGES)
     return sorted((p for p in svg_root.rglob("*.svg") if p.is_file()),
                   key=lambda p: p.relative_to(svg_root).as_posix())
 
 
-def drawings(root: Path = ROOT) -> tuple[list[dict], Counter]:
+def drawings(root: Path) -> tuple[list[dict], Counter]:
     """One row per distinct drawing (first path by sort order), with its title, description and
     category; and the counts of what was skipped."""
     skipped: Counter = Counter()
@@ -142,7 +142,8 @@ def _render_into(directory: Path, image_size: int, root: Path) -> None:
 
 
 def _square_png(path: Path, image_size: int, skipped: Counter) -> bytes | None:
-    """The render squared to ``image_size`` px as PNG bytes; None (counted) if too large or unreadable."""
+    """The render squared to ``image_size`` px as PNG bytes; None (counted) if too large, unreadable
+    or blank."""
     from PIL import Image  # heavy: imported when rendering only
 
     try:
@@ -153,10 +154,15 @@ def _square_png(path: Path, image_size: int, skipped: Counter) -> bytes | None:
                     skipped["too_large"] += 1
                     return None
                 image.load()
-                return png_bytes(square(image, image_size))
+                squared = square(image, image_size)
     except (OSError, ValueError, Image.DecompressionBombError):
         skipped["unreadable_png"] += 1
         return None
+    lo, hi = squared.convert("L").getextrema()
+    if lo == hi:  # white on transparent, or nothing left at this size
+        skipped["blank"] += 1
+        return None
+    return png_bytes(squared)
 
 
 def _versions(root: Path) -> str:
@@ -169,15 +175,17 @@ def _versions(root: Path) -> str:
 
 
 def ensure_rendered(image_size: int = 64, cache_dir: str | os.PathLike | None = None,
-                    root: Path = ROOT) -> Path:
-    """Render once into the cache (~1 min on one core); return the folder with index.json."""
+                    root: Path | None = None) -> Path:
+    """Render once into the cache (1-3 min on one core); return the folder with index.json.
+    ``root``: where the packages put their files (default ``ROOT``)."""
+    root = Path(root) if root is not None else ROOT
     require(root / "svg", NAME, PACKAGES)
     target = cache_path(NAME, _versions(root), image_size, cache_dir)
     return build_once(target, lambda tmp: _render_into(tmp, image_size, root))
 
 
 def load_pairs(split: str = "all", image_size: int = 64, cache_dir: str | os.PathLike | None = None,
-               root: Path = ROOT) -> list[Pair]:
+               root: Path | None = None) -> list[Pair]:
     """Openclipart pairs of ``split`` sorted by first path; Pair.meta holds name, title,
     description, category, path, sha1 and split. Raises MissingPackage without the packages."""
     return load_split(ensure_rendered(image_size, cache_dir, root), split)
