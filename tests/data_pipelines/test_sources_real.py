@@ -124,6 +124,7 @@ def test_skips_are_counted(source, real_cache):
         skipped = index["skipped"]
         # the same SVG under several category folders is one drawing; titles of collections go
         assert skipped["duplicate_file"] > 0 and skipped["collection_title"] > 0
+        assert skipped["too_large"] > 0 and "unreadable_png" not in skipped  # posters of 170 Mpx
         assert len({p.meta["sha1"] for p in pairs}) == len(pairs)
     else:
         assert index["skipped"].get("alias", 0) > 0  # 'alarm' and 'access_alarm' draw one glyph
@@ -218,3 +219,13 @@ def test_missing_package_is_one_error_line(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("vlp: error: openclipart:") and "apt-get install" in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_package_skips_but_fails_under_ci(tmp_path, monkeypatch):
+    monkeypatch.setattr(openclipart, "ROOT", tmp_path / "nothing")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="apt-get install -y openclipart-svg openclipart-png"):
+        require_installed("openclipart")
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="openclipart"):
+        require_installed("openclipart")

@@ -33,7 +33,7 @@ from .cached import build_once, cache_path, load_split, png_bytes, require, squa
 NAME = "openclipart"
 PACKAGES = ("openclipart-svg", "openclipart-png")
 ROOT = Path("/usr/share/openclipart")
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 COLLECTION_SIZE = 3  # a title on more distinct drawings than this names a collection
 TITLE_MAX = 80
 DESCRIPTION_MAX = 100
@@ -155,7 +155,10 @@ def _square_png(path: Path, image_size: int, skipped: Counter) -> bytes | None:
                     return None
                 image.load()
                 squared = square(image, image_size)
-    except (OSError, ValueError, Image.DecompressionBombError):
+    except Image.DecompressionBombError:  # over twice Pillow's limit: refused before the check above
+        skipped["too_large"] += 1
+        return None
+    except (OSError, ValueError):
         skipped["unreadable_png"] += 1
         return None
     lo, hi = squared.convert("L").getextrema()
