@@ -19,3 +19,12 @@ def tiny_shards(tmp_path_factory):
         "train": write_shards(train, root / "train", prefix="train", samples_per_shard=64).spec,
         "eval": write_shards(held, root / "eval", prefix="eval", samples_per_shard=64).spec,
     }
+
+
+def pytest_runtest_logreport(report):
+    """VLP_TEST_DURATIONS=FILE appends 'seconds<TAB>node id' per test (setup+call+teardown summed
+    by the reader), as each phase ends, so a run cut short still leaves its figures."""
+    path = os.environ.get("VLP_TEST_DURATIONS")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{report.duration:.3f}\t{report.when}\t{report.nodeid}\n")
