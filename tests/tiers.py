@@ -17,7 +17,7 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 SLOW_LIST = TESTS / "slow_tests.txt"
-SLOW_S = 5.0  # a test function over this (all its cases, setup + call + teardown) belongs in SLOW_LIST
+SLOW_S = 3.0  # a test function over this (all its cases, setup + call + teardown) belongs in SLOW_LIST
 TIERS = ("slow", "multiproc", "server")
 PROCESS_MODULES = ("subprocess", "multiprocessing", "torch.multiprocessing", "concurrent.futures.process")
 SERVER_MODULES = ("http.server", "socketserver")
