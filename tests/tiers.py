@@ -62,7 +62,7 @@ def _neighbours(fn) -> tuple[frozenset, tuple]:
         objs = [scope.get(n) for n in wanted] + cells
         objs += [v for o in objs if isinstance(o, (dict, list, tuple, set))  # STARTERS = {"s3": start_s3}
                  for v in (o.values() if isinstance(o, dict) else o)]
-        objs += [getattr(m, n, None) for m in objs if isinstance(m, types.ModuleType) for n in wanted]
+        objs += [vars(m).get(n) for m in objs if isinstance(m, types.ModuleType) for n in wanted]  # no lazy imports
         for obj in objs:
             if isinstance(obj, types.ModuleType):
                 names.add(obj.__name__)
