@@ -1,0 +1,83 @@
+"""The tiers stay honest: tests/slow_tests.txt names real tests, what a test reaches decides its
+markers (through fixtures, helpers and tables of helpers), and the tier rule holds for every
+collected item of this session."""
+import ast
+import http.server
+import subprocess
+
+import pytest
+
+from tiers import SLOW_LIST, TESTS, TIERS, kinds, reached, read_list
+from object_store import start_gcs, start_s3
+
+
+def _defined(path) -> set[str]:
+    """'name' and 'Class::name' for every test function of a file."""
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.ClassDef):
+            out |= {f"{node.name}::{f.name}" for f in node.body if isinstance(f, ast.FunctionDef)}
+    return out
+
+
+def test_every_slow_entry_names_a_test_once():
+    lines = [line.split("#", 1)[0].strip() for line in SLOW_LIST.read_text().splitlines()]
+    entries = [line for line in lines if line]
+    assert len(entries) == len(set(entries)) == len(read_list(SLOW_LIST))
+    missing = []
+    for entry in entries:
+        path, _, name = entry.partition("::")
+        file = TESTS.parent / path
+        if "[" in entry or not file.is_file() or name not in _defined(file):
+            missing.append(entry)
+    assert not missing, f"tests/slow_tests.txt names tests that do not exist (or with [params]): {missing}"
+
+
+# small stand-ins, defined here so the reader follows them like any test-side helper
+def _launches():
+    return subprocess.run(["true"])
+
+
+def _serves():
+    return http.server.ThreadingHTTPServer
+
+
+HELPERS = {"s3": start_s3, "gs": start_gcs}
+
+
+def _through_a_table(scheme):
+    return HELPERS[scheme]()
+
+
+def _through_a_closure():
+    inner = _launches
+
+    def run():
+        return inner()
+    return run
+
+
+def _plain(x):
+    return sorted(x)
+
+
+@pytest.mark.parametrize("fn, expected", [
+    (_launches, {"multiproc"}),
+    (_serves, {"server"}),
+    (_through_a_table, {"server", "multiproc"}),  # start_gcs runs fake-gcs-server as a process
+    (_through_a_closure(), {"multiproc"}),
+    (_plain, set()),
+])
+def test_markers_follow_what_a_test_reaches(fn, expected):
+    assert kinds(reached([fn])) == expected
+
+
+def test_the_tier_rule_holds_for_every_item_of_this_session(request):
+    for item in request.session.items:
+        names = {m.name for m in item.iter_markers()} & set(TIERS)
+        assert "multiproc" not in names or "slow" in names, item.nodeid
+    here = {m.name for m in request.node.iter_markers()} & set(TIERS)
+    assert here == set()  # this file only defines its stand-ins: it is in the fast tier
