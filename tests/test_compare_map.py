@@ -9,10 +9,10 @@ import pytest
 from test_compare_study import study_shards  # noqa: F401  (fixture: tiny fit / val / test shards)
 from test_feature_cache import bert_dir, timm_json  # noqa: F401  (fixtures: a tiny LiT model)
 from vlp.config import ConfigError
-from vlp.study import maps
-from vlp.study import study as compare_study
-from vlp.study.compare import parse_grid, run_grid
-from vlp.study.study import price_runs, sweep_runs
+from vlp.study import executor, tables
+from vlp.study.compare import run_grid
+from vlp.study.grid import parse_grid
+from vlp.study.plan import price_runs, sweep_runs
 
 
 def _grid(out, timm_json, bert_dir, **extra):
@@ -55,7 +55,7 @@ def test_tiny_map_two_regimes_workers_report_and_rerun(study_shards, tmp_path, t
     def no_training(*args, **kwargs):
         raise AssertionError("a finished run was trained again")
 
-    monkeypatch.setattr(compare_study, "run_job", no_training)
+    monkeypatch.setattr(executor, "run_job", no_training)
     again = run_grid(base, grid)
     assert again["best"] == result["best"] and again["final"] == result["final"]
 
@@ -71,13 +71,13 @@ def test_map_tables_and_mechanism_by_hand():
     table = [cell("lit", "infonce", 8, 0.5, 0.002), cell("lit", "flatnce", 8, 0.53, 0.003, d),
              cell("lit", "infonce", 128, 0.4, 0.9), cell("lit", "flatnce", 128, 0.4, 0.9, {**d, "mean": 0.0,
                                                                                            "lo": -0.01, "resolved": False})]
-    text = maps.map_markdown(table, "mean_R@10")
-    assert "| 8 | flatnce | adamw | () | 4 | 53.0 ± 1.0 [51.0, 55.0] | +3.0 [+1.0, +5.0] ✓ | 0.003 | 14.0 |" in text
-    points = maps.mechanism_points(table, "mean_R@10")
+    text = tables.map_markdown(table, "mean_R@10")
+    assert "| 8 | flatnce | adamw | base | 4 | 53.0 ± 1.0 [51.0, 55.0] | +3.0 [+1.0, +5.0] ✓ | 0.003 | 14.0 |" in text
+    points = tables.mechanism_points(table, "mean_R@10")
     assert [(p["batch_per_device"], p["sigma_v"]) for p in points] == [(8, 0.002), (128, 0.9)]
     price = [{"status": "ok", "arm": ("lit", "infonce", "adamw", 8), "accum": 16, "samples_per_s": 300.0,
               "peak_step_mem_mb": 11.0}]
-    cost = maps.cost_markdown(table, price, "mean_R@10", {})
+    cost = tables.cost_markdown(table, price, "mean_R@10", {})
     assert "| 128 = 8 × 16 accumulated | infonce | 300 | 11.0 | 40.0 ± 1.0 [38.0, 42.0] (= batch 128) |" in cost
 
 
