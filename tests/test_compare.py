@@ -287,3 +287,44 @@ def test_stale_check_ignores_harmless_and_newly_added_keys():
     assert stale_key(saved, now) is None
     assert stale_key(saved, {**now, "model": {"name": "ViT-B-32"}}) == (
         "model.name: 'vlp-micro' then, 'ViT-B-32' now")
+
+
+def test_a_worker_dies_with_its_parent_even_when_it_ignores_sigterm(tmp_path):
+    """The Executor's worker initializer (PR_SET_PDEATHSIG = SIGKILL): a worker that ignores
+    SIGTERM (as a Trainer run handles it: a preemption, then a retry) still ends when the
+    process that made it is SIGKILLed."""
+    import signal
+    import subprocess
+    import time
+
+    from vlp_testing import PYTHON, run_env
+
+    parent = subprocess.Popen([PYTHON, "-c", (
+        "import multiprocessing, os, signal, sys, time\n"
+        "from concurrent.futures import ProcessPoolExecutor\n"
+        "from vlp.study.executor import die_with_parent\n"
+        "pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context('spawn'),\n"
+        "                           initializer=die_with_parent, initargs=(os.getpid(),))\n"
+        "pool.submit(signal.signal, signal.SIGTERM, signal.SIG_IGN).result()\n"
+        "print(pool.submit(os.getpid).result(), flush=True)\n"
+        "pool.submit(time.sleep, 600)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True, env=run_env(), cwd=tmp_path)
+    try:
+        worker = int(parent.stdout.readline())
+        assert worker != parent.pid
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=60)
+        deadline = time.time() + 60
+
+        def alive(pid):
+            try:
+                state = open(f"/proc/{pid}/status").read().split("State:")[1].split()[0]
+            except (FileNotFoundError, IndexError):
+                return False
+            return state != "Z"  # a zombie has ended; its new parent reaps it when it can
+
+        while alive(worker) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not alive(worker), "the worker outlived its parent"
+    finally:
+        parent.kill()
