@@ -110,7 +110,10 @@ def study_markdown(table: list[dict], sweep_rows: list[dict], final_rows: list[d
         "## Final (test)", "",
         "Cells: mean ± std over seeds [95 % t-interval]; per-run bootstrap: mean over seeds of each run's 95 % "
         "bootstrap interval over test items; Δ: paired by seed against infonce with the same regime, optimizer "
-        "and batch (✓ = 95 % CI excludes 0); diagnostics from the last training step.", "",
+        "and batch (✓ = 95 % CI excludes 0, not corrected for the number of cells); Δ after Holm: the paired "
+        "t-test's p-value adjusted by Holm-Bonferroni over the cells of the same regime's table (every loss, "
+        "optimizer and batch compared with infonce, per metric; ✓ = adjusted p ≤ 0.05: resolved once the number "
+        "of cells is accounted for); diagnostics from the last training step.", "",
         tables.final_markdown(table, STUDY_METRICS), "",
         *[f"- {v}" for v in tables.verdicts(table, grid.metric)], "",
     ]
@@ -122,6 +125,13 @@ def study_markdown(table: list[dict], sweep_rows: list[dict], final_rows: list[d
                   "memory: the most bytes held by tensors during one training step (vlp.train.memory; on CPU a "
                   "function of shapes only).", "",
                   tables.cost_markdown(table, price_rows, grid.metric, grid.accum_price)]
+        if tables.mechanism_points(table, grid.metric):
+            lines += ["## The mechanism, cell by cell (test)", "",
+                      f"The argument for {tables.CHALLENGER}: per anchor ∇InfoNCE = σ(v_i) ∇FlatNCE, so where "
+                      f"InfoNCE's σ(v) is small its gradient vanishes and {tables.CHALLENGER} should gain. Every cell "
+                      "with both losses, then a least-squares fit of the paired Δ (per seed) on log10 of InfoNCE's "
+                      "σ(v) at that seed: the prediction is a negative slope.", "",
+                      tables.mechanism_markdown(table, grid.metric), ""]
     if failed:
         lines += ["Failed runs: " + "; ".join(failed), ""]
     return "\n".join(lines)

@@ -20,7 +20,7 @@ from vlp.eval import keys
 from vlp.eval.keys import RECALL_KS
 from vlp.storage import RunFolder
 from vlp.study.plan import REFERENCE_LOSS, SPLITS, RunSpec, StudyRun
-from vlp.study.stats import bootstrap_ci, paired_difference, seed_summary
+from vlp.study.stats import bootstrap_ci, holm, paired_difference, seed_summary
 
 KS = (1, 5, 10)
 DIAG_KEYS = ("infonce", "log_xi", "grad_ratio", "frac_saturated", "ess_neg", "acc", "logit_scale")
@@ -137,7 +137,8 @@ def study_row(run: StudyRun, run_dir: Path, metric_keys: tuple[str, ...], n_boot
 
 def final_table(rows: list[dict], metrics: tuple[str, ...], reference: str = REFERENCE_LOSS) -> list[dict]:
     """One entry per arm: seed summaries of each test metric and diagnostic, mean per-run
-    bootstrap interval, and the paired difference to ``reference`` (same optimizer and batch)."""
+    bootstrap interval, and the paired difference to ``reference`` (same regime, optimizer and
+    batch) with its Holm-adjusted p over the regime's cells (``correct_per_regime``)."""
     by_arm: dict[tuple, list[dict]] = {}
     for row in rows:
         if row["status"] == "ok":
@@ -149,6 +150,7 @@ def final_table(rows: list[dict], metrics: tuple[str, ...], reference: str = REF
                  "setting": members[0]["setting"], "n": len(members)}
         for key in metrics + DIAG + COST:
             entry[key] = seed_summary([r.get(key) for r in members])
+        entry["grad_ratio_by_seed"] = {r["seed"]: r.get("grad_ratio") for r in members}  # the mechanism's fit
         for key in metrics:
             boot = [r.get(f"boot/{key}") for r in members if r.get(f"boot/{key}")]
             entry[f"boot/{key}"] = (sum(b[0] for b in boot) / len(boot), sum(b[1] for b in boot) / len(boot)) \
@@ -157,5 +159,18 @@ def final_table(rows: list[dict], metrics: tuple[str, ...], reference: str = REF
             entry[f"diff/{key}"] = None if loss == reference else paired_difference(
                 {r["seed"]: r.get(key) for r in members}, ref)
         table.append(entry)
+    correct_per_regime(table, metrics)
     return table
+
+
+def correct_per_regime(table: list[dict], metrics: tuple[str, ...]) -> None:
+    """Holm-Bonferroni per metric over the cells of one regime's table (every loss, optimizer and
+    batch with a paired difference and a p-value): adds p_holm, holm (resolved after the
+    correction) and m (the family size) to each of those differences, in place."""
+    for key in metrics:
+        for regime in dict.fromkeys(e["regime"] for e in table):
+            family = {i: e[f"diff/{key}"]["p"] for i, e in enumerate(table)
+                      if e["regime"] == regime and e.get(f"diff/{key}") is not None}
+            for i, corrected in holm(family).items():
+                table[i][f"diff/{key}"].update(corrected)
 

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 from vlp.eval.keys import EVAL_KEYS
 from vlp.study.plan import REFERENCE_LOSS, arm_label, setting_tag
 from vlp.study.rows import DIAG_KEYS
-from vlp.study.stats import seed_summary, signed, verdict
+from vlp.study.stats import linear_fit, seed_summary, signed, verdict
 
 CHALLENGER = "flatnce"
 """The loss whose mechanism (InfoNCE's gradient vanishing as σ(v) → 0) the map tests."""
@@ -41,6 +41,14 @@ def diff_cell(d: Optional[dict]) -> str:
 
 def mean_cell(stat: Optional[dict], fmt: str = "{:.3g}") -> str:
     return "—" if stat is None else fmt.format(stat["mean"])
+
+
+def holm_cell(d: Optional[dict]) -> str:
+    """A paired difference after Holm over its regime's cells: 'p=<adjusted p>', ' ✓' when it
+    stays resolved; '—' without a test (one seed)."""
+    if d is None or d.get("p_holm") is None:
+        return "—"
+    return f"p={d['p_holm']:.2g}" + (" ✓" if d["holm"] else "")
 
 
 # ---------------------------------------------------------------------------- plain grid
@@ -115,7 +123,6 @@ def markdown_table(table: list[dict], losses: Optional[Sequence[str]] = None, co
     return "\n".join(lines)
 
 
-
 # ---------------------------------------------------------------------------- study
 def sweep_markdown(rows: list[dict], best: dict, metric: str) -> str:
     """Val metric per arm × setting (mean over sweep seeds); the selected setting in bold."""
@@ -144,7 +151,8 @@ def arm_order(e: dict) -> tuple:
 def final_markdown(table: list[dict], metrics: tuple[str, ...]) -> str:
     head = ["arm (loss/optimizer/batch)", "setting", "seeds"]
     for m in metrics:
-        head += [f"test {m} (%) mean ± std [95 % CI]", f"per-run bootstrap 95 % ({m})", f"Δ vs infonce ({m}) [95 % CI]"]
+        head += [f"test {m} (%) mean ± std [95 % CI]", f"per-run bootstrap 95 % ({m})", f"Δ vs infonce ({m}) [95 % CI]",
+                 f"Δ after Holm ({m})"]
     head += ["grad_ratio", "logit_scale", "InfoNCE (last step)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in sorted(table, key=arm_order):
@@ -153,7 +161,8 @@ def final_markdown(table: list[dict], metrics: tuple[str, ...]) -> str:
             boot = e.get(f"boot/{m}")
             d = e.get(f"diff/{m}")
             cells += [pct(e.get(m)), "—" if boot is None else f"[{100 * boot[0]:.1f}, {100 * boot[1]:.1f}]",
-                      "ref" if e["loss"] == REFERENCE_LOSS else diff_cell(d)]
+                      "ref" if e["loss"] == REFERENCE_LOSS else diff_cell(d),
+                      "ref" if e["loss"] == REFERENCE_LOSS else holm_cell(d)]
         cells += [mean_cell(e.get("grad_ratio")), mean_cell(e.get("logit_scale")), mean_cell(e.get("infonce"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -170,7 +179,6 @@ def verdicts(table: list[dict], metric: str) -> list[str]:
             where = f"{regime}, " if regime else ""
             out.append(f"{where}{optim}, batch {batch}: " + verdict(diffs, REFERENCE_LOSS, f"test {metric}"))
     return out
-
 
 
 # ---------------------------------------------------------------------------- the map
@@ -190,17 +198,20 @@ def arm_cells(table: list[dict], regime: str) -> list[dict]:
 
 def map_markdown(table: list[dict], metric: str) -> str:
     """Per regime, one row per (batch, optimizer, loss): seeds, test metric mean ± std [95 %
-    CI], paired Δ to InfoNCE [95 % CI] (✓ = resolved), final σ(v) and logit_scale."""
+    CI], paired Δ to InfoNCE [95 % CI] (✓ = resolved), Δ after Holm over the regime's cells,
+    final σ(v) and logit_scale."""
     out = []
     for regime in regimes(table):
         out += [f"**{regime or 'all'}**", "",
                 f"| per-GPU batch | loss | optimizer | setting | seeds | test {metric} (%) mean ± std [95 % CI] | "
-                f"Δ vs {REFERENCE_LOSS} [95 % CI] | σ(v) | logit_scale |", "|---|---|---|---|---|---|---|---|---|"]
+                f"Δ vs {REFERENCE_LOSS} [95 % CI] | Δ after Holm | σ(v) | logit_scale |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for e in arm_cells(table, regime):
             tag = setting_tag(e["setting"])
-            diff = "ref" if e["loss"] == REFERENCE_LOSS else diff_cell(e.get(f"diff/{metric}"))
+            d = e.get(f"diff/{metric}")
+            diff, corrected = ("ref", "ref") if e["loss"] == REFERENCE_LOSS else (diff_cell(d), holm_cell(d))
             out.append(f"| {e['batch_per_device']} | {e['loss']} | {e['optim']} | {tag} | {e['n']} | "
-                       f"{pct(e.get(metric))} | {diff} | {mean_cell(e.get('grad_ratio'), '{:.3f}')} | "
+                       f"{pct(e.get(metric))} | {diff} | {corrected} | {mean_cell(e.get('grad_ratio'), '{:.3f}')} | "
                        f"{mean_cell(e.get('logit_scale'), '{:.1f}')} |")
         out.append("")
     return "\n".join(out)
@@ -242,7 +253,6 @@ def cost_markdown(table: list[dict], prices: list[dict], metric: str, price: dic
     return "\n".join(out)
 
 
-
 def mechanism_points(table: list[dict], metric: str) -> list[dict]:
     """Per (regime, optimizer, batch) cell with both losses: InfoNCE's final σ(v) and the paired
     FlatNCE − InfoNCE difference."""
@@ -254,6 +264,54 @@ def mechanism_points(table: list[dict], metric: str) -> list[dict]:
                     and r["optim"] == e["optim"] and r["batch_per_device"] == e["batch_per_device"]), None)
         if ref is not None and ref.get("grad_ratio") is not None:
             out.append({"regime": e["regime"], "optim": e["optim"], "batch_per_device": e["batch_per_device"],
-                        "sigma_v": ref["grad_ratio"]["mean"], "diff": e[f"diff/{metric}"]})
+                        "sigma_v": ref["grad_ratio"]["mean"], "diff": e[f"diff/{metric}"],
+                        "sigma_by_seed": ref.get("grad_ratio_by_seed") or {}})
     return out
+
+
+def mechanism_fit(points: list[dict]) -> Optional[dict]:
+    """Δ_s (FlatNCE − InfoNCE, seed s) against log10 of InfoNCE's σ(v) at seed s, one point per
+    cell and seed: stats.linear_fit (slope in Δ per decade of σ(v), its 95 % CI). The mechanism
+    predicts a negative slope: FlatNCE gains as InfoNCE's σ(v) → 0."""
+    xs, ys = [], []
+    for p in points:
+        for seed, delta in p["diff"]["diffs"].items():
+            sigma = p["sigma_by_seed"].get(seed)
+            if sigma is not None and sigma > 0 and delta is not None:
+                xs.append(math.log10(sigma))
+                ys.append(delta)
+    return linear_fit(xs, ys)
+
+
+def fit_reading(fit: Optional[dict]) -> str:
+    """What a fit says about the mechanism's prediction (a negative slope)."""
+    if fit is None:
+        return "no fit (fewer than 3 points or one σ(v))"
+    if fit["hi"] < 0:
+        return "as predicted (slope < 0, 95 % CI)"
+    if fit["lo"] > 0:
+        return "against the prediction (slope > 0, 95 % CI)"
+    return "not resolved (95 % CI includes 0)"
+
+
+def mechanism_markdown(table: list[dict], metric: str) -> str:
+    """Every (regime, optimizer, batch) cell: InfoNCE's σ(v), FlatNCE − InfoNCE [95 % CI] and
+    after Holm; then per regime (and over all regimes) the fit of Δ on log10 σ(v)."""
+    points = sorted(mechanism_points(table, metric), key=lambda p: (p["regime"], p["optim"], p["batch_per_device"]))
+    lines = [f"| regime | optimizer | per-GPU batch | InfoNCE σ(v) | {CHALLENGER} − {REFERENCE_LOSS} [95 % CI] | "
+             "Δ after Holm |", "|---|---|---|---|---|---|"]
+    for p in points:
+        lines.append(f"| {p['regime'] or 'all'} | {p['optim']} | {p['batch_per_device']} | {p['sigma_v']:.3g} | "
+                     f"{diff_cell(p['diff'])} | {holm_cell(p['diff'])} |")
+    groups = [(r or "all", [p for p in points if p["regime"] == r]) for r in dict.fromkeys(p["regime"] for p in points)]
+    if len(groups) > 1:
+        groups.append(("all regimes", points))
+    lines += ["", f"| fit over | points (cell × seed) | slope: Δ {metric} (points) per decade of σ(v) [95 % CI] | r | "
+              "reading |", "|---|---|---|---|---|"]
+    for name, members in groups:
+        fit = mechanism_fit(members)
+        shown = ("—", "—", "—") if fit is None else (
+            str(fit["n"]), f"{signed(fit['slope'])} [{signed(fit['lo'])}, {signed(fit['hi'])}]", f"{fit['r']:.2f}")
+        lines.append(f"| {name} | {shown[0]} | {shown[1]} | {shown[2]} | {fit_reading(fit)} |")
+    return "\n".join(lines)
 
