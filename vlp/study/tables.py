@@ -297,7 +297,9 @@ def fit_reading(fit: Optional[dict]) -> str:
 def mechanism_markdown(table: list[dict], metric: str) -> str:
     """Every (regime, optimizer, batch) cell: InfoNCE's σ(v), FlatNCE − InfoNCE [95 % CI] and
     after Holm; then per regime (and over all regimes) the fit of Δ on log10 σ(v)."""
-    points = sorted(mechanism_points(table, metric), key=lambda p: (p["regime"], p["optim"], p["batch_per_device"]))
+    order = {name: i for i, name in enumerate(regimes(table))}  # the grid's regime order
+    points = sorted(mechanism_points(table, metric),
+                    key=lambda p: (order[p["regime"]], p["optim"], p["batch_per_device"]))
     lines = [f"| regime | optimizer | per-GPU batch | InfoNCE σ(v) | {CHALLENGER} − {REFERENCE_LOSS} [95 % CI] | "
              "Δ after Holm |", "|---|---|---|---|---|---|"]
     for p in points:
