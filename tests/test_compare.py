@@ -7,10 +7,15 @@ import pytest
 import yaml
 
 from vlp_testing import REPO
-from vlp.study import compare
-from vlp.study import report as compare_report
-from vlp.study.compare import expand_grid, load_compare_config, parse_grid, run_config, run_grid, steps_for
-from vlp.study.report import aggregate, markdown_table, mean_curve, plot_curves, plot_metric_vs_batch, read_log
+from vlp.eval.keys import EVAL_KEYS
+from vlp.study import executor, plots
+from vlp.study.compare import load_compare_config, run_grid
+from vlp.study.grid import parse_grid
+from vlp.study.plan import expand_grid, steps_for
+from vlp.study.plots import mean_curve, plot_curves, plot_metric_vs_batch
+from vlp.study.rows import DIAG_KEYS, read_log
+from vlp.study.runs import run_config, stale_key
+from vlp.study.tables import aggregate, markdown_table
 from vlp.config import ConfigError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -54,7 +59,7 @@ def test_tiny_grid_end_to_end_then_rerun_skips_everything(tiny_shards, tmp_path,
         b = int(r["batch_per_device"])
         assert r["status"] == "ok" and r["error"] == ""
         assert int(r["global_batch"]) == b and int(r["steps"]) == 32 // b and int(r["samples_seen"]) == 32
-        for key in compare.EVAL_KEYS + compare.DIAG_KEYS + ("wall_time_s",):
+        for key in EVAL_KEYS + DIAG_KEYS + ("wall_time_s",):
             assert r[key] != "", key
         assert 0.0 <= float(r["mean_R@1"]) <= 1.0
     # the curves are read from the Trainer's log: log_every = 8 samples // batch
@@ -71,7 +76,7 @@ def test_tiny_grid_end_to_end_then_rerun_skips_everything(tiny_shards, tmp_path,
     def no_training(*args, **kwargs):
         raise AssertionError("a finished run was trained again")
 
-    monkeypatch.setattr(compare, "_train_once", no_training)
+    monkeypatch.setattr(executor, "train_only", no_training)
     (out / "runs.csv").unlink()
     rows_again = run_grid(_base(tiny_shards), grid)
     assert rows_again == rows
@@ -97,14 +102,14 @@ def _fake_train(calls, fail=lambda cfg: False):
         r1 = 0.1 * cfg.train.seed + (0.2 if cfg.loss.name == "flatnce" else 0.0)
         (out / "result.json").write_text(json.dumps({
             "step": steps, "samples_seen": steps * gb, "global_batch": gb, "train_time_s": 0.1,
-            **{f"eval/{k}": r1 for k in compare.EVAL_KEYS if not k.startswith("mean")}, "eval/chance_R@1": 0.025}))
+            **{f"eval/{k}": r1 for k in EVAL_KEYS if not k.startswith("mean")}, "eval/chance_R@1": 0.025}))
         return {}
     return train_once
 
 
 def test_crashed_run_is_retried_once_then_recorded_and_grid_continues(tiny_shards, tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(compare, "_train_once", _fake_train(
+    monkeypatch.setattr(executor, "train_only", _fake_train(
         calls, fail=lambda cfg: cfg.loss.name == "flatnce" and cfg.data.batch_per_device == 8))
     grid = _grid(tmp_path / "cmp")  # grid.retries unset: one retry
     rows = run_grid(_base(tiny_shards), grid)
@@ -123,7 +128,7 @@ def test_crashed_run_is_retried_once_then_recorded_and_grid_continues(tiny_shard
 
 
 def test_rerun_with_a_changed_budget_refuses_to_mix_results(tiny_shards, tmp_path, monkeypatch):
-    monkeypatch.setattr(compare, "_train_once", _fake_train([]))
+    monkeypatch.setattr(executor, "train_only", _fake_train([]))
     grid = _grid(tmp_path / "cmp", losses=["infonce"], seeds=[0])
     run_grid(_base(tiny_shards), grid)
     with pytest.raises(ConfigError, match=r"infonce_b4_s0 was run with another config \(train.samples: 32"):
@@ -185,7 +190,7 @@ def test_loss_overrides_and_grid_validation(tmp_path):
 def test_shipped_configs_load(name, runs, model):
     """The shipped configs are tuned studies (vlp/study/study.py): the map (4 losses x 3 batches x
     from scratch / LiT, AdamW) on CPU and GPU, and the batch-8 AdamW / LARS study."""
-    from vlp.study.study import sweep_runs
+    from vlp.study.plan import sweep_runs
 
     base, grid = load_compare_config(REPO / "configs" / name)
     assert len(sweep_runs(grid)) == runs
@@ -211,8 +216,8 @@ def test_cli_hook_parses():
 def _row(loss, batch, seed, r1, status="ok", infonce=2.0):
     return {"run": f"{loss}_b{batch}_s{seed}", "loss": loss, "batch_per_device": batch, "global_batch": 2 * batch,
             "seed": seed, "steps": 64 // batch, "samples_seen": 64, "status": status, "wall_time_s": 10.0,
-            **{k: (r1 if status == "ok" else None) for k in compare.EVAL_KEYS},
-            **{k: (infonce if status == "ok" else None) for k in compare.DIAG_KEYS}}
+            **{k: (r1 if status == "ok" else None) for k in EVAL_KEYS},
+            **{k: (infonce if status == "ok" else None) for k in DIAG_KEYS}}
 
 
 def test_aggregate_mean_std_and_bold_best_per_batch():
@@ -246,16 +251,18 @@ def test_plots_have_one_series_per_loss_and_per_loss_batch(tmp_path):
     _check_png(tmp_path / "m.png")
 
     def log(seed, gb):
-        return [{"step": k, "samples_seen": k * gb, **{key: seed + k for key in compare_report.CURVE_KEYS}}
+        return [{"step": k, "samples_seen": k * gb, **{key: seed + k for key in plots.CURVE_KEYS}}
                 for k in range(1, 5)]
 
-    curves = {(loss, b): [log(s, b) for s in (0, 1, 2)] for loss in ("infonce", "flatnce") for b in (8, 32)}
+    curves = {("", loss, "", b): [log(s, b) for s in (0, 1, 2)] for loss in ("infonce", "flatnce") for b in (8, 32)}
     fig = plot_curves(curves, path=tmp_path / "c.png")
-    panels = [ax for ax in fig.axes if ax.get_title() in compare_report.CURVE_KEYS]
-    assert len(panels) == len(compare_report.CURVE_KEYS)
+    panels = [ax for ax in fig.axes if ax.get_title() in plots.CURVE_KEYS]
+    assert len(panels) == len(plots.CURVE_KEYS)
     assert all(len(ax.get_lines()) == 4 for ax in panels)  # loss x batch
     _check_png(tmp_path / "c.png")
-    xs, ys = mean_curve(curves[("infonce", 8)], "infonce")
+    assert sorted(t.get_text() for t in fig.axes[-1].get_legend().get_texts()) == [
+        "flatnce/b32", "flatnce/b8", "infonce/b32", "infonce/b8"]
+    xs, ys = mean_curve(curves[("", "infonce", "", 8)], "infonce")
     assert xs == [8, 16, 24, 32] and ys == [2.0, 3.0, 4.0, 5.0]  # mean over seeds 0, 1, 2
 
 
@@ -277,6 +284,47 @@ def test_stale_check_ignores_harmless_and_newly_added_keys():
     saved = {"train": {"samples": 32, "log_every": 1, "output_dir": "a"}, "model": {"name": "vlp-micro"}}
     now = {"train": {"samples": 32, "log_every": 4, "output_dir": "b"},
            "model": {"name": "vlp-micro", "lock_image": False}}  # a Config field added after the run
-    assert compare.stale_key(saved, now) is None
-    assert compare.stale_key(saved, {**now, "model": {"name": "ViT-B-32"}}) == (
+    assert stale_key(saved, now) is None
+    assert stale_key(saved, {**now, "model": {"name": "ViT-B-32"}}) == (
         "model.name: 'vlp-micro' then, 'ViT-B-32' now")
+
+
+def test_a_worker_dies_with_its_parent_even_when_it_ignores_sigterm(tmp_path):
+    """The Executor's worker initializer (PR_SET_PDEATHSIG = SIGKILL): a worker that ignores
+    SIGTERM (as a Trainer run handles it: a preemption, then a retry) still ends when the
+    process that made it is SIGKILLed."""
+    import signal
+    import subprocess
+    import time
+
+    from vlp_testing import PYTHON, run_env
+
+    parent = subprocess.Popen([PYTHON, "-c", (
+        "import multiprocessing, os, signal, sys, time\n"
+        "from concurrent.futures import ProcessPoolExecutor\n"
+        "from vlp.study.executor import die_with_parent\n"
+        "pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context('spawn'),\n"
+        "                           initializer=die_with_parent, initargs=(os.getpid(),))\n"
+        "pool.submit(signal.signal, signal.SIGTERM, signal.SIG_IGN).result()\n"
+        "print(pool.submit(os.getpid).result(), flush=True)\n"
+        "pool.submit(time.sleep, 600)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True, env=run_env(), cwd=tmp_path)
+    try:
+        worker = int(parent.stdout.readline())
+        assert worker != parent.pid
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=60)
+        deadline = time.time() + 60
+
+        def alive(pid):
+            try:
+                state = open(f"/proc/{pid}/status").read().split("State:")[1].split()[0]
+            except (FileNotFoundError, IndexError):
+                return False
+            return state != "Z"  # a zombie has ended; its new parent reaps it when it can
+
+        while alive(worker) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not alive(worker), "the worker outlived its parent"
+    finally:
+        parent.kill()

@@ -3,16 +3,18 @@ tiny grid: both regimes (from scratch; locked towers with the feature cache) run
 processes, the report has the map, the cost table with the accumulation rows and both figures,
 and a rerun trains nothing."""
 import json
+import math
 
 import pytest
 
 from test_compare_study import study_shards  # noqa: F401  (fixture: tiny fit / val / test shards)
 from test_feature_cache import bert_dir, timm_json  # noqa: F401  (fixtures: a tiny LiT model)
 from vlp.config import ConfigError
-from vlp.study import maps
-from vlp.study import study as compare_study
-from vlp.study.compare import parse_grid, run_grid
-from vlp.study.study import price_runs, sweep_runs
+from vlp.study import executor, tables
+from vlp.study.rows import final_table
+from vlp.study.compare import run_grid
+from vlp.study.grid import parse_grid
+from vlp.study.plan import price_runs, sweep_runs
 
 
 def _grid(out, timm_json, bert_dir, **extra):
@@ -55,7 +57,7 @@ def test_tiny_map_two_regimes_workers_report_and_rerun(study_shards, tmp_path, t
     def no_training(*args, **kwargs):
         raise AssertionError("a finished run was trained again")
 
-    monkeypatch.setattr(compare_study, "run_job", no_training)
+    monkeypatch.setattr(executor, "run_job", no_training)
     again = run_grid(base, grid)
     assert again["best"] == result["best"] and again["final"] == result["final"]
 
@@ -71,14 +73,43 @@ def test_map_tables_and_mechanism_by_hand():
     table = [cell("lit", "infonce", 8, 0.5, 0.002), cell("lit", "flatnce", 8, 0.53, 0.003, d),
              cell("lit", "infonce", 128, 0.4, 0.9), cell("lit", "flatnce", 128, 0.4, 0.9, {**d, "mean": 0.0,
                                                                                            "lo": -0.01, "resolved": False})]
-    text = maps.map_markdown(table, "mean_R@10")
-    assert "| 8 | flatnce | adamw | () | 4 | 53.0 ± 1.0 [51.0, 55.0] | +3.0 [+1.0, +5.0] ✓ | 0.003 | 14.0 |" in text
-    points = maps.mechanism_points(table, "mean_R@10")
+    text = tables.map_markdown(table, "mean_R@10")
+    assert "| 8 | flatnce | adamw | base | 4 | 53.0 ± 1.0 [51.0, 55.0] | +3.0 [+1.0, +5.0] ✓ | — | 0.003 | 14.0 |" in text
+    points = tables.mechanism_points(table, "mean_R@10")
     assert [(p["batch_per_device"], p["sigma_v"]) for p in points] == [(8, 0.002), (128, 0.9)]
     price = [{"status": "ok", "arm": ("lit", "infonce", "adamw", 8), "accum": 16, "samples_per_s": 300.0,
               "peak_step_mem_mb": 11.0}]
-    cost = maps.cost_markdown(table, price, "mean_R@10", {})
+    cost = tables.cost_markdown(table, price, "mean_R@10", {})
     assert "| 128 = 8 × 16 accumulated | infonce | 300 | 11.0 | 40.0 ± 1.0 [38.0, 42.0] (= batch 128) |" in cost
+
+
+def test_holm_and_the_mechanism_fit_on_every_cell_by_hand():
+    """Three seeds, batch 8 and 128. Batch 8: Δ = .05, .06, .05 (t = 16 with 2 df: p = 1 - 16 / sqrt(258));
+    batch 128: Δ = 0, +.01, -.01 (p = 1). Holm over the regime's 2 cells: 2p and 1. InfoNCE's σ(v) is
+    .001 at batch 8 and .1 at 128: Δ on log10 σ(v) has slope (0 - .16 / 3) / 2 per decade, SSE 2.667e-4."""
+    info = {8: (0.50, 0.52, 0.54), 128: (0.40, 0.40, 0.40)}
+    flat = {8: (0.55, 0.58, 0.59), 128: (0.40, 0.41, 0.39)}
+    sigma = {8: 0.001, 128: 0.1}
+    rows = [{"arm": ("lit", loss, "adamw", b), "status": "ok", "seed": s, "setting": (), "mean_R@10": values[b][s],
+             "grad_ratio": sigma[b] if loss == "infonce" else 0.5}
+            for loss, values in (("infonce", info), ("flatnce", flat)) for b in (8, 128) for s in range(3)]
+    table = final_table(rows, ("mean_R@10",))
+    d8 = next(e for e in table if e["arm"] == ("lit", "flatnce", "adamw", 8))["diff/mean_R@10"]
+    d128 = next(e for e in table if e["arm"] == ("lit", "flatnce", "adamw", 128))["diff/mean_R@10"]
+    p8 = 1 - 16 / math.sqrt(258)
+    assert d8["p"] == pytest.approx(p8, rel=1e-9) and d8["p_holm"] == pytest.approx(2 * p8, rel=1e-9)
+    assert d8["holm"] and d8["m"] == 2 and d128["p_holm"] == pytest.approx(1.0) and not d128["holm"]
+    text = tables.map_markdown(table, "mean_R@10")
+    assert "| +5.3 [+3.9, +6.8] ✓ | p=0.0078 ✓ | 0.500 |" in text and "| -0.00 [-2.5, +2.5] | p=1 | 0.500 |" in text
+    fit = tables.mechanism_fit(tables.mechanism_points(table, "mean_R@10"))
+    half = 2.7764451051977987 * math.sqrt(2.6666666666666666e-4 / 4 / 6)  # t_{0.975, 4} se; Sxx = 6
+    assert fit["n"] == 6 and fit["slope"] == pytest.approx(-0.16 / 6)
+    assert (fit["lo"], fit["hi"]) == (pytest.approx(-0.16 / 6 - half), pytest.approx(-0.16 / 6 + half))
+    mech = tables.mechanism_markdown(table, "mean_R@10")
+    assert "| lit | adamw | 8 | 0.001 | +5.3 [+3.9, +6.8] ✓ | p=0.0078 ✓ |" in mech
+    assert "| lit | adamw | 128 | 0.1 | -0.00 [-2.5, +2.5] | p=1 |" in mech  # Δ = -1e-17: float noise
+    # r = Sxy / sqrt(Sxx Syy) = -0.16 / sqrt(6 (0.16² / 6 + 2.667e-4)) = -0.970
+    assert "| lit | 6 | -2.7 [-3.6, -1.7] | -0.97 | as predicted (slope < 0, 95 % CI) |" in mech
 
 
 @pytest.mark.parametrize("raw, needle", [

@@ -5,12 +5,11 @@ import json
 import pytest
 
 from vlp_testing import REPO
-from vlp.study import compare
-from vlp.study import study as compare_study
-from vlp.study.compare import load_compare_config, parse_grid, run_grid
-from vlp.study.study import (
-    StudyRun, final_runs, item_hits, select_best, setting_tag, settings_for, split_metrics, sweep_runs,
-)
+from vlp.study import executor
+from vlp.study.compare import load_compare_config, run_grid
+from vlp.study.grid import parse_grid
+from vlp.study.plan import StudyRun, final_runs, select_best, setting_tag, settings_for, sweep_runs
+from vlp.study.rows import item_hits, split_metrics
 from vlp.config import ConfigError
 
 
@@ -115,7 +114,7 @@ def test_tiny_study_end_to_end_picks_val_best_then_rerun_skips(study_shards, tmp
     def no_training(*args, **kwargs):
         raise AssertionError("a finished run was trained again")
 
-    monkeypatch.setattr(compare_study, "train_and_rank", no_training)
+    monkeypatch.setattr(executor, "train_and_rank", no_training)
     again = run_grid(base, grid)
     assert again["best"] == result["best"] and again["final"] == finals
 
@@ -159,7 +158,7 @@ def test_cli_quick_on_openmoji_tiny(tmp_path):
 
 
 def test_edge_selections_are_named():
-    from vlp.study.study import edge_selections
+    from vlp.study.plan import edge_selections
 
     grid = parse_grid({"losses": ["infonce"], "batch_per_device": [8], "seeds": [0],
                        "sweep": {"optim.lr": [1e-4, 1e-3, 1e-2], "loss.tau": [0.07]}})

@@ -1,8 +1,8 @@
-"""One run of a grid or a study: its config, whether it is already done, running it, the
-decisions every process must share, and the embedded data both use.
+"""One run of a grid or a study: its config, whether it is already done, running it (with
+retries), the decisions every process must share, and the embedded data both use.
 
-vlp.study.compare (the grid) and vlp.study.study (the tuned study) build on this module; it
-imports neither.
+The run room: vlp.study.executor runs many of these (in this process or in worker processes);
+vlp.study.compare (the plain grid) and vlp.study.study (the tuned study) drive it.
 """
 
 from __future__ import annotations
@@ -17,27 +17,12 @@ import yaml
 
 from vlp.config import Config, ConfigError, from_dict, set_dotted
 from vlp.storage import RunFolder, is_url
+from vlp.study.grid import flatten
 from vlp.train import resume as resume_rules
 
 # Keys that may change between a finished run and a rerun without making the run stale: the
 # resume rules table's keys that do not change results (vlp.train.resume.RESUME_RULES).
 HARMLESS_KEYS = resume_rules.HARMLESS_KEYS
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    """{a: {b: 1}, 'c.d': 2} -> {'a.b': 1, 'c.d': 2} (overrides may come nested from the CLI)."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def steps_for(samples: int, batch_per_device: int, world: int = 1, accum: int = 1) -> int:
-    """Optimizer steps for a sample budget: samples // global batch (the Trainer's rule)."""
-    return samples // (batch_per_device * world * accum)
 
 
 def run_config(base: dict, grid, run, world: int = 1) -> Config:
@@ -74,7 +59,7 @@ def _folder(out) -> RunFolder:
 def stale_key(saved: dict, current: dict) -> Optional[str]:
     """First dotted key whose value differs between a run's saved config and the current one
     (keys only one side has are ignored: a field added to Config later keeps old runs valid)."""
-    a, b = _flatten(saved), _flatten(current)
+    a, b = flatten(saved), flatten(current)
     for key in sorted(set(a) & set(b)):
         if key not in HARMLESS_KEYS and a[key] != b[key]:
             return f"{key}: {a.get(key)!r} then, {b.get(key)!r} now"
@@ -129,7 +114,7 @@ def broadcast(obj: Any, acc) -> Any:
     """The main process's value on every process (so every rank takes the same branch)."""
     if acc.num_processes == 1:
         return obj
-    from accelerate.utils import broadcast_object_list
+    from accelerate.utils import broadcast_object_list  # heavy (torch.distributed); several processes only
 
     return broadcast_object_list([obj])[0]
 
@@ -158,7 +143,7 @@ def embedded_shards(base: dict, acc, splits: tuple[str, ...], root: Path) -> Opt
     size = embedded_size(base.setdefault("data", {}).get("train_shards"))
     if size is None:
         return None
-    from vlp.data.embedded import prepare_shards
+    from vlp.data.embedded import prepare_shards  # heavy (PIL, the emoji renderer)
 
     root = Path(root) if size == DEFAULT_PX else Path(root) / f"{size}px"
     if acc.is_main_process:  # renders and writes once; the others then only read the specs

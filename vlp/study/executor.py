@@ -1,0 +1,235 @@
+"""The run room's executor: one `Executor` runs the jobs of every grid (a plain grid and each
+step of a tuned study), in this process or in worker processes, and the training functions a
+job calls (train only, or train and rank the val / test items).
+
+    with Executor(grid, accelerator) as ex:
+        ex.run([Job(run, cfg, specs), ...], total=len(all_runs), on_done=callback)
+
+In this process (grid.workers == 1, or several processes under `accelerate launch`): every rank
+walks the jobs in the same order (the Trainer's collectives need it). With grid.workers > 1 on
+one process: that many spawned worker processes, kept for the whole grid; each job is an
+independent run, so the results do not depend on the number of workers, only the timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import ctypes
+import json
+import multiprocessing
+import os
+import signal
+import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from vlp.config import from_dict
+from vlp.study.plan import SPLITS
+from vlp.study.runs import run_one
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run to execute: its config, the val / test specs it is ranked on (None: trained only,
+    a plain grid's run or a price run), and the grid's retry and checkpoint policy; ``index``:
+    its 1-based place among the runs of its grid (for the progress line). Picklable."""
+
+    run: Any
+    cfg: Any
+    specs: Optional[dict] = None
+    retries: int = 1
+    keep_checkpoints: bool = True
+    index: int = 0
+
+
+def run_job(job: Job, accelerator=None) -> dict:
+    """Train (and rank) one run in this process; its compare.json record. A worker process uses
+    one Accelerator of its own for all its runs."""
+    accelerator = accelerator or _process_accelerator()
+    specs = job.specs
+    train = (lambda c, a: train_and_rank(c, a, specs)) if specs is not None else train_only
+    return run_one(job.run, job.cfg, accelerator, train, job.retries, job.keep_checkpoints)
+
+
+_ACCELERATOR: list = []  # a worker process's Accelerator, made by its first run
+
+
+def _process_accelerator():
+    if not _ACCELERATOR:
+        from accelerate import Accelerator  # heavy (torch.distributed); only a worker process needs one
+
+        _ACCELERATOR.append(Accelerator())
+    return _ACCELERATOR[0]
+
+
+def die_with_parent(parent: int) -> None:
+    """A worker's initializer: ask the kernel to SIGKILL this worker when its parent ends
+    (Linux PR_SET_PDEATHSIG), and end now if the parent already has.
+
+    SIGKILL, not SIGTERM: inside a run the Trainer handles SIGTERM as a preemption (vlp.train.
+    preempt: save at the next step, raise Preempted), which run_one counts as a failed attempt
+    and retries, so a SIGTERMed worker went on training for a whole run after `vlp compare` was
+    killed. A killed run loses at most its last checkpoint interval: the next `vlp compare`
+    resumes it (train.resume=latest) and removes stale temp files. Ctrl-C reaches the whole
+    process group as before."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        return
+    if os.getppid() != parent:  # the parent died before prctl: no signal will come
+        os._exit(1)
+
+
+class Executor:
+    """Runs jobs in this process or, with grid.workers > 1 on one process, in a pool of spawned
+    worker processes kept until the `with` block ends."""
+
+    def __init__(self, grid, acc):
+        self.grid, self.acc, self.pool = grid, acc, None
+
+    def __enter__(self) -> "Executor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+    def run(self, jobs: list[Job], total: Optional[int] = None,
+            on_done: Optional[Callable[[Job, dict], None]] = None) -> None:
+        """Run ``jobs`` (``total``: the runs of their grid, for the progress line); ``on_done``
+        is called after each job (on every rank in this process; on the main one with workers)."""
+        total = total or len(jobs)
+        if self.grid.workers <= 1 or self.acc.num_processes > 1:
+            for job in jobs:
+                self.acc.print(f"[compare] run {job.index}/{total}: {job.run.name}")
+                rec = run_job(job, self.acc)
+                self.acc.print(f"[compare] {job.run.name}: {rec['status']} in {rec['wall_time_s']:.0f} s")
+                if on_done is not None:
+                    on_done(job, rec)
+            return
+        # most steps first, so that no long run is left going alone at the end
+        longest_first = sorted(jobs, key=lambda j: -j.cfg.train.samples // (
+            j.cfg.data.batch_per_device * j.cfg.train.accum_steps))
+        futures = {self._pool().submit(run_job, job): job for job in longest_first}
+        for i, future in enumerate(as_completed(futures)):
+            rec, job = future.result(), futures[future]
+            print(f"[compare] {i + 1}/{len(jobs)} {job.run.name}: {rec['status']} in {rec['wall_time_s']:.0f} s",
+                  flush=True)
+            if on_done is not None:
+                on_done(job, rec)
+
+    def _pool(self) -> ProcessPoolExecutor:
+        if self.pool is None:
+            self.pool = ProcessPoolExecutor(self.grid.workers, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=die_with_parent, initargs=(os.getpid(),))
+        return self.pool
+
+
+# ---------------------------------------------------------------------------- what a job runs
+def train_only(cfg, accelerator) -> dict:
+    from vlp.train.loop import Trainer  # heavy (open_clip, the models); imported when a run starts
+
+    try:
+        return Trainer(cfg, accelerator=accelerator).train()
+    finally:
+        accelerator.free_memory()  # drop the prepared model/optimizer before the next run
+
+
+def train_and_rank(cfg, accelerator, specs: dict[str, str]) -> dict:
+    """Train one run, then write eval_items.json (main process) with the val and test ranks."""
+    from vlp.train.loop import Trainer  # heavy (open_clip, the models); imported when a run starts
+
+    try:
+        trainer = Trainer(cfg, accelerator=accelerator)
+        result = trainer.train()
+        model = trainer.eval_model()  # collective under FSDP
+        if accelerator.is_main_process:
+            rank = cached_item_ranks if cfg.data.feature_cache else eval_item_ranks
+            items = {split: rank(model, trainer.tokenizer, trainer.eval_transform, specs[split], accelerator.device,
+                                 cfg.eval.batch_size, cfg.data.feature_cache) for split in SPLITS}
+            path = Path(cfg.train.output_dir) / "eval_items.json"
+            path.with_suffix(".tmp").write_text(json.dumps(items))
+            path.with_suffix(".tmp").replace(path)
+        accelerator.wait_for_everyone()
+        return result
+    finally:
+        accelerator.free_memory()
+
+
+def cached_item_ranks(model, tokenizer, transform, spec: str, device, batch_size: int, cache: str) -> dict[str, list[int]]:
+    """eval_item_ranks for a model with locked stems (data.feature_cache): the stems' outputs over
+    the set come from the cache (built once, by the same eval reader), only the heads run."""
+    from vlp.eval.retrieval import retrieval_ranks  # heavy (the eval suite's readers), as above
+    from vlp.train.feature_cache import embed_features, retrieval_features
+
+    img_feat, txt_feat, txt_to_img = retrieval_features(model, tokenizer, transform, spec, device, batch_size,
+                                                        cache=None if cache == "memory" else cache)
+    with torch.no_grad():
+        img, txt = embed_features(model, img_feat, txt_feat)
+    i2t, t2i = retrieval_ranks(img, txt, txt_to_img)
+    return {"image_to_text": i2t.tolist(), "text_to_image": t2i.tolist()}
+
+
+def eval_item_ranks(model, tokenizer, transform, spec: str, device, batch_size: int = 256,
+                    cache: Optional[str] = None) -> dict[str, list[int]]:
+    """1-based rank of the correct item for every query of a retrieval set, both directions: the
+    eval suite's reader and ranking (vlp.eval.suite, vlp.eval.retrieval), ties included."""
+    from vlp.eval.retrieval import retrieval_ranks  # heavy (the eval suite's readers), as above
+    from vlp.eval.suite import embed_retrieval_shards
+
+    with torch.no_grad():
+        img, txt, txt_to_img = embed_retrieval_shards(model, tokenizer, transform, spec, device, batch_size)
+    i2t, t2i = retrieval_ranks(img, txt, txt_to_img)
+    return {"image_to_text": i2t.tolist(), "text_to_image": t2i.tolist()}
+
+
+# ---------------------------------------------------------------------------- feature caches
+def warm_caches(bases: dict, grid, acc) -> None:
+    """Build the locked-tower feature caches (data.feature_cache) of every regime once, before
+    any run: the training shards' and the val / test sets' stem outputs. Runs (and worker
+    processes, from the cache folder) then only read them."""
+    for tree, specs in bases.values():
+        cfg = from_dict(copy.deepcopy(tree)).validate()
+        if cfg.data.feature_cache:
+            with threads(grid.workers if acc.num_processes == 1 else torch.get_num_threads()):
+                _warm(cfg, specs, acc)
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """torch's intra-op threads set to ``n`` inside (the cores the study's workers will use are
+    idle while the caches are built), then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(before, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _warm(cfg, specs: dict, acc) -> None:
+    """One regime's caches: its training shards' stem outputs (every rank) and its val and test
+    sets' (main process)."""
+    from vlp.models.model import build_model  # heavy (open_clip, the towers), as above
+    from vlp.models.towers import chosen_train_transform
+    from vlp.train.data import TrainData
+    from vlp.train.feature_cache import retrieval_features, training_features
+
+    model, tokenizer, train_t, eval_t = build_model(cfg.model, cfg.loss)
+    transform = chosen_train_transform(cfg.data, train_t, eval_t)
+    plan = TrainData(cfg, transform, tokenizer, acc.process_index, acc.num_processes).loader.plan
+    training_features(cfg, model, transform, tokenizer, plan, acc.device)  # collective: every rank
+    if acc.is_main_process:
+        folder = None if cfg.data.feature_cache == "memory" else cfg.data.feature_cache
+        for split in SPLITS:
+            retrieval_features(model, tokenizer, eval_t, specs[split], acc.device, cfg.eval.batch_size, folder)
+    acc.wait_for_everyone()
