@@ -119,34 +119,23 @@ def broadcast(obj: Any, acc) -> Any:
     return broadcast_object_list([obj])[0]
 
 
-EMBEDDED = "openmoji"
-DEFAULT_PX = 64
-
-
-def embedded_size(spec) -> Optional[int]:
-    """The render size of an embedded-data spec: '' / 'openmoji' -> 64, 'openmoji:128' -> 128;
-    None for other data. A bad size is one ConfigError line."""
-    if spec in (None, "", EMBEDDED):
-        return DEFAULT_PX
-    if not isinstance(spec, str) or not spec.startswith(EMBEDDED + ":"):
-        return None
-    size = spec[len(EMBEDDED) + 1:]
-    if not size.isdigit() or not 16 <= int(size) <= 512:
-        raise ConfigError(f"config: data.train_shards={spec!r}: the render size must be 16..512 px, e.g. openmoji:128")
-    return int(size)
-
-
 def embedded_shards(base: dict, acc, splits: tuple[str, ...], root: Path) -> Optional[dict[str, str]]:
-    """data.train_shards '', 'openmoji' or 'openmoji:<px>': the embedded OpenMoji shards of
-    ``splits`` rendered at 64 (or <px>) px under ``root`` (a '<px>px' subfolder for other sizes),
-    written once by the main process, as {split: spec}; None for other data."""
-    size = embedded_size(base.setdefault("data", {}).get("train_shards"))
-    if size is None:
-        return None
-    from vlp.data.embedded import prepare_shards  # heavy (PIL, the emoji renderer)
+    """data.train_shards '' / 'openmoji', 'openclipart', 'material_icons' (optionally ':<px>'): that
+    packaged data set's shards of ``splits`` rendered at 64 (or <px>) px under ``root`` (a sibling
+    '<root>_<name>' folder for the other sets, a '<px>px' subfolder for other sizes), written once
+    by the main process, as {split: spec}; None for other data (vlp.data.embedded)."""
+    from vlp.data.embedded import DEFAULT_PX, embedded_source, prepare_shards  # heavy (PIL, renderers)
 
-    root = Path(root) if size == DEFAULT_PX else Path(root) / f"{size}px"
+    try:
+        found = embedded_source(base.setdefault("data", {}).get("train_shards"))
+    except ValueError as e:
+        raise ConfigError(f"config: {e}") from None
+    if found is None:
+        return None
+    name, size = found
+    root = Path(root) if name == "openmoji" else Path(root).with_name(f"{Path(root).name}_{name}")
+    root = root if size == DEFAULT_PX else root / f"{size}px"
     if acc.is_main_process:  # renders and writes once; the others then only read the specs
-        prepare_shards(root, splits, size)
+        prepare_shards(root, splits, size, source=name)
     acc.wait_for_everyone()
-    return prepare_shards(root, splits, size)
+    return prepare_shards(root, splits, size, source=name)
