@@ -13,7 +13,7 @@ Modes (`loss.temperature`):
   fixed      t = 1/tau, never trained (also after loading pretrained weights);
   split      (FlatNCE, SogCLR) the encoders get the loss's gradient, log t gets InfoNCE's:
              FlatNCE's gradient w.r.t. t, mean_i E_w[s_ij - s_ip], does not calibrate a
-             temperature and drives t to the clamp (README "Losses and temperature").
+             temperature and drives t to the clamp (docs/training.md, "Losses and temperature").
 Unset: `split` for FlatNCE and SogCLR (best of the three on the small-batch grid), `learnable`
 otherwise (the loss's registry entry).
 
