@@ -95,6 +95,10 @@ class DataConfig:
     boxes as a full decode; vlp/data/decode.py). Set: the older whole-image DCT downscale
     keeping both sides >= this, the box drawn on the downscaled image (can upsample the crop;
     as fast as the default for open_clip's scale=(0.9, 1), see BENCHMARKS.md)."""
+    decode: Literal["cpu", "gpu"] = "cpu"
+    """Where training images are decoded. cpu: in the loader workers (uint8 to the device, which
+    normalises and, on CUDA, resizes); gpu: batched nvjpeg on the device, the workers only parse
+    headers and draw crop boxes; refused without CUDA (docs/data-path.md)."""
     num_samples: Optional[int] = None
     """Samples per epoch (all ranks). Needed for remote shards (URL or pipe:) that have no
     sizes.json or img2dataset *_stats.json beside them: their sizes are then assumed equal
@@ -398,6 +402,7 @@ RULES: dict[str, Rule] = {
                          ("1::nan", "-1::2", "0::0", "a::b")),
     "data.shuffle_buffer": POSITIVE_INT,
     "data.decode_size": POSITIVE_INT,
+    "data.decode": ANY,
     "data.num_samples": POSITIVE_INT,
     "data.io_retries": COUNT,
     "data.io_backoff_s": number(0),

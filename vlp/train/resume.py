@@ -86,6 +86,7 @@ RESUME_RULES: dict[str, KeyRule] = {
     "data.weights": KeyRule(LAYOUT),
     "data.shuffle_buffer": KeyRule(LAYOUT),
     "data.decode_size": _SAME,
+    "data.decode": _SAME,  # where images decode: the same crop boxes either way
     "data.num_samples": KeyRule(LAYOUT),
     "data.io_retries": _SAME,
     "data.io_backoff_s": _SAME,
