@@ -141,7 +141,9 @@ class CropFirst:
         try:
             # get_params reads only .size (the header's), so the box equals the plain path's
             i, j, h, w = self.crop.get_params(image, self.crop.scale, self.crop.ratio)
-            if self.output == "jpeg" and image.mode in NVJPEG_MODES:  # the device decodes it
+            # the device decodes it; a JPEG not ending in EOI (cut short) is decoded here, so a
+            # corrupt one is replaced in the stream as on the CPU path
+            if self.output == "jpeg" and image.mode in NVJPEG_MODES and data.rstrip(b"\0").endswith(b"\xff\xd9"):
                 return "jpeg", data, (i, j, h, w)
             s = dct_scale(w, h, self.out_w, self.out_h)
             if s > 1:
