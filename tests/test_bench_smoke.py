@@ -63,7 +63,8 @@ EXPECTED = {
                          "feature_cache_build_s", "feature_cache_speedup loop"],
     "scaling.py": ["scaling_samples_per_s 1proc", "scaling_samples_per_s 2proc", "scaling_ratio 2proc/1proc"],
     "gpu_bench.py": ["gpu_synthetic_samples_per_s vlp", "gpu_synthetic_samples_per_s open_clip",
-                     "gpu_synthetic_ratio vlp/open_clip", "gpu_flops_per_step", "gpu_real_ratio vlp/open_clip"],
+                     "gpu_synthetic_ratio vlp/open_clip", "gpu_flops_per_step", "gpu_real_ratio vlp/open_clip",
+                     "gpu_real_ratio vlp_gpu_decode/vlp", "gpu_host_syncs_per_step vlp"],
 }
 
 

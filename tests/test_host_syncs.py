@@ -101,10 +101,11 @@ def test_preemption_agreed_in_the_fused_flag_stops_after_that_step(tiny_shards, 
 
 def test_nonfinite_flag_from_the_same_collective(tiny_shards, tmp_path):
     trainer = Trainer(_cfg(tiny_shards, tmp_path))
-    assert trainer._finite(torch.tensor(1.0)) and trainer._stop_agreed is False
+    assert trainer._finite(torch.tensor(1.0)) and trainer.preemption.agreed is False
     assert not trainer._finite(torch.tensor(float("nan")))
     trainer.preemption.received = signal.SIGTERM
-    assert trainer._finite(torch.tensor(2.0)) and trainer._stop_agreed is True and trainer.stop_requested()
+    assert trainer._finite(torch.tensor(2.0)) and trainer.preemption.agreed is True
+    assert trainer.preemption.should_stop() and trainer.preemption.agreed is None  # taken once
 
 
 def test_device_feed_is_a_passthrough_on_cpu():

@@ -19,6 +19,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
+from vlp.data.decode import image_decoder
 from vlp.data.device import PackedImages
 
 @dataclass
@@ -99,11 +100,16 @@ class TrainData:
     """This rank's training stream and its position in it (epoch, batches consumed, the rest
     of an epoch begun under another layout, skip counts), with state_dict / load_state_dict."""
 
-    def __init__(self, cfg, transform, tokenize, rank: int, world: int, image_output: str = "float",
-                 pin_memory: bool = False):
+    def __init__(self, cfg, transform, tokenize, rank: int, world: int, device: Optional[torch.device] = None):
         self.cfg, self.transform, self.tokenize = cfg, transform, tokenize
         self.rank, self.world = rank, world
-        self.image_output, self.pin_memory = image_output, pin_memory  # vlp.data.device
+        # device given: the workers ship uint8 and ``device_images`` finishes the transform there
+        # (vlp.data.device); None: the whole transform in the workers (float)
+        self.image_output = "float" if device is None else image_output(cfg.data.decode, torch.device(device))
+        self.pin_memory = device is not None and torch.device(device).type == "cuda"
+        self.device_images = None if transform is None else \
+            image_decoder(transform, cfg.data.decode_size, self.image_output).device_part()
+        self.feed = DeviceFeed(device or "cpu")  # pinned, non-blocking, on a side stream (CUDA)
         self.loader = self.make_loader()  # validates the shard spec before any work
         self.current = self.loader  # the loader the current epoch comes from
         self.epoch = 0

@@ -38,9 +38,8 @@ from vlp.models.model import DualEncoder, build_model
 from vlp.models.temperature import temperature_policy
 from vlp.train import checkpoint as ckpt
 from vlp.train import parallel, preempt, resume, runlock
-from vlp.data.decode import image_decoder
 from vlp.losses.diagnostics import DeviceScalars
-from vlp.train.data import Batch, DeviceFeed, TrainData, image_output
+from vlp.train.data import Batch, TrainData
 from vlp.train.evaluator import Evaluator
 from vlp.train.feature_cache import training_features
 from vlp.train.logger import RunLogger, check_wandb, show_step
@@ -82,14 +81,9 @@ class Trainer:
                              f"({cfg.data.batch_per_device} per device x {self.world} processes x {self.accum} accum)")
         model, self.tokenizer, train_transform, self.eval_transform = build_model(cfg.model, cfg.loss)
         self.train_transform = towers.chosen_train_transform(cfg.data, train_transform, self.eval_transform)
-        # what the workers ship and the device half of the transform (vlp.data.device)
-        output = image_output(cfg.data.decode, acc.device)
-        self.device_images = image_decoder(self.train_transform, cfg.data.decode_size, output).device_part()
-        self.feed = DeviceFeed(acc.device)  # pinned, non-blocking, on a side stream (CUDA)
-        self.preemption = preempt.Preemption()  # installed by train(); agreed in _finite
-        self._stop_agreed: Optional[bool] = None
+        self.preemption = preempt.Preemption()  # installed by train(); agreed on in _finite
         self.data = self.data_class(cfg, self.train_transform, self.tokenizer, acc.process_index, self.world,
-                                    image_output=output, pin_memory=acc.device.type == "cuda")
+                                    device=acc.device)  # workers ship uint8, the device finishes (data.py)
         if cfg.data.feature_cache:  # LiT: the locked stems' outputs once per sample, reused every epoch
             self.data.features = training_features(cfg, model, self.train_transform, self.tokenizer,
                                                    self.data.loader.plan, acc.device)
@@ -133,17 +127,15 @@ class Trainer:
         """Backward of the global loss over all micro-batches (vlp.train.step); returns
         (loss, metrics), metrics empty when the loss is not finite on some rank."""
         return contrastive_backward(self.model, self.strategy, self._loss, micro_batches, self.accelerator.device,
-                                    self.unwrapped.trim_text, self._finite, prepare=self.device_images)
+                                    self.unwrapped.trim_text, self._finite, prepare=self.data.device_images)
 
     def _finite(self, loss: torch.Tensor) -> bool:
-        """All ranks agree on whether the loss is finite (so no rank waits on a skipped one) and,
-        in the same collective, on whether any rank got a preemption signal: one all-reduce of
-        two numbers and the step's one host sync (``_stop_agreed`` keeps the second answer)."""
-        device = self.accelerator.device
-        bad = (~torch.isfinite(loss.detach())).any().float().reshape(1).to(device)
-        flags = torch.cat([bad, torch.full((1,), self.preemption.local_flag(), device=device)])
+        """All ranks agree whether the loss is finite and (same all-reduce, the step's one host
+        sync) whether any rank got a preemption signal (kept for Preemption.should_stop)."""
+        bad = (~torch.isfinite(loss.detach())).any().float().reshape(1).to(self.accelerator.device)
+        flags = torch.cat([bad, torch.full((1,), self.preemption.local_flag(), device=bad.device)])
         nonfinite, signalled = (all_reduce(flags) if self.world > 1 else flags).tolist()
-        self._stop_agreed = self.preemption.agree(signalled)
+        self.preemption.agree(signalled)
         return nonfinite == 0
 
     def _any_rank(self, flag: torch.Tensor) -> bool:
@@ -156,8 +148,7 @@ class Trainer:
         if not (self.train_mode_set and self.model.training):
             self.model.train()
             self.train_mode_set = True
-        self._stop_agreed = None
-        loss, metrics = self.compute_gradients(self.feed(micro_batches))
+        loss, metrics = self.compute_gradients(self.data.feed(micro_batches))  # to the device (CUDA)
         finite = bool(metrics)  # decided once, on all ranks, by compute_gradients
         if finite:
             self.strategy.finish_grads(self.model, self.cfg.optim.grad_clip)
@@ -173,8 +164,7 @@ class Trainer:
         self.scheduler.step()
         self.temperature.clamp_(self.unwrapped.log_logit_scale)
         self.step += 1
-        # the loss's diagnostics stay on the device until a logging step reads them (global_metrics)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.scheduler.get_last_lr()[0]  # diagnostics stay on the device until logged (global_metrics)
         if not finite:
             return {"nonfinite": 1.0, "lr": lr}
         return metrics.plus(lr=lr) if isinstance(metrics, DeviceScalars) else {**metrics, "lr": lr}
@@ -191,17 +181,12 @@ class Trainer:
         return dict(sorted(total.items()))
 
     def global_metrics(self, metrics) -> dict:
-        """Average per-rank metrics (each a mean over that rank's anchors) into global ones: one
-        collective and one transfer, on logging steps only. Host values (lr, nonfinite) are the
-        same on every rank."""
-        if self.world == 1:
+        """Average per-rank diagnostics (each a mean over that rank's anchors) into global ones
+        (logging steps only: one collective, one transfer)."""
+        if self.world == 1 or not isinstance(metrics, DeviceScalars):  # host values: the same on all ranks
             return dict(metrics)
-        if isinstance(metrics, DeviceScalars):
-            values = all_reduce(metrics.tensor.detach().to(torch.float64), op="mean").tolist()
-            return {**dict(zip(metrics.names, values)), **metrics.host}
-        names = sorted(metrics)
-        values = torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64, device=self.accelerator.device)
-        return dict(zip(names, all_reduce(values, op="mean").tolist()))
+        values = all_reduce(metrics.tensor.detach().to(torch.float64), op="mean").tolist()
+        return {**dict(zip(metrics.names, values)), **metrics.host}
 
     # ------------------------------------------------------------------ state
     def meta_state(self) -> dict:
@@ -379,18 +364,11 @@ class Trainer:
                 if t.eval_every and self.step % t.eval_every == 0 and not is_last:
                     self.logger.log({"type": records.EVAL, "step": self.step,
                                      **{keys.EVAL_PREFIX + k: v for k, v in self.evaluate().items()}})
-                if self.stop_requested() and not is_last:
+                if self.preemption.should_stop(self.accelerator.device) and not is_last:  # agreed in _finite
                     raise self.preemption.stopped(self.step, self.save_checkpoint(), is_main())
         finally:
             bar.close()
             groups.close()
-
-    def stop_requested(self) -> bool:
-        """Whether every rank stops after this step for a preemption signal: the answer of the
-        step's fused collective (_finite), or (a step that made none) a collective of its own."""
-        if self._stop_agreed is not None:
-            return self._stop_agreed
-        return self.preemption.should_stop(self.accelerator.device)
 
     def measured_step(self, micro_batches: list[Batch]) -> dict:
         """train_step, with its peak tensor memory kept for result.json (vlp.train.memory)."""

@@ -90,11 +90,15 @@ class Preemption:
         ranks inside its one per-step collective (vlp.train.loop.Trainer._finite)."""
         return 1.0 if self.requested else 0.0
 
+    agreed: Optional[bool] = None  # a decision `agree` took and `should_stop` has not returned yet
+
     def agree(self, ranks_signalled: float) -> bool:
-        """The decision from the sum of `local_flag` over all ranks (the same on every rank)."""
+        """The decision from the sum of `local_flag` over all ranks (the same on every rank);
+        the next `should_stop` returns it without a collective of its own."""
         if ranks_signalled > 0 and self.received is None:
             self.received = -1  # another rank's signal
-        return bool(ranks_signalled > 0)
+        self.agreed = bool(ranks_signalled > 0)
+        return self.agreed
 
     def should_stop(self, device=None) -> bool:
         """True on every rank once any rank got a signal: the sum of the flag over ranks (one
@@ -104,6 +108,9 @@ class Preemption:
 
         from vlp.distributed import all_reduce, is_distributed
 
+        if self.agreed is not None:  # agreed on in the step's fused collective (Trainer._finite)
+            agreed, self.agreed = self.agreed, None
+            return agreed
         if not is_distributed():
             return self.requested
         total = all_reduce(torch.tensor([self.local_flag()], device=device))  # how many ranks got one
