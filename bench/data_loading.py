@@ -169,6 +169,7 @@ def main(argv=None) -> None:
         def f():
             wall, cpu = fn()
             per_cpu[name].append(cpu)
+            print(f"  {name:12s} {wall:7.1f} img/s wall  {cpu:7.1f} img per worker CPU-s", flush=True)
             return wall
         return f
 
