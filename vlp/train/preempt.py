@@ -95,10 +95,13 @@ class Preemption:
     def agree(self, ranks_signalled: float) -> bool:
         """The decision from the sum of `local_flag` over all ranks (the same on every rank);
         the next `should_stop` returns it without a collective of its own."""
+        self.agreed = self._decide(ranks_signalled)
+        return self.agreed
+
+    def _decide(self, ranks_signalled: float) -> bool:
         if ranks_signalled > 0 and self.received is None:
             self.received = -1  # another rank's signal
-        self.agreed = bool(ranks_signalled > 0)
-        return self.agreed
+        return bool(ranks_signalled > 0)
 
     def should_stop(self, device=None) -> bool:
         """True on every rank once any rank got a signal: the sum of the flag over ranks (one
@@ -114,7 +117,7 @@ class Preemption:
         if not is_distributed():
             return self.requested
         total = all_reduce(torch.tensor([self.local_flag()], device=device))  # how many ranks got one
-        return self.agree(total.item())
+        return self._decide(total.item())
 
     def stopped(self, step: int, checkpoint=None, is_main: bool = True) -> Preempted:
         """The Preempted exception to raise after the checkpoint is saved; the main process
