@@ -9,17 +9,22 @@ RandomResizedCrop 224 + ToTensor + Normalize), same tokenizer (ViT-B-32's), batc
 DataLoader worker each, shuffled training mode with a 1000-sample shuffle buffer on both sides.
 
 Systems, alternated each round (A B C D, then rotated):
-  vlp           vlp.data.stream.make_loader(mode="split", num_workers=1): the default path,
-                crop-first JPEG decode (vlp/data/decode.py: the RandomResizedCrop box is
-                drawn from the header size, the JPEG decoded at the smallest DCT scale keeping
-                the box >= 224 px: 512 px sources decode at 256 px; same boxes as the plain path)
-  vlp_full      the same loader on the plain path: the whole JPEG decoded, then the transform
-                (the transform behind an opaque wrapper, so the fast path does not apply; the
-                default before the crop-first decode)
-  vlp_draft224  the same with decode_size=224 (whole-image DCT downscale to >= 224 px, box drawn
-                on the downscaled image)
+  vlp           vlp.data.stream.make_loader(mode="split", num_workers=1, image_output="region"):
+                the default path when the model is on a GPU. Crop-first JPEG decode (the
+                RandomResizedCrop box drawn from the header size, the JPEG decoded at the
+                smallest DCT scale keeping the box >= 224 px: 512 px sources decode at 256 px),
+                and the worker ships the uint8 pixels covering the box and the box; the resize,
+                float conversion and normalisation run on the device (vlp/data/device.py)
+  vlp_uint8     the same, image_output="uint8": the worker also resizes (PIL), ships the uint8
+                224 px crop; the default on CPU (the device only converts and normalises)
+  vlp_float     the same, image_output="float": the whole transform in the worker, float32
+                (the default before uint8 batches)
   open_clip     open_clip_train.data.get_wds_dataset(args, transform, is_train=True) (wds pipeline,
                 WebLoader, 1 worker)
+
+Printed beside them, as the limit: the decode-only rate of the same JPEGs in this process, one
+thread (process CPU time): `decode_dct` the worker's decode (header, box, DCT-scaled decode,
+RGB), `decode_full` PIL's full decode.
 
 A run times batches [skip, skip + n) after the first `skip` batches (worker start and the
 shuffle-buffer fill excluded), so the figure is the worker's steady production rate (the
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+from collections import Counter
 import os
 import sys
 import time
@@ -46,18 +52,7 @@ from bench._common import (  # noqa: E402
 )
 
 BATCH = 32
-SYSTEMS = ("vlp", "vlp_full", "vlp_draft224", "open_clip")
-
-
-class Opaque:
-    """The transform behind a wrapper the crop-first fast path does not recognise: forces the
-    plain path (whole-image decode, then the transform) with the same transform object."""
-
-    def __init__(self, transform):
-        self.transform = transform
-
-    def __call__(self, image):
-        return self.transform(image)
+SYSTEMS = ("vlp", "vlp_uint8", "vlp_float", "open_clip")
 
 
 def _children_cpu() -> dict[int, float]:
@@ -85,7 +80,7 @@ def time_batches(iterable, skip: int, n: int, batch: int = BATCH) -> tuple[float
     for _ in range(n):
         images = next(it)
         images = images["image"] if isinstance(images, dict) else images[0]
-        got += images.shape[0]
+        got += len(images)
     dt = time.perf_counter() - t0
     cpu1 = _children_cpu()
     cpu = sum(cpu1[p] - cpu0[p] for p in cpu1 if p in cpu0)
@@ -94,11 +89,11 @@ def time_batches(iterable, skip: int, n: int, batch: int = BATCH) -> tuple[float
     return got / dt, got / cpu if cpu > 0 else float("nan")
 
 
-def vlp_rate(spec, transform, tokenizer, skip, n, decode_size=None, buffer=1000, seed=0):
+def vlp_rate(spec, transform, tokenizer, skip, n, output="region", buffer=1000, seed=0):
     from vlp.data.stream import make_loader
 
     loader = make_loader(spec, batch_size=BATCH, transform=transform, tokenize=tokenizer, seed=seed,
-                         num_workers=1, mode="split", shuffle_buffer=buffer, decode_size=decode_size)
+                         num_workers=1, mode="split", shuffle_buffer=buffer, image_output=output)
     if loader.num_batches < skip + n:
         raise ValueError(f"vlp: {loader.num_batches} batches per epoch < skip + n = {skip + n}")
     return time_batches(loader, skip, n)
@@ -116,6 +111,34 @@ def open_clip_rate(spec, transform, tokenizer, skip, n, num_samples, buffer=1000
     del data
     gc.collect()
     return rate
+
+
+def decode_only(spec: str, transform, limit: int) -> dict[str, float]:
+    """Images per CPU-second of decoding alone, one thread, the same JPEGs: the worker's decode
+    (CropFirst.decode: header, box, DCT-scaled decode) and PIL's full decode."""
+    import io
+
+    from PIL import Image
+
+    from vlp.data.decode import CropFirst
+    from vlp.data.tars import expand_sources, read_shard
+
+    blobs = []
+    for path in [p for src in expand_sources(spec) for p in src]:
+        for _, _, members in read_shard(path, 0, None, Counter()):
+            blobs += [members[e] for e in ("jpg", "jpeg") if e in members]
+        if len(blobs) >= limit:
+            break
+    blobs = blobs[:limit]
+    crop_first = CropFirst.of(transform)
+    out = {}
+    for name, fn in (("decode_dct", crop_first.decode),
+                     ("decode_full", lambda b: Image.open(io.BytesIO(b)).convert("RGB"))):
+        t0 = time.process_time()
+        for b in blobs:
+            fn(b)
+        out[name] = len(blobs) / (time.process_time() - t0)
+    return out
 
 
 def main(argv=None) -> None:
@@ -146,24 +169,25 @@ def main(argv=None) -> None:
         def f():
             wall, cpu = fn()
             per_cpu[name].append(cpu)
+            print(f"  {name:12s} {wall:7.1f} img/s wall  {cpu:7.1f} img per worker CPU-s", flush=True)
             return wall
         return f
 
     fns = {
         "vlp": keep("vlp", lambda: vlp_rate(spec, transform, tokenizer, args.skip, n, buffer=args.buffer)),
-        "vlp_full": keep("vlp_full", lambda: vlp_rate(
-            spec, Opaque(transform), tokenizer, args.skip, n, buffer=args.buffer)),
-        "vlp_draft224": keep("vlp_draft224", lambda: vlp_rate(
-            spec, transform, tokenizer, args.skip, n, decode_size=224, buffer=args.buffer)),
+        "vlp_uint8": keep("vlp_uint8", lambda: vlp_rate(
+            spec, transform, tokenizer, args.skip, n, output="uint8", buffer=args.buffer)),
+        "vlp_float": keep("vlp_float", lambda: vlp_rate(
+            spec, transform, tokenizer, args.skip, n, output="float", buffer=args.buffer)),
         "open_clip": keep("open_clip", lambda: open_clip_rate(
             spec, transform, tokenizer, args.skip, n, args.samples, buffer=args.buffer)),
     }
     from vlp.data.decode import image_decoder
 
-    print(f"# decoders: vlp {type(image_decoder(transform)).__name__}, vlp_full "
-          f"{type(image_decoder(Opaque(transform))).__name__}, vlp_draft224 "
-          f"{type(image_decoder(transform, 224)).__name__}", flush=True)
+    print("# decoders: " + ", ".join(f"{name} {image_decoder(transform, None, out).output}" for name, out in
+                                     (("vlp", "region"), ("vlp_uint8", "uint8"), ("vlp_float", "float"))), flush=True)
     rates = alternate(fns, args.rounds)
+    limits = decode_only(spec, transform, min(args.samples, 1000))
     print("\n## per round, images/s (wall); ratio = vlp / open_clip")
     for r in range(args.rounds):
         print(f"  round {r + 1}: " + "  ".join(f"{name} {rates[name][r]:.1f}" for name in SYSTEMS)
@@ -174,6 +198,9 @@ def main(argv=None) -> None:
         print(f"  {name:14s} wall {spread(xs)}   per CPU-s {spread(per_cpu[name])}")
         figure(f"data_images_per_s {name}", median(xs), "img/s")
         figure(f"data_images_per_cpu_s {name}", median(per_cpu[name]), "img/CPU-s")
+    for name, rate in limits.items():
+        print(f"  {name:14s} (the limit: decoding alone, one thread)   per CPU-s {rate:.1f}")
+        figure(f"data_images_per_cpu_s {name}", rate, "img/CPU-s", "decode only, the same JPEGs")
     for num in SYSTEMS[:-1]:
         r = paired_ratio(rates[num], rates["open_clip"])
         figure(f"data_ratio {num}/open_clip", median(r), "x", f"[{min(r):.3f}..{max(r):.3f}] wall")

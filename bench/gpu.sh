@@ -14,6 +14,9 @@
 # On the box (repo root; results under $OUT or runs/gpu_bench):
 #   bash bench/gpu.sh                 # ~3-5 min on one H200
 #   bash bench/gpu.sh --skip-real     # synthetic tensors only
+# Sections: synthetic steps, real JPEG shards (data.decode=cpu and data.decode=gpu: nvjpeg with its
+# fallback counts), host syncs per train step (counted reads + torch.cuda.set_sync_debug_mode).
+# CPU smoke run (tested by tests/test_bench_smoke.py): python bench/gpu_bench.py --cpu --tiny
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}

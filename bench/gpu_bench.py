@@ -16,11 +16,16 @@ Sections (each prints FIGURE lines; everything also goes to --out/gpu_bench.json
    forward + backward + loss matmuls) / step time / peak (H200 bf16 dense 989 TFLOP/s).
 2. real: synthetic 512 px JPEG shards written on the box (--real-samples, parallel), decoded
    by --workers loader workers per system:
-     vlp            Trainer.batches() (vlp.data.stream, split mode) -> train_step
-                    (default decode: crop-first, DCT scale from the crop box)
-     vlp_draft224   the same with data.decode_size=224 (whole-image DCT downscale)
-     open_clip      open_clip_train.data.get_wds_dataset (persistent workers) -> train_one_epoch
+     vlp             TrainData.groups() (vlp.data.stream, split mode) -> train_step; data.decode=cpu:
+                     workers decode (crop-first, DCT scale from the crop box) and ship uint8
+                     regions + boxes; the device resizes and normalises (vlp/data/device.py)
+     vlp_gpu_decode  the same with data.decode=gpu: workers ship JPEG bytes + boxes, one batched
+                     nvjpeg decode per micro-batch on the device (CUDA only; n/a on CPU)
+     open_clip       open_clip_train.data.get_wds_dataset (persistent workers) -> train_one_epoch
    Timed from the start of step --warmup to the end of the last step.
+3. host syncs per train step (synthetic uint8 batch, --steps steps, not logging steps): Python
+   reads of tensor values (Tensor.item/tolist/cpu/numpy/__bool__/__float__/__int__) counted by a
+   patch, and on CUDA the syncs torch.cuda.set_sync_debug_mode("warn") reports.
 
 No timing assertions. On CPU (--cpu) memory and MFU print as n/a.
 """
@@ -111,10 +116,10 @@ def vlp_synthetic(trainer, batch: dict, steps: int, warmup: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def vlp_real(trainer, steps: int, warmup: int, decode_size=None) -> float:
+def vlp_real(trainer, steps: int, warmup: int, decode: str = "cpu") -> float:
     device = trainer.accelerator.device
-    trainer.cfg.data.decode_size = decode_size
-    trainer.data = type(trainer.data)(trainer.cfg, trainer.train_transform, trainer.tokenizer, 0, 1)
+    trainer.cfg.data.decode = decode
+    trainer.data = type(trainer.data)(trainer.cfg, trainer.train_transform, trainer.tokenizer, 0, 1, device=device)
     data = trainer.data.groups(trainer.accum)
     for _ in range(warmup):
         trainer.train_step(next(data))
@@ -127,6 +132,59 @@ def vlp_real(trainer, steps: int, warmup: int, decode_size=None) -> float:
     dt = (time.perf_counter() - t0) / steps
     data.close()  # ends the loader and its workers
     return dt
+
+
+READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+
+
+def host_syncs(trainer, batch: dict, steps: int) -> tuple[float, float]:
+    """(Python reads of tensor values per train_step, CUDA syncs per step reported by
+    set_sync_debug_mode; nan on CPU). The token ids' trim reads a host tensor: not counted."""
+    import warnings
+
+    import torch
+
+    from vlp.train.data import Batch
+
+    images = (batch["image"].clamp(-2, 2) * 50 + 128).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+    micro = Batch(images, batch["text"].cpu(), torch.arange(len(images)))
+    counts = {"n": 0, "host": 0}
+    originals = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def counting(original):
+        def read(self, *args, **kwargs):
+            counts["n"] += counts["host"] == 0
+            return original(self, *args, **kwargs)
+        return read
+
+    trim = trainer.unwrapped.trim_text
+
+    def host_side(text):
+        counts["host"] += 1
+        try:
+            return trim(text)
+        finally:
+            counts["host"] -= 1
+
+    trainer.unwrapped.trim_text = host_side
+    cuda = trainer.accelerator.device.type == "cuda"
+    try:
+        for name in READS:
+            setattr(torch.Tensor, name, counting(originals[name]))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            for _ in range(steps):
+                trainer.train_step([micro])
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode(0)
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+        trainer.unwrapped.trim_text = trim
+    synced = sum("synchroniz" in str(w.message) for w in caught)
+    return counts["n"] / steps, synced / steps if cuda else float("nan")
 
 
 def count_flops(trainer, batch: dict) -> int:
@@ -296,19 +354,32 @@ def main(argv=None) -> None:
     # 2. real JPEG shards
     if not args.skip_real:
         real = {}
-        for system in ("vlp", "vlp_draft224", "open_clip"):
+        for system in ("vlp", "vlp_gpu_decode", "open_clip"):
             if system == "open_clip":
                 dt = open_clip_real(oc, spec, args, device, args.real_steps, args.warmup)
+            elif system == "vlp_gpu_decode" and device.type != "cuda":
+                print("  vlp_gpu_decode: n/a without CUDA (data.decode=gpu is refused)", flush=True)
+                dt = float("nan")
             else:
-                dt = vlp_real(trainer, args.real_steps, args.warmup,
-                              decode_size=224 if system == "vlp_draft224" else None)
+                dt = vlp_real(trainer, args.real_steps, args.warmup, "gpu" if system == "vlp_gpu_decode" else "cpu")
+                if system == "vlp_gpu_decode" and trainer.data.device_images is not None:
+                    counts = {**trainer.data.device_images.counts, **trainer.data.device_images.jpeg.counts}
+                    results["gpu_decode_counts"] = counts
+                    print(f"  vlp_gpu_decode routes: {counts}", flush=True)
             real[system] = dt
             results[f"real/{system}"] = {"step_s": dt, "samples_per_s": args.batch / dt,
                                          "peak_mem_gib": peak_gib(device)}
             figure(f"gpu_real_samples_per_s {system}", args.batch / dt, "samples/s",
                    f"{1e3 * dt:.2f} ms/step, {args.workers} workers")
         figure("gpu_real_ratio vlp/open_clip", real["open_clip"] / real["vlp"], "x")
-        figure("gpu_real_ratio vlp_draft224/open_clip", real["open_clip"] / real["vlp_draft224"], "x")
+        figure("gpu_real_ratio vlp_gpu_decode/open_clip", real["open_clip"] / real["vlp_gpu_decode"], "x")
+        figure("gpu_real_ratio vlp_gpu_decode/vlp", real["vlp"] / real["vlp_gpu_decode"], "x")
+
+    # 3. host syncs per step
+    reads, synced = host_syncs(trainer, batch, max(args.steps, 3))
+    results["host_syncs_per_step"] = {"tensor_reads": reads, "cuda_sync_warnings": synced}
+    figure("gpu_host_syncs_per_step vlp", reads, "reads", "Python reads of tensor values, non-logging steps")
+    figure("gpu_cuda_syncs_per_step vlp", synced, "syncs", "set_sync_debug_mode" if device.type == "cuda" else "n/a on CPU")
     (out / "gpu_bench.json").write_text(json.dumps(results, indent=2, default=str))
     print(f"# results in {out / 'gpu_bench.json'}")
     if math.isnan(ratio):

@@ -39,8 +39,8 @@ EXPECTED = {
                      "loss_time_ratio_local flatnce/infonce", "loss_mem_saved flatnce local/full",
                      "loss_mem_peak flatnce local/full"],
     "data_loading.py": ["data_images_per_s vlp", "data_images_per_s open_clip",
-                        "data_ratio vlp/open_clip", "data_ratio vlp_full/open_clip",
-                        "data_ratio vlp_draft224/open_clip"],
+                        "data_ratio vlp/open_clip", "data_ratio vlp_uint8/open_clip",
+                        "data_ratio vlp_float/open_clip", "data_images_per_cpu_s vlp", "data_images_per_cpu_s decode_dct"],
     "augment_equivalence.py": ["augment_box_identical", "augment_mean_abs_diff", "augment_psnr_median",
                                "augment_ks_p_channel_mean"],
     "train_throughput.py": ["train_samples_per_s vlp", "train_samples_per_s open_clip_train",
@@ -63,7 +63,8 @@ EXPECTED = {
                          "feature_cache_build_s", "feature_cache_speedup loop"],
     "scaling.py": ["scaling_samples_per_s 1proc", "scaling_samples_per_s 2proc", "scaling_ratio 2proc/1proc"],
     "gpu_bench.py": ["gpu_synthetic_samples_per_s vlp", "gpu_synthetic_samples_per_s open_clip",
-                     "gpu_synthetic_ratio vlp/open_clip", "gpu_flops_per_step", "gpu_real_ratio vlp/open_clip"],
+                     "gpu_synthetic_ratio vlp/open_clip", "gpu_flops_per_step", "gpu_real_ratio vlp/open_clip",
+                     "gpu_real_ratio vlp_gpu_decode/vlp", "gpu_host_syncs_per_step vlp"],
 }
 
 

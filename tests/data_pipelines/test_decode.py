@@ -178,7 +178,7 @@ def test_stream_default_path_equals_plain_and_resumes_exactly(mixed_jpegs, monke
         resumed = list(make_loader(mixed_jpegs, start_batch=start, **kwargs))
         assert [b["key"] for b in resumed] == [b["key"] for b in fast[start:]]
         assert all(torch.equal(a["image"], b["image"]) for a, b in zip(fast[start:], resumed))
-    monkeypatch.setattr(stream, "image_decoder", lambda t, d: PlainDecoder(t, d))
+    monkeypatch.setattr(stream, "image_decoder", lambda t, d, o="float": PlainDecoder(t, d))
     plain = list(make_loader(mixed_jpegs, **kwargs))
     assert [b["key"] for b in plain] == [b["key"] for b in fast]
     for a, b in zip(plain, fast):

@@ -22,6 +22,14 @@ Every decoded image becomes RGB through ``to_rgb``, which scales 16-bit greyscal
 I;16 and I, e.g. a 16-bit PNG) to 8 bits instead of letting ``convert('RGB')`` clip every value
 above 255 to white. 16-bit RGB(A) PNGs need nothing: PIL opens them as RGB(A), keeping the high
 byte of each sample.
+
+What a decoder's ``finish`` returns is set by ``output`` (vlp/data/device.py has the device
+half): "float" the whole transform (a float tensor); "uint8" the transform up to its ToTensor
+as uint8 (H, W, 3), ToTensor + Normalize left to the device; "region" the decoded pixels
+covering the crop box and the box in them; "jpeg" the JPEG bytes and the box (the device
+decodes them; what nvjpeg is not given, PNG or CMYK, comes as a region). A transform that
+cannot be split so (no ToTensor + Normalize tail, another filter) takes the nearest output
+that it can: ``decoder.output`` says which.
 """
 
 from __future__ import annotations
@@ -29,8 +37,12 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable
+from typing import Optional
 
+import numpy as np
 import torch
+
+from vlp.data.device import FILTERS, JPEG, OUTPUTS, PIXELS, DeviceImages, PackedImages
 
 DCT_SCALES = (8, 4, 2, 1)  # the reductions libjpeg's DCT scaling offers through PIL's draft()
 
@@ -71,26 +83,49 @@ class PlainDecoder:
     """Today's path: decode the whole image (optionally DCT-downscaled to >= decode_size on
     both sides, which changes the augmentation), then apply the transform."""
 
-    def __init__(self, transform: Callable, decode_size: int | None = None):
+    def __init__(self, transform: Callable, decode_size: int | None = None, output: str = "float"):
         self.transform, self.decode_size = transform, decode_size
+        self.split = split_tail(transform) if output != "float" else None
+        self.output = "uint8" if self.split else "float"  # the resize stays here (any transform)
 
     def decode(self, data: bytes):
         """Everything that can fail on bad bytes (the caller replaces such samples)."""
         return decode_rgb(data, self.decode_size)
 
     def finish(self, decoded):
-        return self.transform(decoded)
+        if self.split is None:
+            return self.transform(decoded)
+        return as_uint8(run(self.split[0], decoded))
+
+    def device_part(self) -> Optional[DeviceImages]:
+        """The device half of this decoder's output (None: the worker did everything)."""
+        return None if self.split is None else DeviceImages(*self.split[1:])
 
 
 class CropFirst:
     """RandomResizedCrop + the rest of a Compose, with the crop box drawn before decoding."""
 
-    def __init__(self, crop, rest: list[Callable]):
+    def __init__(self, crop, rest: list[Callable], output: str = "float"):
         from torchvision.transforms.functional import pil_modes_mapping
 
         self.crop, self.rest = crop, rest
         self.out_h, self.out_w = crop.size
         self.resample = pil_modes_mapping[crop.interpolation]
+        self.split = split_tail(rest) if output != "float" else None
+        self.output = "float" if self.split is None else output
+        if self.output in ("region", "jpeg") and not self._resample_on_device_ok():
+            self.output = "uint8"
+
+    def _resample_on_device_ok(self) -> bool:
+        """The device resamples with PIL's filter (bicubic/bilinear) and converts nothing: the
+        worker steps before ToTensor may only be RGB conversions (the regions are RGB)."""
+        return self.crop.interpolation.value in FILTERS and all(_is_rgb_conversion(t) for t in self.split[0])
+
+    def device_part(self) -> Optional[DeviceImages]:
+        if self.split is None:
+            return None
+        size = (self.out_h, self.out_w) if self.output in ("region", "jpeg") else None
+        return DeviceImages(*self.split[1:], size=size, kind=self.crop.interpolation.value)
 
     def decode(self, data: bytes):
         """(reduced RGB image, scale s, crop box (i, j, h, w) in full-size pixels), or a plain
@@ -106,6 +141,10 @@ class CropFirst:
         try:
             # get_params reads only .size (the header's), so the box equals the plain path's
             i, j, h, w = self.crop.get_params(image, self.crop.scale, self.crop.ratio)
+            # the device decodes it; a JPEG not ending in EOI (cut short) is decoded here, so a
+            # corrupt one is replaced in the stream as on the CPU path
+            if self.output == "jpeg" and image.mode in NVJPEG_MODES and data.rstrip(b"\0").endswith(b"\xff\xd9"):
+                return "jpeg", data, (i, j, h, w)
             s = dct_scale(w, h, self.out_w, self.out_h)
             if s > 1:
                 width, height = image.size
@@ -117,15 +156,34 @@ class CropFirst:
             raise
 
     def finish(self, decoded):
-        """The transform's output for what ``decode`` returned."""
+        """The transform's output for what ``decode`` returned (``output`` says in which form)."""
+        region = self.output in ("region", "jpeg")
+        if isinstance(decoded, tuple) and decoded[0] == "jpeg":
+            _, data, (i, j, h, w) = decoded
+            return JPEG, data, (i, j, h, w), (0.0, 0.0, float(w), float(h))
         if not isinstance(decoded, tuple):  # non-JPEG: the whole transform, as on the plain path
+            if region:  # the box drawn as RandomResizedCrop draws it; the resize on the device
+                i, j, h, w = self.crop.get_params(decoded, self.crop.scale, self.crop.ratio)
+                return PIXELS, np.asarray(decoded.crop((j, i, j + w, i + h))), None, (0.0, 0.0, float(w), float(h))
             image = self.crop(decoded)
+        elif region:
+            image, box = self._region(*decoded)
+            return PIXELS, np.asarray(image), None, box
         else:
             image, s, (i, j, h, w) = decoded
             image = self._resized_crop(image, s, i, j, h, w)
-        for t in self.rest:
-            image = t(image)
-        return image
+        if self.split is not None:
+            return as_uint8(run(self.split[0], image))
+        return run(self.rest, image)
+
+    @staticmethod
+    def _region(image, s: int, box: tuple[int, int, int, int]):
+        """(the integer region of the reduced image covering the box, the box in it)."""
+        i, j, h, w = box
+        x0, y0, x1, y1 = j / s, i / s, (j + w) / s, (i + h) / s
+        left, top = math.floor(x0), math.floor(y0)
+        right, bottom = min(math.ceil(x1), image.width), min(math.ceil(y1), image.height)
+        return image.crop((left, top, right, bottom)), (x0 - left, y0 - top, x1 - left, y1 - top)
 
     def _resized_crop(self, image, s: int, i: int, j: int, h: int, w: int):
         from torchvision.transforms import functional as F
@@ -144,18 +202,71 @@ class CropFirst:
                              box=(x0 - left, y0 - top, x1 - left, y1 - top))
 
     @classmethod
-    def of(cls, transform: Callable) -> CropFirst | None:
+    def of(cls, transform: Callable, output: str = "float") -> CropFirst | None:
         """A CropFirst for a (Compose starting with a) torchvision RandomResizedCrop, else None."""
         from torchvision.transforms import Compose, RandomResizedCrop
 
         steps = transform.transforms if isinstance(transform, Compose) else [transform]
         if not steps or type(steps[0]) is not RandomResizedCrop:  # subclasses may change forward()
             return None
-        return cls(steps[0], list(steps[1:]))
+        return cls(steps[0], list(steps[1:]), output)
 
 
-def image_decoder(transform: Callable, decode_size: int | None = None) -> CropFirst | PlainDecoder:
+def image_decoder(transform: Callable, decode_size: int | None = None,
+                  output: str = "float") -> CropFirst | PlainDecoder:
     """The decoder for a stream: the crop-first fast path when the transform allows it and no
-    ``decode_size`` asks for the old whole-image downscale, else the plain path."""
-    fast = None if decode_size else CropFirst.of(transform)
-    return fast or PlainDecoder(transform, decode_size)
+    ``decode_size`` asks for the old whole-image downscale, else the plain path. ``output``:
+    what ``finish`` returns (module docstring); ``decoder.output`` is what it can give."""
+    if output not in OUTPUTS:
+        raise ValueError(f"image output must be one of {OUTPUTS}, got {output!r}")
+    fast = None if decode_size else CropFirst.of(transform, output)
+    return fast or PlainDecoder(transform, decode_size, output)
+
+
+# ----------------------------------------------------------------------------- worker / device split
+NVJPEG_MODES = ("RGB", "L")  # JPEG colour modes given to nvjpeg (CMYK/YCCK decode on the CPU)
+
+
+def split_tail(transform) -> Optional[tuple[list, tuple, tuple]]:
+    """(the steps before ToTensor, mean, std) when a transform (a Compose or its list of steps)
+    ends with ToTensor (or open_clip's MaybeToTensor) + Normalize: what a worker runs and what
+    the device finishes. None when it does not end so (then the worker runs all of it)."""
+    from torchvision.transforms import Compose, Normalize, ToTensor
+
+    steps = transform.transforms if isinstance(transform, Compose) else transform
+    if not isinstance(steps, list) or len(steps) < 2:
+        return None
+    to_tensor, norm = steps[-2], steps[-1]
+    if not isinstance(to_tensor, ToTensor) or type(norm) is not Normalize or norm.inplace:
+        return None
+    return list(steps[:-2]), tuple(norm.mean), tuple(norm.std)
+
+
+def _is_rgb_conversion(step) -> bool:
+    """open_clip's MaybeConvertMode('RGB') or _convert_to_rgb: nothing to do on RGB pixels."""
+    return (type(step).__name__ == "MaybeConvertMode" and getattr(step, "mode", None) == "RGB") or \
+        getattr(step, "__name__", "") == "_convert_to_rgb"
+
+
+def run(steps: list[Callable], image):
+    for t in steps:
+        image = t(image)
+    return image
+
+
+def as_uint8(image) -> np.ndarray:
+    """A PIL image (RGB after the worker steps) -> uint8 (H, W, 3), what ToTensor would read."""
+    array = np.asarray(image)
+    if array.dtype != np.uint8 or array.ndim != 3 or array.shape[2] != 3:
+        raise ValueError(f"the worker steps of the transform gave {array.dtype} {array.shape}, not RGB uint8")
+    return array
+
+
+def collate_images(images: list):
+    """A batch of one decoder's ``finish`` outputs: float (b, 3, H, W), uint8 (b, H, W, 3) or
+    PackedImages (region/jpeg)."""
+    if isinstance(images[0], torch.Tensor):
+        return torch.stack(images)
+    if isinstance(images[0], np.ndarray):
+        return torch.from_numpy(np.stack(images))
+    return PackedImages.pack(images)

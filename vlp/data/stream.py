@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlp.data.decode import image_decoder
+from vlp.data.decode import collate_images, image_decoder
 from vlp.data.shard_list import expand_sources, shard_sizes
 from vlp.data.tars import IMAGE_EXTS, TEXT_EXTS, check_sample, image_decodes, read_shard, warn_bad_shard
 from vlp.data.shard_io import Retry
@@ -360,12 +360,12 @@ class _Stream:
     """One (rank, worker)'s batches for one epoch. Collates, tokenizes, counts skips."""
 
     def __init__(self, plan: _Plan, epoch: int, worker: int, start_batch: int, transform,
-                 tokenize, decode_size, pad: bool = False):
+                 tokenize, decode_size, image_output: str = "float", pad: bool = False):
         self.plan, self.epoch, self.worker, self.start = plan, epoch, worker, start_batch
         self.transform, self.tokenize, self.decode_size = transform, tokenize, decode_size
         # crop-first JPEG fast path; no transform: images are only checked (image_decodes), never
         # decoded, for batches of cached features (same samples, replacements and skips)
-        self.decoder = None if transform is None else image_decoder(transform, decode_size)
+        self.decoder = None if transform is None else image_decoder(transform, decode_size, image_output)
         # pad: yield a placeholder for each skipped batch and up to ceil(num_batches / workers)
         # items, so that every worker yields the same count per epoch and DataLoader's
         # round-robin over workers stays in batch order across chained epochs.
@@ -621,7 +621,7 @@ class _Stream:
     def collate(self, index: int, decoded: list) -> dict:
         keys = [k for k, *_ in decoded]
         # no transform: an empty (b, 0) image tensor (the batch's features come from elsewhere)
-        images = torch.stack([s[1] for s in decoded]) if self.decoder is not None else torch.empty(len(decoded), 0)
+        images = collate_images([s[1] for s in decoded]) if self.decoder is not None else torch.empty(len(decoded), 0)
         text = self.tokenize([s[2] for s in decoded])
         ids = {}
         if all(len(s) == 4 for s in decoded):  # per-sample state (SogCLR) is keyed by this id
@@ -634,10 +634,11 @@ class _Stream:
 class _EpochDataset(torch.utils.data.IterableDataset):
     """One epoch of a worker's batches, or (chain=True) every epoch from ``epoch`` on."""
 
-    def __init__(self, plan, epoch, start_batch, transform, tokenize, decode_size, chain=False):
+    def __init__(self, plan, epoch, start_batch, transform, tokenize, decode_size, image_output="float",
+                 chain=False):
         super().__init__()
         self.plan, self.epoch, self.start, self.chain = plan, epoch, start_batch, chain
-        self.args = (transform, tokenize, decode_size)
+        self.args = (transform, tokenize, decode_size, image_output)
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -670,9 +671,11 @@ class Loader:
     """Iterable over one epoch of batches; see the module docstring for the layout."""
 
     def __init__(self, plan: _Plan, transform, tokenize, epoch: int, start_batch: int,
-                 num_workers: int, decode_size: int | None):
+                 num_workers: int, decode_size: int | None, image_output: str = "float",
+                 pin_memory: bool = False):
         self.plan, self.transform, self.tokenize = plan, transform, tokenize
         self.num_workers, self.decode_size = num_workers, decode_size
+        self.image_output, self.pin_memory = image_output, pin_memory
         self.epoch, self.start_batch = epoch, 0
         self.set_epoch(epoch, start_batch)
         self.stats: Counter[str] = Counter()
@@ -704,14 +707,14 @@ class Loader:
 
     def _batches(self, epoch: int, start: int, chain: bool):
         dataset = _EpochDataset(self.plan, epoch, start, self.transform, self.tokenize,
-                                self.decode_size, chain=chain)
+                                self.decode_size, self.image_output, chain=chain)
         if self.num_workers == 0:
             return dataset
         generator = torch.Generator()
         generator.manual_seed(_rng(self.plan.seed, epoch, self.plan.rank).getrandbits(63))
         return torch.utils.data.DataLoader(
             dataset, batch_size=None, num_workers=self.num_workers, generator=generator,
-            worker_init_fn=_seed_worker)
+            worker_init_fn=_seed_worker, pin_memory=self.pin_memory)
 
     def epochs(self, epoch: int = 0, start_batch: int = 0) -> Iterator[dict]:
         """Every batch of every epoch from (epoch, start_batch) on, forever, through one set of
@@ -835,6 +838,8 @@ def make_loader(
     pieces: list[tuple[int, int, int]] | None = None,
     io_retries: int = 3,
     io_backoff_s: float = 1.0,
+    image_output: str = "float",
+    pin_memory: bool = False,
 ) -> Loader:
     """Build the batch stream of one rank over ``urls`` (brace spec, '::' joins sources).
 
@@ -862,6 +867,10 @@ def make_loader(
                  pieces and headers, expanded here against the shards' sizes).
     io_retries, io_backoff_s: a failed shard open or read is retried this often, waiting
                  io_backoff_s * 2**k, continuing at the same byte; then it counts 'bad_shard'.
+    image_output: what "image" holds: 'float' (the whole transform in the worker), 'uint8',
+                 'region' or 'jpeg' (vlp/data/device.py: the rest runs on the device,
+                 ``image_decoder(...).device_part()``).
+    pin_memory:  the DataLoader's page-locked batches (CUDA: non-blocking copies to the device).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -877,7 +886,8 @@ def make_loader(
                  num_samples, drop_last, shuffle_buffer, num_workers, pieces=pieces,
                  retry=retry, tables=tables)
     _probe(plan.paths, plan.retry)
-    return Loader(plan, transform, tokenize, epoch, start_batch, num_workers, decode_size)
+    return Loader(plan, transform, tokenize, epoch, start_batch, num_workers, decode_size, image_output,
+                  pin_memory)
 
 
 def _parse_weights(weights, count: int) -> list[float]:

@@ -16,12 +16,14 @@ with margins d_ij = t * (s_ij - s_i,pos) over the B - 1 negatives j and v_i = lo
 Usage: ``contrastive_diagnostics(img_b, txt_b, img_B, txt_B, logit_scale, offset=o)``. The softmax
 losses pass the softmax over the negatives they already computed (``diagnostics_from_softmax``),
 SigLIP its logits (``diagnostics_from_logits``), so no matmul or softmax is repeated, and all
-values reach the host in one transfer (one device sync per step).
+values reach the host in one transfer, made only when a value is looked at (a `DeviceScalars`:
+the trainer reads them on logging steps only, so other steps make no host sync for them).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
@@ -42,12 +44,42 @@ from vlp.losses.common import (
 SATURATION_THRESHOLD = 1e-3  # sigma(v) below this: the InfoNCE gradient is effectively gone
 
 
+class DeviceScalars(Mapping):
+    """Named scalars kept as one tensor on the device; read back (one transfer, one host sync)
+    the first time a value is looked at, as Python floats. ``host``: plain values beside them."""
+
+    def __init__(self, names: list[str], values: Tensor, host: dict | None = None):
+        self.names, self.tensor, self.host = list(names), values, dict(host or {})
+        self._read: dict | None = None
+
+    def plus(self, **host) -> "DeviceScalars":
+        """The same device values with more host values (no transfer)."""
+        return DeviceScalars(self.names, self.tensor, {**self.host, **host})
+
+    def read(self) -> dict:
+        if self._read is None:
+            self._read = dict(zip(self.names, self.tensor.tolist()))
+        return {**self._read, **self.host}
+
+    def __getitem__(self, key):
+        return self.host[key] if key in self.host else self.read()[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self.host or key in self.names
+
+    def __iter__(self):
+        return iter(self.names + [k for k in self.host if k not in self.names])
+
+    def __len__(self) -> int:
+        return len(set(self.names) | set(self.host))
+
+
 @torch.no_grad()
 def diagnostics_from_softmax(
     directions: list[NegativeSoftmax],
     logit_scale: Tensor,
     extra: dict[str, Tensor | float] | None = None,
-) -> dict[str, float]:
+) -> "DeviceScalars":
     """Diagnostics from each direction's softmax over the negatives (what the softmax losses
     computed anyway: nothing (b, B)-sized is recomputed but exp(logp) for ess_neg)."""
     v = torch.cat([d.v for d in directions]).detach()  # (2b,)
@@ -71,8 +103,7 @@ def diagnostics_from_softmax(
     }
     for key, val in (extra or {}).items():
         values[key] = torch.as_tensor(val, device=device).detach().to(v.dtype).reshape(())
-    flat = torch.stack(list(values.values())).tolist()  # one host transfer
-    return dict(zip(values.keys(), flat))
+    return DeviceScalars(list(values), torch.stack(list(values.values())))  # read back when looked at
 
 
 @torch.no_grad()

@@ -14,10 +14,13 @@ bookkeeping: the epoch and batch reached, the rest of an epoch begun under anoth
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator, Optional
+from dataclasses import dataclass, replace
+from typing import Iterator, Optional, Union
 
 import torch
+
+from vlp.data.decode import image_decoder
+from vlp.data.device import PackedImages
 
 @dataclass
 class DataPosition:
@@ -31,11 +34,13 @@ class DataPosition:
 
 @dataclass(frozen=True)
 class Batch:
-    """One rank's micro-batch: images (b, 3, H, W), token ids (b, L), stable int64 sample ids.
-    features=True: image and text are the towers' cached stem outputs (b, Di), (b, Dt)
-    (vlp.train.feature_cache); the model then runs only its heads."""
+    """One rank's micro-batch: images as the workers ship them (float (b, 3, H, W), uint8
+    (b, H, W, 3) or PackedImages; vlp.data.device turns them into the model's input on the
+    device), token ids (b, L), stable int64 sample ids. features=True: image and text are the
+    towers' cached stem outputs (b, Di), (b, Dt) (vlp.train.feature_cache); the model then runs
+    only its heads."""
 
-    image: torch.Tensor
+    image: Union[torch.Tensor, PackedImages]
     text: torch.Tensor
     sample_id: torch.Tensor
     features: bool = False
@@ -44,14 +49,67 @@ class Batch:
     def from_stream(cls, item: dict) -> "Batch":
         return cls(image=item["image"], text=item["text"], sample_id=item["sample_id"])
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this batch holds (for memory accounting)."""
+        image = [self.image.pixels, self.image.boxes] if isinstance(self.image, PackedImages) else [self.image]
+        return [*image, self.text]
+
+    def images_to(self, device, non_blocking: bool = False) -> "Batch":
+        """The images on ``device``. Tokens stay on the host until the step has trimmed their
+        padding columns there (vlp.train.step), sample ids for host-side per-sample state."""
+        return replace(self, image=self.image.to(device, non_blocking=non_blocking))
+
+
+def image_output(decode: str, device: torch.device) -> str:
+    """What the workers ship (vlp.data.device): 'jpeg' for data.decode=gpu (refused without
+    CUDA), else 'region' when the model is on a CUDA device (the resize runs there), else
+    'uint8' (on CPU the workers resize: the main process has the step to run)."""
+    if decode == "gpu":
+        if device.type != "cuda":
+            raise ValueError(f"data.decode=gpu needs a CUDA device (this process trains on {device}); "
+                             "use data.decode=cpu")
+        return "jpeg"
+    return "region" if device.type == "cuda" else "uint8"
+
+
+class DeviceFeed:
+    """Moves a step's micro-batches to the device: pinned host memory (the loader's pin thread),
+    copies issued on a side stream with non_blocking, the compute stream waiting on them. The
+    CPU runs ahead of the device (one host sync per step, vlp.train.loop), so the copy of step
+    k+1's batch overlaps step k's backward on the device. No batch is taken from the stream
+    early: the data position a checkpoint records stays the consumed one. On CPU: a passthrough."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def __call__(self, group: list[Batch]) -> list[Batch]:
+        if self.stream is None:
+            return group
+        with torch.cuda.stream(self.stream):
+            moved = [b.images_to(self.device, non_blocking=True) for b in group]
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        for b in moved:  # the compute stream uses memory the side stream allocated
+            for t in b.tensors():
+                if t.is_cuda:
+                    t.record_stream(torch.cuda.current_stream(self.device))
+        return moved
+
 
 class TrainData:
     """This rank's training stream and its position in it (epoch, batches consumed, the rest
     of an epoch begun under another layout, skip counts), with state_dict / load_state_dict."""
 
-    def __init__(self, cfg, transform, tokenize, rank: int, world: int):
+    def __init__(self, cfg, transform, tokenize, rank: int, world: int, device: Optional[torch.device] = None):
         self.cfg, self.transform, self.tokenize = cfg, transform, tokenize
         self.rank, self.world = rank, world
+        # device given: the workers ship uint8 and ``device_images`` finishes the transform there
+        # (vlp.data.device); None: the whole transform in the workers (float)
+        self.image_output = "float" if device is None else image_output(cfg.data.decode, torch.device(device))
+        self.pin_memory = device is not None and torch.device(device).type == "cuda"
+        self.device_images = None if transform is None else \
+            image_decoder(transform, cfg.data.decode_size, self.image_output).device_part()
+        self.feed = DeviceFeed(device or "cpu")  # pinned, non-blocking, on a side stream (CUDA)
         self.loader = self.make_loader()  # validates the shard spec before any work
         self.current = self.loader  # the loader the current epoch comes from
         self.epoch = 0
@@ -76,6 +134,7 @@ class TrainData:
             world_size=self.world, num_workers=d.num_workers, mode=d.mode, shuffle_buffer=d.shuffle_buffer,
             decode_size=d.decode_size, **({"weights": d.weights} if d.weights else {}), **extra,
             num_samples=d.num_samples, io_retries=d.io_retries, io_backoff_s=d.io_backoff_s,
+            image_output=self.image_output, pin_memory=self.pin_memory,
         )
 
     def stream(self) -> Iterator[dict]:

@@ -36,6 +36,7 @@ from vlp.losses.registry import get_spec
 from vlp.models.model import DualEncoder, build_model
 from vlp.train import checkpoint as ckpt
 from vlp.train import parallel, preempt, resume, runlock
+from vlp.losses.diagnostics import DeviceScalars
 from vlp.train.data import Batch, TrainData
 from vlp.train.evaluator import Evaluator
 from vlp.train.feature_cache import training_features
@@ -79,7 +80,9 @@ class Trainer:
         # the model, its temperature policy and the train transform (data.train_transform), chosen once
         model, self.tokenizer, self.train_transform, self.eval_transform = build_model(cfg.model, cfg.loss,
                                                                                        data_cfg=cfg.data)
-        self.data = self.data_class(cfg, self.train_transform, self.tokenizer, acc.process_index, self.world)
+        self.preemption = preempt.Preemption()  # installed by train(); agreed on in _finite
+        self.data = self.data_class(cfg, self.train_transform, self.tokenizer, acc.process_index, self.world,
+                                    device=acc.device)  # workers ship uint8, the device finishes (data.py)
         if cfg.data.feature_cache:  # LiT: the locked stems' outputs once per sample, reused every epoch
             self.data.features = training_features(cfg, model, self.train_transform, self.tokenizer,
                                                    self.data.loader.plan, acc.device)
@@ -123,11 +126,16 @@ class Trainer:
         """Backward of the global loss over all micro-batches (vlp.train.step); returns
         (loss, metrics), metrics empty when the loss is not finite on some rank."""
         return contrastive_backward(self.model, self.strategy, self._loss, micro_batches, self.accelerator.device,
-                                    self.unwrapped.trim_text, self._finite)
+                                    self.unwrapped.trim_text, self._finite, prepare=self.data.device_images)
 
     def _finite(self, loss: torch.Tensor) -> bool:
-        """All ranks agree on whether the loss is finite (so no rank waits on a skipped one)."""
-        return not self._any_rank(~torch.isfinite(loss.detach()))
+        """All ranks agree whether the loss is finite and (same all-reduce, the step's one host
+        sync) whether any rank got a preemption signal (kept for Preemption.should_stop)."""
+        bad = (~torch.isfinite(loss.detach())).any().float().reshape(1).to(self.accelerator.device)
+        flags = torch.cat([bad, torch.full((1,), self.preemption.local_flag(), device=bad.device)])
+        nonfinite, signalled = (all_reduce(flags) if self.world > 1 else flags).tolist()
+        self.preemption.agree(signalled)
+        return nonfinite == 0
 
     def _any_rank(self, flag: torch.Tensor) -> bool:
         bad = flag.float().reshape(1).to(self.accelerator.device)
@@ -139,7 +147,7 @@ class Trainer:
         if not (self.train_mode_set and self.model.training):
             self.model.train()
             self.train_mode_set = True
-        loss, metrics = self.compute_gradients(micro_batches)
+        loss, metrics = self.compute_gradients(self.data.feed(micro_batches))  # to the device (CUDA)
         finite = bool(metrics)  # decided once, on all ranks, by compute_gradients
         if finite:
             self.strategy.finish_grads(self.model, self.cfg.optim.grad_clip)
@@ -155,9 +163,10 @@ class Trainer:
         self.scheduler.step()
         self.temperature.clamp_(self.unwrapped.log_logit_scale)
         self.step += 1
-        metrics = dict(metrics) if finite else {"nonfinite": 1.0}
-        metrics["lr"] = self.scheduler.get_last_lr()[0]
-        return metrics
+        lr = self.scheduler.get_last_lr()[0]  # diagnostics stay on the device until logged (global_metrics)
+        if not finite:
+            return {"nonfinite": 1.0, "lr": lr}
+        return metrics.plus(lr=lr) if isinstance(metrics, DeviceScalars) else {**metrics, "lr": lr}
 
     def global_skipped(self) -> dict[str, int]:
         """Skipped samples by kind, summed over ranks (each rank's already sums its workers).
@@ -170,13 +179,13 @@ class Trainer:
                 total[kind] = total.get(kind, 0) + n
         return dict(sorted(total.items()))
 
-    def global_metrics(self, metrics: dict) -> dict:
-        """Average per-rank metrics (each a mean over that rank's anchors) into global ones."""
-        if self.world == 1:
-            return metrics
-        names = sorted(metrics)
-        values = torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64, device=self.accelerator.device)
-        return dict(zip(names, all_reduce(values, op="mean").tolist()))
+    def global_metrics(self, metrics) -> dict:
+        """Average per-rank diagnostics (each a mean over that rank's anchors) into global ones
+        (logging steps only: one collective, one transfer)."""
+        if self.world == 1 or not isinstance(metrics, DeviceScalars):  # host values: the same on all ranks
+            return dict(metrics)
+        values = all_reduce(metrics.tensor.detach().to(torch.float64), op="mean").tolist()
+        return {**dict(zip(metrics.names, values)), **metrics.host}
 
     # ------------------------------------------------------------------ state
     def meta_state(self) -> dict:
@@ -354,7 +363,7 @@ class Trainer:
                 if t.eval_every and self.step % t.eval_every == 0 and not is_last:
                     self.logger.log({"type": records.EVAL, "step": self.step,
                                      **{keys.EVAL_PREFIX + k: v for k, v in self.evaluate().items()}})
-                if self.preemption.should_stop(self.accelerator.device) and not is_last:
+                if self.preemption.should_stop(self.accelerator.device) and not is_last:  # agreed in _finite
                     raise self.preemption.stopped(self.step, self.save_checkpoint(), is_main())
         finally:
             bar.close()
@@ -362,7 +371,7 @@ class Trainer:
 
     def measured_step(self, micro_batches: list[Batch]) -> dict:
         """train_step, with its peak tensor memory kept for result.json (vlp.train.memory)."""
-        held = (self.unwrapped, self.torch_optimizer, *(t for b in micro_batches for t in (b.image, b.text)))
+        held = (self.unwrapped, self.torch_optimizer, *(t for b in micro_batches for t in b.tensors()))
         with StepMemory(self.accelerator.device, held) as mem:
             metrics = self.train_step(micro_batches)
         self.peak_step_bytes = mem.peak_bytes

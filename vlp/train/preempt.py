@@ -5,6 +5,7 @@ with its own status, so the scheduler can requeue it and `train.resume=latest` g
     while step < total:
         train_step(...)
         if stop.should_stop(device):        # every rank, once per step: one all-reduce of 1 number
+                                            # (the trainer fuses it: local_flag / agree)
             save_checkpoint()
             raise Preempted(step, path)     # cli: prints stop.message, exits EXIT_PREEMPTED
 
@@ -84,20 +85,39 @@ class Preemption:
     def signame(self) -> str:
         return signal.Signals(self.received).name if self.received else "no signal"
 
+    def local_flag(self) -> float:
+        """This rank's part of the agreement: 1.0 once it got a signal. The trainer sums it over
+        ranks inside its one per-step collective (vlp.train.loop.Trainer._finite)."""
+        return 1.0 if self.requested else 0.0
+
+    agreed: Optional[bool] = None  # a decision `agree` took and `should_stop` has not returned yet
+
+    def agree(self, ranks_signalled: float) -> bool:
+        """The decision from the sum of `local_flag` over all ranks (the same on every rank);
+        the next `should_stop` returns it without a collective of its own."""
+        self.agreed = self._decide(ranks_signalled)
+        return self.agreed
+
+    def _decide(self, ranks_signalled: float) -> bool:
+        if ranks_signalled > 0 and self.received is None:
+            self.received = -1  # another rank's signal
+        return bool(ranks_signalled > 0)
+
     def should_stop(self, device=None) -> bool:
-        """True on every rank once any rank got a signal: the max of the flag over ranks (one
+        """True on every rank once any rank got a signal: the sum of the flag over ranks (one
         all-reduce of one number; call it on every rank at the same point of every step).
         `device`: where the collective's tensor lives (the accelerator's device under NCCL)."""
         import torch
 
         from vlp.distributed import all_reduce, is_distributed
 
+        if self.agreed is not None:  # agreed on in the step's fused collective (Trainer._finite)
+            agreed, self.agreed = self.agreed, None
+            return agreed
         if not is_distributed():
             return self.requested
-        flag = all_reduce(torch.tensor([1.0 if self.requested else 0.0], device=device))  # how many ranks got one
-        if flag.item() > 0 and self.received is None:
-            self.received = -1  # another rank's signal
-        return bool(flag.item() > 0)
+        total = all_reduce(torch.tensor([self.local_flag()], device=device))  # how many ranks got one
+        return self._decide(total.item())
 
     def stopped(self, step: int, checkpoint=None, is_main: bool = True) -> Preempted:
         """The Preempted exception to raise after the checkpoint is saved; the main process

@@ -10,20 +10,24 @@ their gradient once (in the last micro-step). Gradients are synced only on the l
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 
 def contrastive_backward(model, strategy, loss_of: Callable, micro_batches: list, device,
-                         trim_text: Callable, all_finite: Callable) -> tuple[torch.Tensor, dict]:
+                         trim_text: Callable, all_finite: Callable,
+                         prepare: Optional[Callable] = None) -> tuple[torch.Tensor, dict]:
     """Backward of the global loss; (loss, metrics), metrics empty when the loss is not finite
     on some rank (then nothing was backpropagated). `loss_of(img, txt, scale, bias, ids)` is the
-    loss over the gathered batch; `all_finite(loss)` agrees across ranks."""
+    loss over the gathered batch; `all_finite(loss)` agrees across ranks. `prepare`: the device
+    half of the image transform (vlp.data.device.DeviceImages: uint8 -> normalised float)."""
+    features = micro_batches[0].features
     images = [b.image.to(device, non_blocking=True) for b in micro_batches]
+    if prepare is not None and not features:
+        images = [prepare(x) for x in images]
     # drop all-padding text columns on the host (no device sync; exact, see DualEncoder); cached
     # features (Batch.features: stem outputs, vlp.train.feature_cache) are no tokens: never trimmed
-    features = micro_batches[0].features
     texts = [(b.text if features else trim_text(b.text)).to(device, non_blocking=True) for b in micro_batches]
 
     def forward(image, text):  # features: only the heads run (a forward keyword, so DDP passes it on)
