@@ -13,7 +13,7 @@ from dp_helpers import tokenize, write_sizes, write_tar
 from PIL import Image, ImageDraw
 from torchvision.transforms import Compose, RandomResizedCrop
 
-from vlp.data import stream
+from vlp.data import worker
 from vlp.data.decode import CropFirst, PlainDecoder, dct_scale, image_decoder
 from vlp.data.stream import make_loader
 
@@ -178,7 +178,7 @@ def test_stream_default_path_equals_plain_and_resumes_exactly(mixed_jpegs, monke
         resumed = list(make_loader(mixed_jpegs, start_batch=start, **kwargs))
         assert [b["key"] for b in resumed] == [b["key"] for b in fast[start:]]
         assert all(torch.equal(a["image"], b["image"]) for a, b in zip(fast[start:], resumed))
-    monkeypatch.setattr(stream, "image_decoder", lambda t, d, o="float": PlainDecoder(t, d))
+    monkeypatch.setattr(worker, "image_decoder", lambda t, d, o="float": PlainDecoder(t, d))
     plain = list(make_loader(mixed_jpegs, **kwargs))
     assert [b["key"] for b in plain] == [b["key"] for b in fast]
     for a, b in zip(plain, fast):

@@ -86,10 +86,10 @@ def test_device_resize_within_one_level_of_the_worker_path(mixed, output):
     float path, 'jpeg' (full decode on the 'device') against the plain path's full decode."""
     reference = "float" if output == "region" else "plain"
     if reference == "plain":  # the whole image decoded, then the transform: what nvjpeg sees
-        from vlp.data import stream
+        from vlp.data import worker
 
         mp = pytest.MonkeyPatch()
-        mp.setattr(stream, "image_decoder", lambda t, d, o="float": PlainDecoder(t, d))
+        mp.setattr(worker, "image_decoder", lambda t, d, o="float": PlainDecoder(t, d))
         floats = list(loader(mixed, "float"))
         mp.undo()
     else:

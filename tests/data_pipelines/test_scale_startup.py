@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from vlp.data import shard_list, stream
-from vlp.data.stream import SEQ, BatchSizes, _bounds, make_loader, rest_samples
+from vlp.data import shard_list
+from vlp.data.layout import SEQ, BatchSizes, piece_bounds, rest_samples, segments
+from vlp.data.stream import make_loader
 from vlp.data.shard_list import SizesFetchError, brace_expand, expand_sources, shard_sizes
 from dp_helpers import png_bytes, to_tensor, tokenize, write_tar
 
@@ -188,8 +189,8 @@ def test_ids_and_offsets_are_64_bit_past_2_31(laion5b):
 def test_int32_sizes_do_not_overflow():
     """np.cumsum of int32 is int32 (Windows' default int): sizes arrive as int32 here."""
     big = np.int32(2**31 - 1)
-    bounds = _bounds([(0, np.int32(0), big), (1, np.int32(0), big), (2, np.int32(0), big)])
-    assert bounds == [0, 2**31 - 1, 2**32 - 2, 3 * (2**31 - 1)]
+    found = piece_bounds([(0, np.int32(0), big), (1, np.int32(0), big), (2, np.int32(0), big)])
+    assert found == [0, 2**31 - 1, 2**32 - 2, 3 * (2**31 - 1)]
     assert BatchSizes(2**31, 8).total == 2**34
 
 
@@ -288,7 +289,7 @@ def test_sizes_table_shared_by_expand_and_sizes(tmp_path):
 
 
 def _segments_loop(pieces, n, start, stop):
-    """The per-piece loop _segments replaced (its reference)."""
+    """The per-piece loop layout.segments replaced (its reference)."""
     bounds = [0]
     for _, begin, end in pieces:
         bounds.append(bounds[-1] + end - begin)
@@ -318,4 +319,4 @@ def test_segments_equal_the_per_piece_loop():
         n = rng.randint(1, total)
         start = rng.randint(0, 3 * n)
         stop = start + rng.randint(0, 3 * n)
-        assert stream._segments(pieces, n, start, stop) == _segments_loop(pieces, n, start, stop)
+        assert segments(pieces, n, start, stop) == _segments_loop(pieces, n, start, stop)
