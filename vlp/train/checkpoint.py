@@ -66,8 +66,8 @@ def write_failed(path: Path, error: BaseException) -> CheckpointError:
         full = shutil.disk_usage(_existing(path)).free < (1 << 20)
     except OSError:
         full = False
-    if full and "space" not in reason:
-        reason = f"no space left on device ({reason})"
+    if full and "space" not in reason:  # torch's words name its zip writer, not the disk
+        reason = "No space left on device"
     return CheckpointError(f"cannot write checkpoint {path}: {reason}; earlier checkpoints are unchanged")
 
 
