@@ -33,7 +33,6 @@ Uploads go through one background thread; its error is raised by the next ``wait
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from vlp.config import ConfigError
+from vlp.integrity import IntegrityError, file_digest
 from vlp.util import atomic_write, pid_alive
 
 MANIFEST = ".manifest.json"  # suffix of a checkpoint's commit marker
@@ -63,10 +63,6 @@ class StorageError(ConfigError):
     """A run folder that cannot be used; the message is one line naming the URL and the cause."""
 
 
-class IntegrityError(ValueError):
-    """A fetched checkpoint whose objects do not match its manifest (size or SHA-256)."""
-
-
 def remove_dead_caches(root: Optional[Path] = None) -> list[Path]:
     """Remove the temp folders (``CACHE_PREFIX``PID-*) of processes that no longer run."""
     removed = []
@@ -76,14 +72,6 @@ def remove_dead_caches(root: Optional[Path] = None) -> list[Path]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _files_under(local: Path) -> list[tuple[str, Path]]:
@@ -140,9 +128,6 @@ class RunFolder:
         else:
             self.fs = None
             self.root = self.url.removeprefix("file://")
-
-    def __repr__(self) -> str:
-        return f"RunFolder({self.url!r})"
 
     # ------------------------------------------------------------------ paths
     def path(self, name: str = "") -> str:
@@ -386,7 +371,7 @@ class RunFolder:
                 dest = self._local(f"{name}/{rel}" if rel else name)
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, dest)
-            objects.append({"name": rel, "bytes": path.stat().st_size, "sha256": _sha256_file(path)})
+            objects.append({"name": rel, "bytes": path.stat().st_size, "sha256": file_digest(path)})
         return objects
 
     def commit(self, name: str, objects: list[dict], kind: str = "dir") -> None:
@@ -462,7 +447,7 @@ class RunFolder:
             except FileNotFoundError:
                 raise IntegrityError(f"checkpoint {self.path(name)} is incomplete: "
                                      f"{rel or 'its file'} is missing") from None
-            size, digest = target.stat().st_size, _sha256_file(target)
+            size, digest = target.stat().st_size, file_digest(target)
             if size != obj["bytes"] or digest != obj["sha256"]:
                 raise IntegrityError(f"checkpoint {self.path(name)} does not match its manifest: "
                                      f"{rel or 'its file'} has {size} bytes / sha256 {digest[:12]}, "

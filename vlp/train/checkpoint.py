@@ -178,9 +178,10 @@ def load_valid(path: str | Path) -> dict:
     if Path(path).is_dir():
         return load_sharded_meta(path)
     state, verified = load_checked(path, True)
-    if not verified:
+    check_state(state, path)
+    if not verified:  # a warning only once it is known to be usable
         unverified(path, state)
-    return check_state(state, path)
+    return state
 
 
 def nonfinite_tensors(weights) -> list[str]:
@@ -292,11 +293,18 @@ def save_rank_files(folder: str | Path, obj, rank: int, world: int) -> None:
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    atomic_save(obj, rank_file(tmp, rank, world))
-    barrier()
+    try:
+        atomic_save(obj, rank_file(tmp, rank, world))
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    failed = [e for e in gather_object([error]) if e]  # every rank stops, or none
     if rank == 0:
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(tmp, folder)
+        shutil.rmtree(folder if not failed else tmp, ignore_errors=True)
+        if not failed:
+            os.replace(tmp, folder)
+    if failed:
+        raise CheckpointError(failed[0])
     barrier()
 
 
