@@ -92,8 +92,8 @@ def _train_args(shards, out, *extra):
             *extra]
 
 
-def _vlp(store, cwd, *argv, wait=True):
-    env = run_env() | store.env
+def _vlp(store, cwd, *argv, wait=True, tmpdir=None):
+    env = run_env() | store.env | ({"TMPDIR": str(tmpdir)} if tmpdir else {})
     cmd = [PYTHON, "-m", "vlp", *map(str, argv)]
     if not wait:
         return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -117,16 +117,21 @@ def _kill_when(store, child, key: str, timeout_s: float = 240) -> None:
 def test_s3_run_gets_the_run_folder_and_resumes_after_sigkill_bit_identical(s3, tiny_shards, tmp_path):
     """`vlp train` into s3://: config, log, checkpoints (keep_last=2 in the bucket), export, eval
     report, result; SIGKILL mid-run and `resume=latest` gives the uninterrupted local run's
-    weights bit for bit; nothing is written to a local folder named 's3:'."""
+    weights bit for bit; nothing is written to a local folder named 's3:'. The killed run's local
+    stage folder ($TMPDIR/vlp-run-PID-*) is removed by the next start."""
     ref = _vlp(s3, tmp_path, *_train_args(tiny_shards, tmp_path / "ref"))
     assert ref.returncode == 0, ref.stderr[-3000:]
     url = _prefix(s3, "kill")
     kill_at = random.Random(os.getpid()).randint(3, 9)  # of 12 steps
-    child = _vlp(s3, tmp_path, *_train_args(tiny_shards, url), wait=False)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    child = _vlp(s3, tmp_path, *_train_args(tiny_shards, url), wait=False, tmpdir=tmp)
     _kill_when(s3, child, f"{url[5:]}/checkpoints/step_{kill_at:08d}.pt.manifest.json")
     assert "open_clip_model.pt" not in _keys(s3, url)
-    proc = _vlp(s3, tmp_path, *_train_args(tiny_shards, url, "train.resume=latest"))
+    assert [p.name.split("-")[2] for p in tmp.glob("vlp-run-*")] == [str(child.pid)]  # left by the kill
+    proc = _vlp(s3, tmp_path, *_train_args(tiny_shards, url, "train.resume=latest"), tmpdir=tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not list(tmp.glob("vlp-run-*"))  # the dead run's stage at start, this run's own at exit
     assert f"resumed from {url}/checkpoints/step_" in proc.stdout
     _same(_bucket_weights(s3, url), torch.load(tmp_path / "ref/open_clip_model.pt", weights_only=True)["state_dict"])
     keys = _keys(s3, url)
@@ -139,7 +144,7 @@ def test_s3_run_gets_the_run_folder_and_resumes_after_sigkill_bit_identical(s3, 
     assert json.loads(s3.fs().cat_file(f"{url[5:]}/result.json"))["step"] == 12
     log = [json.loads(line) for line in s3.fs().cat_file(f"{url[5:]}/log.jsonl").decode().splitlines()]
     assert {r["step"] for r in log if r["type"] == "train"} == set(range(1, 13))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ref"]  # no local 's3:' folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ref", "tmp"]  # no local 's3:' folder
 
 
 def test_an_upload_killed_halfway_is_never_resumed_from(s3, tiny_shards, tmp_path, capsys):
@@ -169,8 +174,13 @@ def test_an_upload_killed_halfway_is_never_resumed_from(s3, tiny_shards, tmp_pat
         f"checkpoints/step_{s:08d}.pt.manifest.json" for s in (4, 5, 6)]  # step 4 saved again, committed
 
 
-def test_vlp_eval_reads_checkpoints_and_writes_reports_in_the_bucket(s3, tiny_shards, tmp_path, capsys):
+def test_vlp_eval_reads_checkpoints_and_writes_reports_in_the_bucket(s3, tiny_shards, tmp_path, capsys, monkeypatch):
+    import tempfile
+
     from vlp.train.loop import Trainer
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # downloads go here, and go
+    (tmp_path / "tmp").mkdir()
 
     url = _prefix(s3, "eval")
     Trainer(_cfg(tiny_shards, url, "train.samples=32", "data.eval_shards=null")).train()
@@ -186,6 +196,7 @@ def test_vlp_eval_reads_checkpoints_and_writes_reports_in_the_bucket(s3, tiny_sh
     assert {"eval_export/metrics.json", "checkpoints/eval/metrics.json"} <= set(keys), keys
     rc, _, err = _cli(capsys, "eval", "--checkpoint", f"{url}/checkpoints/step_00000001.pt", *common)
     _one_error(rc, err, "step_00000001.pt")  # not committed (keep_last pruned it)
+    assert not list((tmp_path / "tmp").glob("vlp-run-*"))  # every download removed once loaded
 
 
 def test_gs_run_folder_trains_prunes_and_resumes(tiny_shards, tmp_path, capsys):

@@ -256,7 +256,7 @@ def test_resume_falls_back_past_corrupt_checkpoints_and_cleans_temps(capsys, run
     rc, stdout, err = run(capsys, *train(shards, out, "train.resume=latest", "train.samples=96"))
     assert rc == 0, err[-2000:]
     assert f"removed {stale.name}" in stdout and not stale.exists()
-    assert "step_00000004.pt holds 5000 bytes, its manifest says" in stdout and "step_00000003.pt is empty" in stdout
+    assert "step_00000004.pt cannot be read safely" in stdout and "step_00000003.pt is empty" in stdout
     assert "falling back to step_00000002.pt" in stdout and "resumed from" in stdout
     assert (ckpts / "step_00000004.pt.corrupt").stat().st_size == 5000  # kept for inspection
     assert (ckpts / "step_00000003.pt.corrupt").exists()
@@ -338,7 +338,7 @@ def test_nonfinite_weights_are_never_saved(tiny_shards, tmp_path):
         t.train()
     first = tmp_path / "checkpoints" / "step_00000001.pt"
     assert "not finite" in str(e.value) and str(first) in str(e.value)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [first.name, f"{first.name}.manifest.json"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [first.name]  # checksums inside
 
 
 # ----------------------------------------------------------------------------- model files

@@ -1,8 +1,11 @@
-"""Checksums end to end (issue 21): every checkpoint and export carries a manifest written last;
-damage INSIDE a tensor's bytes (which torch.load and DCP read without complaint) is refused by
-name, resume falls back to the newest valid checkpoint, `vlp eval` refuses in one line, and
-checkpoints from before manifests still load (with one warning)."""
+"""Checksums end to end (issues 21, 27): a .pt checkpoint carries its checksum inside, a DCP
+directory and an export a manifest written last; damage INSIDE a tensor's bytes (which
+torch.load and DCP read without complaint) is refused by name, resume falls back to the newest
+valid checkpoint, `vlp eval` refuses in one line. A checkpoint copied or renamed still verifies;
+one vlp wrote that cannot be verified is never loaded; checkpoints from before checksums load
+with one warning."""
 import json
+import os
 import struct
 import zipfile
 from pathlib import Path
@@ -121,13 +124,14 @@ def run_copy(trained, tmp_path):
     return out, trained[1]
 
 
-def test_every_checkpoint_and_the_export_have_a_verifying_manifest(trained):
+def test_every_checkpoint_and_the_export_verify(trained):
     out, _ = trained
     ckpts = sorted((out / "checkpoints").glob("step_*.pt"))
-    assert len(ckpts) == 4
-    for path in ckpts + [out / "open_clip_model.pt"]:
-        assert integrity.verify(path), path
-    assert ckpt.load(ckpts[-1])[ckpt.MARK_KEY] == integrity.FORMAT
+    assert len(ckpts) == 4 and not list((out / "checkpoints").glob("*manifest*"))  # checksums inside
+    for path in ckpts:
+        state, verified = ckpt.load_checked(path)
+        assert verified and state[ckpt.MARK_KEY]["format"] == ckpt.CHECKSUMS
+    assert integrity.verify(out / "open_clip_model.pt")
 
 
 def test_zeroed_tail_of_a_tensor_in_an_intact_zip_falls_back_and_eval_refuses(capsys, run_copy, tmp_path):
@@ -146,9 +150,8 @@ def test_zeroed_tail_of_a_tensor_in_an_intact_zip_falls_back_and_eval_refuses(ca
     assert "step_00000004.pt does not match its sha256 checksum" in stdout
     assert "falling back to step_00000003.pt" in stdout
     assert (out / "checkpoints" / "step_00000004.pt.corrupt").exists()
-    assert (out / "checkpoints" / "step_00000004.pt.corrupt.manifest.json").exists()
     assert json.loads((out / "result.json").read_text())["step"] == 6
-    assert integrity.verify(out / "checkpoints" / "step_00000006.pt")
+    assert ckpt.load_checked(out / "checkpoints" / "step_00000006.pt")[1]
 
 
 def test_damaged_export_is_refused_by_eval_and_as_pretrained(capsys, run_copy, tmp_path):
@@ -163,7 +166,7 @@ def test_damaged_export_is_refused_by_eval_and_as_pretrained(capsys, run_copy, t
     one_line(rc, err, "model.pretrained", "does not match its sha256 checksum")
 
 
-def test_checkpoint_of_this_release_without_manifest_loads_with_one_warning(capsys, run_copy, tmp_path):
+def test_checkpoint_from_before_checksums_loads_with_one_warning(capsys, run_copy, tmp_path):
     """A checkpoint as the code before manifests wrote it: the same torch.save, no MARK_KEY, no
     sidecar."""
     out, shards = run_copy
@@ -172,7 +175,6 @@ def test_checkpoint_of_this_release_without_manifest_loads_with_one_warning(caps
         state = torch.load(path, weights_only=True)
         state.pop(ckpt.MARK_KEY)
         torch.save(state, path)
-        integrity.manifest_path(path).unlink()
     rc, stdout, err = run(capsys, *train_args(shards["train"], out, "train.resume=latest", "train.samples=96"))
     assert rc == 0, err[-2000:]
     warnings = [ln for ln in err.splitlines() if "no checksum manifest" in ln]
@@ -180,15 +182,72 @@ def test_checkpoint_of_this_release_without_manifest_loads_with_one_warning(caps
     assert "resumed from" in stdout and "step_00000004.pt" in stdout
 
 
-def test_checkpoint_copied_without_its_manifest_loads_unverified(capsys, run_copy):
-    """The .pt is renamed whole before its manifest is written: without the manifest (copied
-    alone, or a kill in between) its bytes are complete, only unvouched for."""
+def adamw_span(path: Path) -> tuple[int, int]:
+    """(offset, length) in a .pt zip of the largest AdamW state tensor: storages are numbered in
+    the order torch.save meets them, the model's first."""
+    state = torch.load(path, weights_only=True)
+    model_storages = {t.untyped_storage().data_ptr() for t in state["model"].values()}
+    with zipfile.ZipFile(path) as z:
+        infos = [i for i in z.infolist() if "/data/" in i.filename
+                 and int(i.filename.rsplit("/", 1)[1]) >= len(model_storages)]
+    info = max(infos, key=lambda i: i.file_size)
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        header = f.read(30)
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return info.header_offset + 30 + name_len + extra_len, info.file_size
+
+
+def test_copied_pt_with_flipped_adamw_bytes_is_never_loaded(capsys, run_copy, tmp_path):
+    """The hostile case: a .pt copied alone (no manifest beside it), 64 bytes flipped inside its
+    AdamW state. Named explicitly: one error line; found by resume=latest: passed over, saying so."""
     out, shards = run_copy
-    integrity.manifest_path(out / "checkpoints" / "step_00000004.pt").unlink()
-    rc, stdout, err = run(capsys, *train_args(shards["train"], out, "train.resume=latest", "train.samples=96"))
+    copy = tmp_path / "copied" / "checkpoints" / "step_00000004.pt"
+    copy.parent.mkdir(parents=True)
+    copy.write_bytes((out / "checkpoints" / "step_00000004.pt").read_bytes())
+    offset, length = adamw_span(copy)
+    flip(copy, offset + length // 2, 64)
+    damaged, intact = torch.load(copy, weights_only=True), ckpt.load(out / "checkpoints" / "step_00000004.pt")
+    assert all(torch.equal(v, intact["model"][k]) for k, v in damaged["model"].items())  # only the AdamW state
+    assert not all(torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+                   for a, b in zip(damaged["optimizer"]["state"].values(), intact["optimizer"]["state"].values()))
+    rc, _, err = run(capsys, *train_args(shards["train"], tmp_path / "r", f"train.resume={copy}",
+                                         "train.samples=96"))
+    one_line(rc, err, "step_00000004.pt does not match its sha256 checksum")
+    copy.with_name("step_00000002.pt").write_bytes((out / "checkpoints" / "step_00000002.pt").read_bytes())
+    rc, stdout, err = run(capsys, *train_args(shards["train"], copy.parent.parent, "train.resume=latest",
+                                              "train.samples=96"))
     assert rc == 0, err[-2000:]
-    assert "(step_00000004.pt.manifest.json is missing: copied without it?): loaded unverified" in err
-    assert "resumed from" in stdout and "step_00000004.pt at step 4" in stdout
+    assert "skipped checkpoint" in stdout and "step_00000004.pt does not match its sha256 checksum" in stdout
+    assert "resumed from" in stdout and "step_00000002.pt at step 2" in stdout
+
+
+def test_checkpoint_copied_under_a_new_name_verifies(capsys, run_copy, tmp_path):
+    """Checksums inside: a .pt renamed alone verifies. A .pt of the release before (checksums in a
+    sidecar) renamed with its sidecar verifies; without it, it cannot be verified: refused."""
+    out, shards = run_copy
+    renamed = tmp_path / "elsewhere" / "my_model.pt"
+    renamed.parent.mkdir()
+    renamed.write_bytes((out / "checkpoints" / "step_00000004.pt").read_bytes())
+    assert ckpt.load_checked(renamed)[1]
+    rc, stdout, err = run(capsys, *train_args(shards["train"], tmp_path / "r1", f"train.resume={renamed}",
+                                              "train.samples=96"))
+    assert rc == 0 and "unverified" not in err, err[-2000:]
+    assert f"resumed from {renamed} at step 4" in stdout
+    state = torch.load(renamed, weights_only=True)  # as the release before wrote it
+    state[ckpt.MARK_KEY] = integrity.FORMAT
+    previous = tmp_path / "prev" / "step_00000004.pt"
+    previous.parent.mkdir()
+    torch.save(state, previous)
+    integrity.write_manifest(previous)
+    moved = tmp_path / "elsewhere" / "kept.pt"
+    previous.rename(moved)
+    integrity.manifest_path(previous).rename(integrity.manifest_path(moved))
+    assert ckpt.load_checked(moved)[1] and ckpt.load_valid(moved)["step"] == 4
+    integrity.manifest_path(moved).unlink()
+    rc, _, err = run(capsys, *train_args(shards["train"], tmp_path / "r2", f"train.resume={moved}",
+                                         "train.samples=96"))
+    one_line(rc, err, "kept.pt has no manifest (kept.pt.manifest.json) and cannot be verified")
 
 
 # ----------------------------------------------------------------------------- DCP directories
@@ -287,3 +346,54 @@ def test_two_ranks_each_hash_their_own_dcp_file(tmp_path):
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"} <= set(integrity.read_manifest(folder))
     assert integrity.verify(folder)
     assert ckpt.load_sharded_meta(folder)["world_size"] == 2
+
+
+def test_dcp_checkpoint_copied_under_a_new_name_verifies(dcp_pair, tmp_path):
+    import shutil
+
+    renamed = tmp_path / "any_name"
+    shutil.copytree(dcp_pair / "step_00000002", renamed)  # its manifest names files relative to it
+    assert integrity.verify(renamed) and ckpt.load_valid(renamed)["step"] == 2
+
+
+def _save_twice_second_disk_full(rank, world, folder):
+    """Two gloo ranks: step 1 saves; step 2's shard write on rank 1 hits ENOSPC (DCP turns it
+    into a CheckpointException, a BaseException, on every rank). Returns what each rank raised."""
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as fs
+    from vlp.train import parallel
+    from vlp.config import LossConfig, ModelConfig
+    from vlp.models.model import build_model
+
+    torch.manual_seed(0)
+    model = parallel.apply_fsdp(build_model(ModelConfig(name="vlp-micro"), LossConfig())[0], "cpu", "fp32")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    meta = {"scheduler": {}, "step": 1, "epoch": 0, "batch_in_epoch": 1, "world_size": world, "rng": [], "config": {}}
+    ckpt.save_sharded(parallel.sharded_state(model, opt), meta, Path(folder) / "step_00000001")
+    real = fs._write_item
+
+    def full(*args, **kwargs):
+        if rank == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(*args, **kwargs)
+
+    fs._write_item = full
+    try:
+        ckpt.save_sharded(parallel.sharded_state(model, opt), {**meta, "step": 2}, Path(folder) / "step_00000002")
+    except ckpt.CheckpointError as e:
+        return str(e)
+    finally:
+        fs._write_item = real
+    return None
+
+
+def test_dcp_save_that_hits_a_full_disk_is_one_error_and_leaves_no_temp(tmp_path):
+    from _dist_utils import run_distributed
+
+    errors = run_distributed(_save_twice_second_disk_full, 2, (str(tmp_path),))
+    assert errors[0] == errors[1] and errors[0] == (
+        f"cannot write checkpoint {tmp_path / 'step_00000002'}: No space left on device; "
+        "earlier checkpoints are unchanged")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]  # no .step_00000002.tmp
+    assert ckpt.load_valid(tmp_path / "step_00000001")["step"] == 1

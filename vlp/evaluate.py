@@ -3,8 +3,9 @@ pretrained tag or hf-hub name), run an eval suite, write reports."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -57,8 +58,8 @@ def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, devi
         raise ckpt.CheckpointError(f"checkpoint {path} does not fit model '{model_cfg.name}'{hint}: "
                                    f"{state_dict_mismatch(e)}") from None
     model.eval()
-    if not verified:  # usable, but from before manifests: say so once
-        ckpt.warn_unverified(path, state)
+    if not verified:  # from before checksums: one warning; vlp's own without them: refused
+        ckpt.unverified(path, state)
     return model, tokenizer, eval_tf
 
 
@@ -139,7 +140,8 @@ def evaluate_checkpoint(checkpoint: Optional[str] = None, model_name: Optional[s
     if pretrained and (is_url(pretrained) or Path(pretrained).exists()):
         checkpoint, pretrained = pretrained, None
     if checkpoint:
-        model, tokenizer, eval_tf = load_model_from_checkpoint(local_checkpoint(checkpoint), model_name, device)
+        with local_checkpoint(checkpoint) as path:  # a bucket's download is removed once loaded
+            model, tokenizer, eval_tf = load_model_from_checkpoint(path, model_name, device)
         default = f"{checkpoint.rstrip('/').rsplit('/', 1)[0]}/eval" if is_url(checkpoint) else None
         out_dir = out_dir or default or str(Path(checkpoint).resolve().parent / "eval")
     elif model_name:
@@ -156,23 +158,29 @@ def evaluate_checkpoint(checkpoint: Optional[str] = None, model_name: Optional[s
     return results
 
 
-def local_checkpoint(checkpoint: str) -> str:
-    """A local path for --checkpoint: the path itself, or for a URL (s3://, gs://) a download:
-    a committed checkpoint (step_N.pt, a DCP step_N/ directory) checked against its bucket
-    manifest, or a plain object (open_clip_model.pt)."""
+@contextlib.contextmanager
+def local_checkpoint(checkpoint: str) -> Iterator[str]:
+    """A local path for --checkpoint while the block runs: the path itself, or for a URL (s3://,
+    gs://) a download, removed when the block ends: a committed checkpoint (step_N.pt, a DCP
+    step_N/ directory) checked against its bucket manifest, or a plain object (open_clip_model.pt)."""
     if not is_url(checkpoint) or checkpoint.startswith("file://"):
-        return checkpoint.removeprefix("file://")
+        yield checkpoint.removeprefix("file://")
+        return
     from vlp.storage import MANIFEST, RunFolder
     from vlp.train.manager import fetch_checkpoint
 
     folder, name = RunFolder.of(checkpoint)
     try:
-        manifest = folder.manifest(name)  # a bucket commit (objects listed) or a file's checksums
-    except FileNotFoundError:
-        manifest = None
-    if manifest and "objects" in manifest:
-        return str(fetch_checkpoint(folder, name))
-    path = folder.download(name)
-    if manifest is not None:  # beside the file, so vlp.train.checkpoint verifies it
-        folder.download(name + MANIFEST)
-    return str(path)
+        try:
+            manifest = folder.manifest(name)  # a bucket commit (objects listed) or a file's checksums
+        except FileNotFoundError:
+            manifest = None
+        if manifest and "objects" in manifest:
+            yield str(fetch_checkpoint(folder, name))
+            return
+        path = folder.download(name)
+        if manifest is not None:  # beside the file, so vlp.train.checkpoint verifies it
+            folder.download(name + MANIFEST)
+        yield str(path)
+    finally:
+        folder.close()  # the download folder ($TMPDIR/vlp-run-PID-*) goes

@@ -33,7 +33,6 @@ Uploads go through one background thread; its error is raised by the next ``wait
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -45,8 +44,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from vlp.config import ConfigError
+from vlp.integrity import IntegrityError, file_digest
+from vlp.util import atomic_write, pid_alive
 
 MANIFEST = ".manifest.json"  # suffix of a checkpoint's commit marker
+CACHE_PREFIX = "vlp-run-"  # $TMPDIR/vlp-run-PID-XXXX: a bucket folder's stage and downloads
 CHECKPOINT_RE = re.compile(r"^step_(\d+)(\.pt)?$")  # vlp's names: step_N.pt (one file), step_N/ (DCP)
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _EXTRAS = {"s3": "vlp[s3]", "s3a": "vlp[s3]", "gs": "vlp[gcs]", "gcs": "vlp[gcs]"}
@@ -61,16 +63,15 @@ class StorageError(ConfigError):
     """A run folder that cannot be used; the message is one line naming the URL and the cause."""
 
 
-class IntegrityError(ValueError):
-    """A fetched checkpoint whose objects do not match its manifest (size or SHA-256)."""
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
+def remove_dead_caches(root: Optional[Path] = None) -> list[Path]:
+    """Remove the temp folders (``CACHE_PREFIX``PID-*) of processes that no longer run."""
+    removed = []
+    for path in Path(root or tempfile.gettempdir()).glob(f"{CACHE_PREFIX}*-*"):
+        pid = path.name[len(CACHE_PREFIX):].split("-", 1)[0]
+        if path.is_dir() and pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def _files_under(local: Path) -> list[tuple[str, Path]]:
@@ -128,9 +129,6 @@ class RunFolder:
             self.fs = None
             self.root = self.url.removeprefix("file://")
 
-    def __repr__(self) -> str:
-        return f"RunFolder({self.url!r})"
-
     # ------------------------------------------------------------------ paths
     def path(self, name: str = "") -> str:
         """The full URL (bucket) or path (local) of a member."""
@@ -144,8 +142,11 @@ class RunFolder:
 
     @property
     def cache_dir(self) -> Path:
+        """This process's temp folder ($TMPDIR/vlp-run-PID-*): staged checkpoints, downloads.
+        Removed by ``close``; those of dead processes (a SIGKILL) when the next one is made."""
         if self._cache is None:
-            self._cache = Path(tempfile.mkdtemp(prefix="vlp-run-"))
+            remove_dead_caches()
+            self._cache = Path(tempfile.mkdtemp(prefix=f"{CACHE_PREFIX}{os.getpid()}-"))
         self._cache.mkdir(parents=True, exist_ok=True)
         return self._cache
 
@@ -155,8 +156,6 @@ class RunFolder:
         if self.remote:
             self.fs.pipe_file(self._key(name), data)
         else:
-            from vlp.util import atomic_write
-
             atomic_write(self._local(name), data)
 
     def write_text(self, name: str, text: str) -> None:
@@ -372,7 +371,7 @@ class RunFolder:
                 dest = self._local(f"{name}/{rel}" if rel else name)
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, dest)
-            objects.append({"name": rel, "bytes": path.stat().st_size, "sha256": _sha256_file(path)})
+            objects.append({"name": rel, "bytes": path.stat().st_size, "sha256": file_digest(path)})
         return objects
 
     def commit(self, name: str, objects: list[dict], kind: str = "dir") -> None:
@@ -448,7 +447,7 @@ class RunFolder:
             except FileNotFoundError:
                 raise IntegrityError(f"checkpoint {self.path(name)} is incomplete: "
                                      f"{rel or 'its file'} is missing") from None
-            size, digest = target.stat().st_size, _sha256_file(target)
+            size, digest = target.stat().st_size, file_digest(target)
             if size != obj["bytes"] or digest != obj["sha256"]:
                 raise IntegrityError(f"checkpoint {self.path(name)} does not match its manifest: "
                                      f"{rel or 'its file'} has {size} bytes / sha256 {digest[:12]}, "
@@ -491,8 +490,6 @@ class RunFolder:
         self.wait()
         removed = []
         if not self.remote:
-            from vlp.util import pid_alive
-
             root = Path(self.root)
             for stage in sorted(root.glob(".stage-*-*")) if root.is_dir() else []:
                 if stage.is_dir() and not pid_alive(int(stage.name.split("-")[1])):
@@ -595,6 +592,7 @@ def open_run_folder(url_or_path, option: str = "train.output_dir") -> RunFolder:
     line naming ``option`` before anything is written. A local path is not touched here."""
     if is_url(url_or_path) and not str(url_or_path).startswith("file://"):
         check_writable(url_or_path, option=option)
+        remove_dead_caches()  # stage copies and downloads of runs that were killed
     return RunFolder(url_or_path)
 
 

@@ -17,13 +17,14 @@ import os
 import random
 import re
 import shutil
+import sys
 import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from vlp.util import first_line
+from vlp.util import atomic_write, first_line
 from vlp import integrity
 from vlp.distributed import barrier, gather_object, get_rank, is_distributed
 
@@ -37,59 +38,71 @@ class CheckpointError(ValueError):
 
 
 STATE_KEYS = ("model", "optimizer", "scheduler", "step", "epoch", "batch_in_epoch", "world_size", "rng", "config")
-# atomic_save's temp names (the checkpoint's and its manifest's); the last group is the PID
+CHECKSUMS = "vlp-checksums/1"  # MARK_KEY's value in a .pt that carries its own: {"format", "sha256"}
+# atomic_write's temp names (the checkpoint's and, before checksums inside, its manifest's); the last group is the PID
 TEMP_PATTERN = r"\.(step_\d+\.pt(?:\.manifest\.json)?)\.tmp-(\d+)"
 
 
-def atomic_save(obj, path: str | Path, manifest: bool = True) -> None:
-    """Write `obj` to `path` through a fsynced temp file and a rename, then (manifest) its
-    checksum manifest, last. A dict `obj` is saved with MARK_KEY, so a later load knows a
-    manifest must exist. A failed write (disk full, quota, I/O error) removes the temp file and
+def atomic_save(obj, path: str | Path) -> None:
+    """Write `obj` to `path` through a fsynced temp file and a rename. A dict gets its checksum
+    inside, under MARK_KEY (integrity.state_digest of the rest), so it verifies alone, also when
+    copied or renamed. A failed write (disk full, quota, I/O error) removes the temp file and
     raises CheckpointError: every earlier checkpoint stays as it was."""
-    from vlp.util import atomic_write
-
     path = Path(path)
-    if manifest and isinstance(obj, dict):
-        obj = {**obj, MARK_KEY: integrity.FORMAT}
-    written = {}
-
-    def write(f) -> None:  # hashed on the way out: no second read of the file
-        out = integrity.HashingWriter(f)
-        torch.save(obj, out)
-        written[path.name] = out.entry()
-
-    try:
-        if manifest:  # the same step saved again: its old manifest would not fit the new bytes
-            integrity.manifest_path(path).unlink(missing_ok=True)
-        atomic_write(path, write, fsync=True)
-        if manifest:  # a few hundred bytes: a kill between the rename and this leaves a refused file
-            integrity.write_manifest(path, written)
+    if isinstance(obj, dict):
+        obj = {**obj, MARK_KEY: {"format": CHECKSUMS, integrity.ALGORITHM: integrity.state_digest(obj)}}
+    try:  # the same step saved by an earlier release: its sidecar would not fit the new bytes
+        integrity.manifest_path(path).unlink(missing_ok=True)
+        atomic_write(path, lambda f: torch.save(obj, f), fsync=True)
     except (OSError, RuntimeError) as e:  # torch wraps a failed write in a RuntimeError
-        raise CheckpointError(f"cannot write checkpoint {path}: {_reason(e)}; earlier checkpoints are unchanged") from None
+        raise write_failed(path, e) from None
+
+
+def write_failed(path: Path, error: BaseException) -> CheckpointError:
+    """The one line for a save that failed: the OS's words, or 'no space left' when the disk
+    is full (torch's zip writer and DCP hide the OSError: 'unexpected pos 704 vs 598')."""
+    reason = _reason(error)
+    try:
+        full = shutil.disk_usage(_existing(path)).free < (1 << 20)
+    except OSError:
+        full = False
+    if full and "space" not in reason:  # torch's words name its zip writer, not the disk
+        reason = "No space left on device"
+    return CheckpointError(f"cannot write checkpoint {path}: {reason}; earlier checkpoints are unchanged")
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def _reason(error: BaseException) -> str:
-    """The OS's words for a failed write (the OSError torch's RuntimeError hides), one line."""
+    """The OS's words for a failed write (the OSError torch's RuntimeError or DCP's
+    CheckpointException hides), one line."""
     seen = error
     while seen is not None:
         if isinstance(seen, OSError) and seen.strerror:
             return seen.strerror
+        failures = getattr(seen, "failures", None)  # CheckpointException: {rank: (error, traceback)}
+        if failures:
+            return _reason(next(iter(failures.values()))[0])
         seen = seen.__cause__ or seen.__context__
     return first_line(error)
 
 
 def load(path: str | Path, manifest: bool = True) -> dict:
-    """torch.load(weights_only) of a checkpoint or export file, after checking it against its
-    manifest (manifest=False: a DCP directory's meta.pt, covered by the directory's manifest)."""
+    """torch.load(weights_only) of a checkpoint or export file, verified by the checksums inside
+    it or its manifest (manifest=False: a DCP directory's meta.pt, covered by the directory's)."""
     state, verified = load_checked(path, manifest)
     if not verified:
-        warn_unverified(path, state)
+        unverified(path, state)
     return state
 
 
 def load_checked(path: str | Path, manifest: bool = True) -> tuple[object, bool]:
-    """(state, whether a manifest verified it); a vlp checkpoint that should have one and has
-    none is refused."""
+    """(state, whether checksums verified it): a sidecar manifest is checked before torch.load
+    reads a byte, the checksums inside after; a mismatch is a CheckpointError naming the file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
@@ -100,7 +113,18 @@ def load_checked(path: str | Path, manifest: bool = True) -> tuple[object, bool]
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated file, wrong format, pickled objects
         raise CheckpointError(f"checkpoint {path} cannot be read safely: {first_line(e)}") from None
-    return state, verified
+    return state, _check_inside(state, path) or verified
+
+
+def _check_inside(state, path: Path) -> bool:
+    """True when `state` carries checksums (atomic_save) and they match, False when it has none."""
+    mark = state.get(MARK_KEY) if isinstance(state, dict) else None
+    if not isinstance(mark, dict):
+        return False
+    if integrity.state_digest({k: v for k, v in state.items() if k != MARK_KEY}) != mark.get(integrity.ALGORITHM):
+        raise CheckpointError(f"checkpoint {path} does not match its {integrity.ALGORITHM} checksum "
+                              "(damaged or changed since it was written)")
+    return True
 
 
 def _verify(path: Path) -> bool:
@@ -116,33 +140,22 @@ def _verify(path: Path) -> bool:
 _warned: set[str] = set()
 
 
-def _refuse_unfinished(path: Path, state) -> None:
-    """A DCP directory without the manifest vlp wrote into it: the manifest is written before
-    the directory gets its final name, so it was cut off (a store without rename) or removed
-    since, and nothing vouches for the rank files. (A `.pt` is renamed whole before its sidecar
-    manifest is written, and may be copied without it: it loads unverified, with a warning.)"""
-    if isinstance(state, dict) and state.get(MARK_KEY):
-        raise CheckpointError(f"checkpoint {path} has no manifest ({integrity.DIR_MANIFEST}): "
-                              "its save did not finish or the file was removed")
-
-
-def warn_unverified(path: Path, state) -> None:
-    """One warning per file for a vlp checkpoint or export without a manifest: from before
-    manifests, or copied without its `.manifest.json`."""
-    if not isinstance(state, dict) or str(path) in _warned:
+def unverified(path: Path, state) -> None:
+    """For a checkpoint nothing verified. Written by vlp with checksums (MARK_KEY) whose manifest
+    is gone (a DCP directory cut off before its manifest, a .pt of the release before checksums
+    inside copied without its sidecar): refused, never loaded silently. A vlp checkpoint from
+    before checksums: one warning per file. Someone else's weights file: nothing was promised."""
+    if not isinstance(state, dict):
         return
     if state.get(MARK_KEY):
-        why = f"{integrity.manifest_path(path).name} is missing: copied without it?"
-    elif "config" in state or "preprocess_cfg" in state:
-        why = "written before vlp kept them"
-    else:
-        return  # someone else's weights file: nothing was promised
+        raise CheckpointError(f"checkpoint {path} has no manifest ({integrity.manifest_path(path).name}) and "
+                              "cannot be verified: its save did not finish, or it was copied without it")
+    if ("config" not in state and "preprocess_cfg" not in state) or str(path) in _warned:
+        return
     _warned.add(str(path))
     if get_rank() == 0:
-        import sys
-
-        print(f"vlp: warning: checkpoint {path} has no checksum manifest ({why}): loaded unverified",
-              file=sys.stderr, flush=True)
+        print(f"vlp: warning: checkpoint {path} has no checksum manifest (written before vlp kept them): "
+              "loaded unverified", file=sys.stderr, flush=True)
 
 
 def check_state(state, path: str | Path) -> dict:
@@ -166,8 +179,8 @@ def load_valid(path: str | Path) -> dict:
         return load_sharded_meta(path)
     state, verified = load_checked(path, True)
     check_state(state, path)
-    if not verified:  # only once it is known to be usable
-        warn_unverified(path, state)
+    if not verified:  # a warning only once it is known to be usable
+        unverified(path, state)
     return state
 
 
@@ -280,11 +293,18 @@ def save_rank_files(folder: str | Path, obj, rank: int, world: int) -> None:
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    atomic_save(obj, rank_file(tmp, rank, world))
-    barrier()
+    try:
+        atomic_save(obj, rank_file(tmp, rank, world))
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    failed = [e for e in gather_object([error]) if e]  # every rank stops, or none
     if rank == 0:
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(tmp, folder)
+        shutil.rmtree(folder if not failed else tmp, ignore_errors=True)
+        if not failed:
+            os.replace(tmp, folder)
+    if failed:
+        raise CheckpointError(failed[0])
     barrier()
 
 
@@ -330,8 +350,11 @@ def _tuplify(x):
 def save_sharded(state: dict, meta: dict, path: str | Path) -> None:
     """Write a DCP checkpoint directory atomically. Collective: every rank passes its own shards
     in `state` (parallel.sharded_state); rank 0's `meta` (plain tensors and containers) goes into
-    META_FILE. A leftover temp dir of a killed save is removed first."""
-    import torch.distributed.checkpoint as dcp
+    META_FILE. A leftover temp dir of a killed save is removed first; a failed save (disk full,
+    quota: DCP raises its CheckpointException, a BaseException, on every rank) removes its temp
+    dir and raises CheckpointError, earlier checkpoints untouched."""
+    import torch.distributed.checkpoint as dcp  # heavy: only FSDP runs and DCP readers need it
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -341,21 +364,24 @@ def save_sharded(state: dict, meta: dict, path: str | Path) -> None:
         for stale in path.parent.glob(".step_*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
     barrier()
+    error = None
     try:
         # returns on every rank once all shards and .metadata are written
         dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
         digests = _gather_digests(tmp)  # each rank hashes the files it wrote
         if main:
-            atomic_save({**meta, MARK_KEY: integrity.FORMAT}, tmp / META_FILE, manifest=False)
+            atomic_save(meta, tmp / META_FILE)
             integrity.write_manifest(tmp, digests)  # last: .metadata and meta.pt hashed here
             if path.exists():  # the same step saved again (e.g. the last good state before a stop)
                 shutil.rmtree(path)
             os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # DCP raises CheckpointException (a RuntimeError) on every rank
+    except (OSError, RuntimeError, CheckpointException, CheckpointError) as e:
+        error = str(e if isinstance(e, CheckpointError) else write_failed(path, e))
+    failed = [e for e in gather_object([error]) if e]  # every rank stops, or none (no rank left waiting)
+    if failed:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"cannot write checkpoint {path}: {_reason(e)}; earlier checkpoints are unchanged") from None
-    barrier()
+        raise CheckpointError(failed[0])
 
 
 def _gather_digests(folder: Path) -> dict[str, dict]:
@@ -377,13 +403,11 @@ def load_sharded_meta(path: str | Path) -> dict:
     verified = _verify(path)  # before meta.pt or .metadata is parsed
     meta = load(path / META_FILE, manifest=False)
     if not verified:
-        _refuse_unfinished(path, meta)
+        unverified(path, meta)
     missing = [k for k in STATE_KEYS if k not in ("model", "optimizer") and k not in meta]
     if missing:
         raise CheckpointError(f"checkpoint {path} is not a vlp training checkpoint: missing {', '.join(missing)}")
     _check_shard_files(path)
-    if not verified:
-        warn_unverified(path, meta)
     return meta
 
 
