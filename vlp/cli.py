@@ -223,13 +223,14 @@ def peer_failure(error: BaseException) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from vlp.util import cap
-    from vlp.train.preempt import EXIT_PREEMPTED, Preempted
+    from vlp.train.preempt import Preempted, exit_status
 
     try:
         return args.func(args)
     except Preempted as e:  # saved; the scheduler requeues on this status (launch/slurm.sbatch)
-        print(f"vlp: {e}", file=sys.stderr)
-        return EXIT_PREEMPTED
+        if e.is_main:  # one line for the job, not one per rank
+            print(f"vlp: {e}", file=sys.stderr)
+        return exit_status()
     except USER_ERRORS as e:
         if os.environ.get("VLP_DEBUG"):
             raise
