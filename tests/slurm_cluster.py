@@ -194,5 +194,9 @@ class SlurmCluster:
                              f"{info.get('JobState')} {info.get('Reason')} restarts={info.get('Restarts')}")
 
     def release(self, job_id: int) -> None:
-        """A requeued job waits for its BeginTime (about 2 min in 22.05): start it now."""
+        """A requeued job waits for its BeginTime (about 2 min in 22.05): start it now. Not in
+        the same second as the requeue: slurmd compares the new credential's creation time with
+        the old one's revocation time in whole seconds ("Job credential revoked")."""
+        self.wait(job_id, lambda i: i["JobState"] == "PENDING", 120, "pending after requeue")
+        time.sleep(2)
         subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], env=self.env, capture_output=True)
