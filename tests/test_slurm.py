@@ -142,5 +142,29 @@ def test_a_second_job_on_the_folder_is_refused_and_scancel_ends_the_first_for_go
     time.sleep(2)
     assert not (out / "vlp.lock").exists()
     text = job_log(out, first)
-    print(text[-3000:])
-    assert "vlp: requeueing" not in text
+    assert "vlp: requeueing" not in text and "Traceback" not in text, text[-4000:]
+    # SIGTERM, then SIGKILL after KillWait (10 s): the ranks save at the step boundary in time
+    assert len([x for x in text.splitlines() if x.startswith("vlp: preempted")]) == 1, text[-4000:]
+
+
+def test_preemption_by_a_higher_priority_job_saves_requeues_and_resumes_bit_identical(
+        cluster, uninterrupted, tiny_shards, tmp_path):
+    """Partition "high" (PriorityTier 10) preempts "main" with PreemptMode=REQUEUE: SIGTERM to the
+    job, SIGKILL after GraceTime (30 s); SLURM requeues it."""
+    out = tmp_path / "run"
+    job = submit(cluster, out, tiny_shards["train"])
+    wait_for_step(cluster, job, out, 3)
+    high = cluster.sbatch(["--partition=high", "--nodes=2", "--exclusive", f"--output={tmp_path}/high.out",
+                           "--wrap", "sleep 1"])
+    cluster.wait(job, lambda i: int(i.get("Restarts", 0)) >= 1, 300, "requeue by the preemption")
+    cluster.wait(high, lambda i: i["JobState"] in DONE, 300, "the preempting job's end")
+    cluster.release(job)
+    finished(cluster, job, out)
+    text = job_log(out, job)
+    preempted = [x for x in text.splitlines() if x.startswith("vlp: preempted")]
+    assert len(preempted) == 1, text[-4000:]
+    assert "(SIGTERM)" in preempted[0] or "(another rank's signal)" in preempted[0]
+    assert "vlp: requeueing" not in text and "[vlp] resumed from" in text  # SLURM requeued it
+    assert "Traceback" not in text, text[-4000:]
+    ref, got = weights(uninterrupted[0]), weights(out)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
