@@ -160,6 +160,21 @@ class SlurmCluster:
         subprocess.run(["scontrol", "update", "nodename=n1,n2", "state=resume"], env=self.env, capture_output=True)
         self._wait_idle(90)
 
+    def kill_node(self, name: str, job_id: int) -> list[int]:
+        """Node `name` lost: SIGKILL its slurmd, the job's processes on it (found by their
+        SLURM_JOB_ID and SLURMD_NODENAME) and their slurmstepd. Returns the pids killed."""
+        self.procs[name].kill()
+        pids = [pid for pid, env in _environs().items()
+                if env.get("SLURM_JOB_ID") == str(job_id) and env.get("SLURMD_NODENAME") == name]
+        parents = {_ppid(pid) for pid in pids}
+        stepds = [p for p in parents if p and "slurmstepd" in _cmdline(p)]
+        for pid in stepds + pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return stepds + pids
+
     def restart_slurmd(self, name: str) -> None:
         """Start node `name`'s slurmd again (after kill_node)."""
         self.procs[name] = self._daemon(["slurmd", "-D", "-f", str(self.conf), "-N", name], f"slurmd-{name}")
@@ -200,3 +215,29 @@ class SlurmCluster:
         self.wait(job_id, lambda i: i["JobState"] == "PENDING", 120, "pending after requeue")
         time.sleep(2)
         subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], env=self.env, capture_output=True)
+
+
+def _environs() -> dict[int, dict]:
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                raw = (entry / "environ").read_bytes()
+            except OSError:
+                continue
+            found[int(entry.name)] = dict(x.split("=", 1) for x in raw.decode(errors="replace").split("\0") if "=" in x)
+    return found
+
+
+def _ppid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""

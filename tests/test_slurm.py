@@ -5,6 +5,7 @@ and asks for no GPUs. Skipped with the reason where SLURM is not installed; unde
 is a failure."""
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -159,12 +160,43 @@ def test_preemption_by_a_higher_priority_job_saves_requeues_and_resumes_bit_iden
     cluster.wait(job, lambda i: int(i.get("Restarts", 0)) >= 1, 300, "requeue by the preemption")
     cluster.wait(high, lambda i: i["JobState"] in DONE, 300, "the preempting job's end")
     cluster.release(job)
-    finished(cluster, job, out)
+    info = finished(cluster, job, out)
     text = job_log(out, job)
     preempted = [x for x in text.splitlines() if x.startswith("vlp: preempted")]
     assert len(preempted) == 1, text[-4000:]
     assert "(SIGTERM)" in preempted[0] or "(another rank's signal)" in preempted[0]
-    assert "vlp: requeueing" not in text and "[vlp] resumed from" in text  # SLURM requeued it
+    # SLURM requeues it; the script may too (the SIGTERM reached the steps, not the batch shell)
+    assert info["Restarts"] == "1" and "[vlp] resumed from" in text
     assert "Traceback" not in text, text[-4000:]
+    ref, got = weights(uninterrupted[0]), weights(out)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_a_lost_node_ends_the_other_in_one_line_and_the_job_resumes_exactly(
+        cluster, uninterrupted, tiny_shards, tmp_path):
+    """n2's slurmd, slurmstepd and ranks are SIGKILLed after the checkpoint of step 5: n1's rank
+    ends within train.dist_timeout_s with vlp's line, the job is requeued, and once n2 is back
+    it resumes from step 5 (same world: exact)."""
+    timeout_s = 20
+    out = tmp_path / "run"
+    job = submit(cluster, out, tiny_shards["train"], f"train.dist_timeout_s={timeout_s}")
+    wait_for_step(cluster, job, out, 6)
+    killed = cluster.kill_node("n2", job)
+    assert len(killed) >= 2, killed
+    start = time.time()
+    while "lost its peers" not in job_log(out, job) and time.time() - start < timeout_s + 60:
+        time.sleep(0.2)
+    took = time.time() - start
+    print(f"n1 said it lost its peers {took:.1f} s after n2 was killed (timeout {timeout_s} s)")
+    assert took < timeout_s + 60, job_log(out, job)[-4000:]
+    cluster.wait(job, lambda i: int(i.get("Restarts", 0)) >= 1, 300, "requeue after the node loss")
+    cluster.restart_slurmd("n2")
+    cluster.resume_nodes()
+    cluster.release(job)
+    finished(cluster, job, out)
+    text = job_log(out, job)
+    assert len([x for x in text.splitlines() if "vlp: error: rank 0 lost its peers" in x]) == 1, text[-4000:]
+    resumed = re.search(r"\[vlp\] resumed from \S+ at step (\d+)", text)
+    assert resumed and int(resumed.group(1)) in (5, 10), text[-4000:]  # the last checkpoint before the kill
     ref, got = weights(uninterrupted[0]), weights(out)
     assert all(torch.equal(ref[k], got[k]) for k in ref)

@@ -223,7 +223,7 @@ def peer_failure(error: BaseException) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from vlp.util import cap
-    from vlp.train.preempt import Preempted, exit_status
+    from vlp.train.preempt import Preempted, exit_status, mark_lost_peers
 
     try:
         return args.func(args)
@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         rank = os.environ.get("RANK", "?")
         print(f"vlp: error: rank {rank} lost its peers (another rank or node died, or a collective "
               f"waited longer than train.dist_timeout_s): {user_message(e)[:300]}", file=sys.stderr)
+        mark_lost_peers()  # a batch script requeues the job (launch/slurm.sbatch)
         return 1
 
 

@@ -19,7 +19,9 @@ What the scheduler sees (`exit_status`, `Preempted.line`):
   writes the step to that file and every rank exits 0, so the launcher exits 0 too (it would
   report any other status as its own failure: a ChildFailedError traceback and exit 1). The
   file is the status: launch/slurm.sbatch requeues the job when it exists. Without the
-  variable a launched rank exits 75 and the launcher says it failed.
+  variable a launched rank exits 75 and the launcher says it failed;
+* a rank that lost its peers (vlp.cli) exits 1; the main rank leaves "lost-peers" in the marker
+  (`mark_lost_peers`), so the batch script requeues that job too.
 Either way only the main process prints the `vlp: preempted ...` line: one per job.
 """
 
@@ -111,6 +113,16 @@ class Preemption:
             Path(marker).write_text(f"{step}\n")
         name = self.signame if self.received and self.received > 0 else "another rank's signal"
         return Preempted(step, checkpoint, name, is_main)
+
+
+def mark_lost_peers(env=None) -> None:
+    """The main rank of a launched run whose collective failed (a node or rank lost) leaves
+    "lost-peers" in $VLP_PREEMPT_MARKER, so launch/slurm.sbatch requeues the job, which resumes
+    from the latest checkpoint (a lost *first* node takes this script with it: SLURM requeues)."""
+    env = os.environ if env is None else env
+    marker = env.get(MARKER_ENV)
+    if marker and env.get("RANK", "0") == "0":
+        Path(marker).write_text("lost-peers\n")
 
 
 def exit_status(env=None) -> int:
