@@ -62,7 +62,8 @@ def test_a_killed_node_leaves_the_survivor_to_reform_at_world_1_and_finish(tiny_
     worlds = re.findall(r"global batch=\d+ \(= 8 per device x (\d) processes", stdout)
     assert worlds and worlds[-1] == "1", stdout[-3000:]  # the first round's rank 0 may have been node 1's
     seen = [json.loads(x)["samples_seen"] for x in (out / "log.jsonl").read_text().splitlines() if '"infonce"' in x]
-    assert seen[1] - seen[0] == 16 and seen[-1] - seen[-2] == 8  # world 2, then world 1
+    steps = [b - a for a, b in zip(seen, seen[1:])]  # 8 per step at world 1, 16 at world 2
+    assert 16 in steps and steps[-1] == 8, steps  # (node 1's agent may join after a first round alone)
     resumed = re.search(r"\[vlp\] resumed from \S+ at step (\d+), (\d+) samples seen", stdout)
     assert resumed and int(resumed.group(1)) >= 5, stdout[-3000:]
     result = json.loads((out / "result.json").read_text())
