@@ -89,3 +89,19 @@ def test_a_process_signalled_mid_run_exits_75_with_one_line(tmp_path, sig):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("preempted at step ") and signal.Signals(sig).name in lines[0]
     assert (tmp_path / "marker").exists()
+
+
+def test_exit_status_is_0_under_a_launcher_with_a_marker_else_75():
+    launched = {"TORCHELASTIC_RUN_ID": "x"}
+    assert preempt.exit_status(launched | {preempt.MARKER_ENV: "/m"}) == 0
+    assert preempt.exit_status(launched) == preempt.EXIT_PREEMPTED
+    assert preempt.exit_status({preempt.MARKER_ENV: "/m"}) == preempt.EXIT_PREEMPTED  # plain process
+
+
+def test_only_the_main_rank_marks_lost_peers(tmp_path):
+    marker = tmp_path / "m"
+    preempt.mark_lost_peers({preempt.MARKER_ENV: str(marker), "RANK": "1"})
+    assert not marker.exists()
+    preempt.mark_lost_peers({preempt.MARKER_ENV: str(marker), "RANK": "0"})
+    assert marker.read_text() == "lost-peers\n"
+    assert not preempt.Preemption().stopped(3, is_main=False).is_main

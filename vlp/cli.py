@@ -251,14 +251,15 @@ def peer_failure(error: BaseException) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     from vlp.util import cap
-    from vlp.train.preempt import EXIT_PREEMPTED, Preempted
+    from vlp.train.preempt import Preempted, exit_status, mark_lost_peers
 
     try:
         args = build_parser().parse_args(argv)  # a repeated option: one line below, like a config error
         return args.func(args)
     except Preempted as e:  # saved; the scheduler requeues on this status (launch/slurm.sbatch)
-        print(f"vlp: {e}", file=sys.stderr)
-        return EXIT_PREEMPTED
+        if e.is_main:  # one line for the job, not one per rank
+            print(f"vlp: {e}", file=sys.stderr)
+        return exit_status()
     except USER_ERRORS as e:
         if os.environ.get("VLP_DEBUG"):
             raise
@@ -277,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         rank = os.environ.get("RANK", "?")
         print(f"vlp: error: rank {rank} lost its peers (another rank or node died, or a collective "
               f"waited longer than train.dist_timeout_s): {user_message(e)[:300]}", file=sys.stderr)
+        mark_lost_peers()  # a batch script requeues the job (launch/slurm.sbatch)
         return 1
 
 

@@ -13,11 +13,17 @@ A signal handler only sets a flag (no I/O, no collective inside a handler). Rank
 signal at different steps (or only some of them get it); `should_stop` takes the max of the
 flag over all ranks, so every rank stops after the same step and the checkpoint is collective.
 
-Exit status 75 (EX_TEMPFAIL, sysexits.h: "try again later"): not 124 (timeout(1)'s), 137/143
-(killed by SIGKILL/SIGTERM), 1 (an error) or 2 (a user error). A launcher (accelerate launch /
-torchrun) reports a worker's non-zero status as its own failure (exit 1), so for launched runs
-the main process also writes the file named by $VLP_PREEMPT_MARKER (when set) with the step:
-launch/slurm.sbatch requeues the job when that file exists.
+What the scheduler sees (`exit_status`, `Preempted.line`):
+* a plain process: exit status 75 (EX_TEMPFAIL, sysexits.h: "try again later"), not 124
+  (timeout(1)'s), 137/143 (killed by SIGKILL/SIGTERM), 1 (an error) or 2 (a user error);
+* a launched run (accelerate launch / torchrun) with $VLP_PREEMPT_MARKER set: the main process
+  writes the step to that file and every rank exits 0, so the launcher exits 0 too (it would
+  report any other status as its own failure: a ChildFailedError traceback and exit 1). The
+  file is the status: launch/slurm.sbatch requeues the job when it exists. Without the
+  variable a launched rank exits 75 and the launcher says it failed;
+* a rank that lost its peers (vlp.cli) exits 1; the main rank leaves "lost-peers" in the marker
+  (`mark_lost_peers`), so the batch script requeues that job too.
+Either way only the main process prints the `vlp: preempted ...` line: one per job.
 """
 
 from __future__ import annotations
@@ -35,8 +41,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class Preempted(Exception):
     """The run stopped on a preemption signal after saving; str() is the one line to print."""
 
-    def __init__(self, step: int, checkpoint=None, signame: str = "a signal"):
-        self.step, self.checkpoint = step, checkpoint
+    def __init__(self, step: int, checkpoint=None, signame: str = "a signal", is_main: bool = True):
+        self.step, self.checkpoint, self.is_main = step, checkpoint, is_main
         saved = f"saved {checkpoint}; " if checkpoint else ""
         super().__init__(f"preempted at step {step} ({signame}); {saved}resume with train.resume=latest")
 
@@ -126,4 +132,21 @@ class Preemption:
         if marker and is_main:
             Path(marker).write_text(f"{step}\n")
         name = self.signame if self.received and self.received > 0 else "another rank's signal"
-        return Preempted(step, checkpoint, name)
+        return Preempted(step, checkpoint, name, is_main)
+
+
+def mark_lost_peers(env=None) -> None:
+    """The main rank of a launched run whose collective failed (a node or rank lost) leaves
+    "lost-peers" in $VLP_PREEMPT_MARKER, so launch/slurm.sbatch requeues the job, which resumes
+    from the latest checkpoint (a lost *first* node takes this script with it: SLURM requeues)."""
+    env = os.environ if env is None else env
+    marker = env.get(MARKER_ENV)
+    if marker and env.get("RANK", "0") == "0":
+        Path(marker).write_text("lost-peers\n")
+
+
+def exit_status(env=None) -> int:
+    """The status a preempted rank exits with: 0 under a launcher when $VLP_PREEMPT_MARKER names
+    the marker (the file tells), else EXIT_PREEMPTED (see the module docstring)."""
+    env = os.environ if env is None else env
+    return 0 if env.get(MARKER_ENV) and env.get("TORCHELASTIC_RUN_ID") else EXIT_PREEMPTED
