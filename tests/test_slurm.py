@@ -5,7 +5,6 @@ and asks for no GPUs. Skipped with the reason where SLURM is not installed; unde
 is a failure."""
 import json
 import os
-import re
 import subprocess
 import time
 from pathlib import Path
