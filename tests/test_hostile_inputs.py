@@ -636,7 +636,8 @@ def test_16_bit_pngs_are_scaled_to_8_bits_not_clipped(tmp_path):
     import numpy as np
     from torchvision import transforms as T
 
-    from vlp.data.decode import CropFirst, PlainDecoder, decode_rgb, to_rgb
+    from vlp.data.decode import CropFirst, PlainDecoder
+    from vlp.data.rgb import decode_rgb, to_rgb
     from vlp.eval.datasets import open_rgb
 
     ramp = (np.arange(32 * 32, dtype=np.uint32).reshape(32, 32) * 64).astype(np.uint16)  # 0 .. 65472

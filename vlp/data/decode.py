@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from vlp.data.device import FILTERS, JPEG, OUTPUTS, PIXELS, DeviceImages, PackedImages
+from vlp.data.rgb import decode_rgb, to_rgb
 
 DCT_SCALES = (8, 4, 2, 1)  # the reductions libjpeg's DCT scaling offers through PIL's draft()
 
@@ -50,33 +51,6 @@ DCT_SCALES = (8, 4, 2, 1)  # the reductions libjpeg's DCT scaling offers through
 def dct_scale(box_w: int, box_h: int, out_w: int, out_h: int) -> int:
     """Largest s in DCT_SCALES with box_w / s >= out_w and box_h / s >= out_h (1 if none)."""
     return next(s for s in DCT_SCALES if box_w >= s * out_w and box_h >= s * out_h or s == 1)
-
-
-WIDE_GREY_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # PIL's 16/32-bit integer greyscale
-
-
-def to_rgb(image):
-    """PIL image -> RGB. Integer greyscale wider than 8 bits is read as 16-bit (0..65535, the
-    range PNG and TIFF give; PIL opens a 16-bit PNG as I;16 or, in older versions, I) and
-    scaled to 0..255 with rounding, not clipped at 255."""
-    if image.mode not in WIDE_GREY_MODES:
-        return image.convert("RGB")
-    import numpy as np
-    from PIL import Image
-
-    wide = np.asarray(image).astype(np.int64).clip(0, 65535)
-    grey = ((wide * 255 + 32767) // 65535).astype(np.uint8)
-    return Image.fromarray(grey, mode="L").convert("RGB")
-
-
-def decode_rgb(data: bytes, decode_size: int | None = None):
-    """PIL RGB image from bytes (`to_rgb`); JPEGs are DCT-downscaled while both sides stay >= size."""
-    from PIL import Image
-
-    image = Image.open(io.BytesIO(data))
-    if decode_size and image.format == "JPEG":
-        image.draft("RGB", (decode_size, decode_size))
-    return to_rgb(image)
 
 
 class PlainDecoder:

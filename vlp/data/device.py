@@ -31,6 +31,9 @@ from typing import Callable, Optional
 
 import numpy as np
 import torch
+from PIL import Image
+
+from vlp.data.rgb import to_rgb
 
 PIXELS, JPEG = 0, 1  # PackedImages.meta[:, 0]: a region of uint8 pixels (h, w, 3), or JPEG bytes
 OUTPUTS = ("float", "uint8", "region", "jpeg")
@@ -150,11 +153,7 @@ def nvjpeg_batch(blobs: list[torch.Tensor], device) -> list[torch.Tensor]:
 
 
 def pil_decode(blob: torch.Tensor) -> torch.Tensor:
-    """The CPU decoder (vlp.data.decode.to_rgb, as the worker's): (3, H, W) uint8, host."""
-    from PIL import Image
-
-    from vlp.data.decode import to_rgb  # here: vlp.data.decode imports this module
-
+    """The CPU decoder (vlp.data.rgb.to_rgb, as the worker's): (3, H, W) uint8, host."""
     image = to_rgb(Image.open(io.BytesIO(blob.numpy().tobytes())))
     return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
 

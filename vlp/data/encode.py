@@ -113,7 +113,7 @@ def read_regular(path: Any, limit: int, missing: str) -> bytes | str:
 def _reencode(image, ext: str, jpeg_quality: int | None, resize_longest: int | None) -> bytes:
     from PIL import Image, ImageOps
 
-    from .decode import WIDE_GREY_MODES, to_rgb
+    from .rgb import WIDE_GREY_MODES, to_rgb
 
     image = ImageOps.exif_transpose(image)
     if image.mode in WIDE_GREY_MODES:  # 16-bit greyscale: scaled to 8 bits, not clipped to white

@@ -209,7 +209,7 @@ def image_decodes(data: bytes) -> bool:
 
 def decode_image(data: bytes, decode_size: int | None = None):
     """PIL RGB image from bytes; JPEGs are DCT-downscaled while both sides stay >= size (16-bit
-    greyscale scaled to 8 bits: vlp.data.decode.decode_rgb)."""
-    from vlp.data.decode import decode_rgb
+    greyscale scaled to 8 bits: vlp.data.rgb.decode_rgb)."""
+    from vlp.data.rgb import decode_rgb  # PIL: imported by the readers that decode, not by listing
 
     return decode_rgb(data, decode_size)

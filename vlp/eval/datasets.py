@@ -64,7 +64,7 @@ def open_rgb(source) -> Image.Image | Skip:
     import io
 
     try:
-        from vlp.data.decode import to_rgb
+        from vlp.data.rgb import to_rgb
 
         with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as im:
             return to_rgb(im)  # 16-bit greyscale scaled to 8 bits, not clipped to white
