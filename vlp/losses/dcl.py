@@ -23,29 +23,21 @@ scale_grad="split")``
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from vlp.losses.common import anchors, check_inputs, fp32_block
 from vlp.losses.diagnostics import diagnostics_from_softmax
+from vlp.losses.flatnce import FlatObjective
 
 
-class _DecoupledObjective(torch.autograd.Function):
-    """Value mean_i v_i (DCL). Gradient 1/n on every v_i and, when v_t needs it ("split"),
-    InfoNCE's sigma(v_t,i)/n on v_t (v_t equals v in value)."""
+class _DecoupledObjective(FlatObjective):
+    """Value mean_i v_i (DCL); the gradient is FlatObjective's: 1/n on every v_i and, when v_t
+    needs it ("split"), InfoNCE's sigma(v_t,i)/n on v_t (v_t equals v in value)."""
 
     @staticmethod
     def forward(ctx, v: Tensor, v_t: Tensor) -> Tensor:
         ctx.save_for_backward(v_t)
         return v.mean()
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        (v_t,) = ctx.saved_tensors
-        n = v_t.numel()
-        grad_v = (grad / n).expand(n) if ctx.needs_input_grad[0] else None
-        grad_v_t = torch.sigmoid(v_t) * (grad / n) if ctx.needs_input_grad[1] else None
-        return grad_v, grad_v_t
 
 
 def dcl_loss(

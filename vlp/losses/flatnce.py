@@ -11,7 +11,7 @@ the negatives j != p of the gathered batch (positive masked with -inf, not an ad
 grad InfoNCE_i = sigma(v_i) * grad FlatNCE_i: FlatNCE removes the factor sigma(v_i), which vanishes
 when the positive already dominates (small batches, large t). The backpropagated loss is
 ``flat - 1 + InfoNCE.detach()``, so the reported value is the InfoNCE value and the gradient is
-FlatNCE's; it is computed by one small autograd Function (``_FlatObjective``: value
+FlatNCE's; it is computed by one small autograd Function (``FlatObjective``: value
 mean_i log(1 + e^{v_i}), gradient 1/n per anchor on v). Both directions averaged, as in InfoNCE.
 
 ``scale_grad``: "same" -- every input (features, logit_scale) gets FlatNCE's gradient;
@@ -36,7 +36,7 @@ from vlp.losses.common import anchors, check_inputs, fp32_block, softplus_exact
 from vlp.losses.diagnostics import diagnostics_from_softmax
 
 
-class _FlatObjective(torch.autograd.Function):
+class FlatObjective(torch.autograd.Function):
     """Value mean_i log(1 + e^{v_t,i}) (InfoNCE; v_t equals v in value). Gradient: 1/n on every
     v_i (FlatNCE's: d/dv exp(v - v.detach()) = 1) and, when v_t needs it, InfoNCE's
     sigma(v_t,i)/n on v_t. One autograd node instead of six small ones."""
@@ -76,7 +76,7 @@ def flatnce_loss(
         # "split": features <- FlatNCE gradient (through v), logit_scale <- InfoNCE's (through v_t)
         a = anchors(img_local, txt_local, img_global, txt_global, logit_scale, logit_bias,
                     b, big_b, offset, scale_grad)
-        loss = _FlatObjective.apply(a.v, a.v_t)  # value: InfoNCE
+        loss = FlatObjective.apply(a.v, a.v_t)  # value: InfoNCE
         if scale_grad != "same" and a.bias is not None:  # cancels in the margins; kept in the
             loss = loss + 0.0 * a.bias  # graph (zero grad) for DDP
     # FlatNCE's own value, mean_i exp(v_i - v_i.detach()), is 1 by construction
