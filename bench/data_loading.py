@@ -121,7 +121,8 @@ def decode_only(spec: str, transform, limit: int) -> dict[str, float]:
     from PIL import Image
 
     from vlp.data.decode import CropFirst
-    from vlp.data.tars import expand_sources, read_shard
+    from vlp.data.shard_list import expand_sources
+    from vlp.data.tars import read_shard
 
     blobs = []
     for path in [p for src in expand_sources(spec) for p in src]:

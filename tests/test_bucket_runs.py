@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from object_store import free_port, start_gcs, start_s3
-from vlp_testing import PYTHON, REPO, run_env
+from vlp_testing import PYTHON, REPO, overrides, run_env
 
 TINY = ["model.name=vlp-micro", "data.batch_per_device=16", "optim.lr=2e-3", "optim.warmup_steps=2",
         "train.log_every=1", "data.shuffle_buffer=64"]
@@ -87,9 +87,9 @@ def _one_error(rc: int, err: str, *needles: str) -> str:
 
 
 def _train_args(shards, out, *extra):
-    return ["train", "-c", DEMO, f"data.train_shards={shards['train']}", f"data.eval_shards={shards['eval']}",
-            f"train.output_dir={out}", *TINY, "train.samples=192", "train.checkpoint_every=1", "train.keep_last=2",
-            *extra]
+    return ["train", "-c", DEMO, *overrides(f"data.train_shards={shards['train']}", f"data.eval_shards={shards['eval']}",
+                                            f"train.output_dir={out}", *TINY, "train.samples=192",
+                                            "train.checkpoint_every=1", "train.keep_last=2", *extra)]
 
 
 def _vlp(store, cwd, *argv, wait=True, tmpdir=None):

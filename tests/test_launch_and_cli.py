@@ -25,7 +25,9 @@ def test_launch_configs_are_valid_accelerate_configs(path):
 def test_slurm_script_runs_accelerate_on_every_node():
     text = (REPO / "launch" / "slurm.sbatch").read_text()
     assert "--ntasks-per-node=1" in text and "srun" in text and "accelerate launch" in text
-    assert "\\$SLURM_NODEID" in text  # evaluated per task, not once on the batch host
+    per_node = text[text.index("per_node='"):]
+    per_node = per_node[:per_node.index("'", len("per_node='"))]  # the single-quoted per-task script
+    assert '--machine_rank "$SLURM_NODEID"' in per_node  # evaluated per task, not once on the batch host
 
 
 def test_cli_surface():

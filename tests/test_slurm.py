@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from slurm_cluster import SlurmCluster, free_ports, missing
-from vlp_testing import REPO
+from vlp_testing import REPO, overrides
 
 DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 STEPS = 30  # 480 samples, global batch 16
@@ -44,8 +44,9 @@ def submit(cluster, out: Path, shards: str, *extra: str, sbatch=()) -> int:
                MASTER_PORT=str(free_ports(1)[0]))
     log = out.parent / f"{out.name}-%j.out"
     return cluster.sbatch(["--gpus-per-node=0", "--cpus-per-task=1", f"--output={log}", *sbatch,
-                           "launch/slurm.sbatch", "configs/demo.yaml", f"data.train_shards={shards}",
-                           f"train.output_dir={out}", *TINY, *extra], env=env, cwd=REPO)
+                           "launch/slurm.sbatch", "configs/demo.yaml",
+                           *overrides(f"data.train_shards={shards}", f"train.output_dir={out}", *TINY, *extra)],
+                          env=env, cwd=REPO)
 
 
 def job_log(out: Path, job: int) -> str:
