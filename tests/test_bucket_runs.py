@@ -225,8 +225,8 @@ def _launch(store, shards, out, *extra, wait=True):
 
     cmd = [ACCELERATE, "launch", "--config_file", "launch/cpu_2proc.yaml", "--main_process_port",
            str(29500 + (os.getpid() + 11) % 1000), "-m", "vlp", "train", "-c", "configs/demo.yaml",
-           f"data.train_shards={shards['train']}", f"train.output_dir={out}", *COMMON, "train.parallel=fsdp",
-           "loss.name=sogclr", "train.samples=96", *extra]
+           *overrides(f"data.train_shards={shards['train']}", f"train.output_dir={out}", *COMMON,
+                      "train.parallel=fsdp", "loss.name=sogclr", "train.samples=96", *extra)]
     env = run_env() | store.env | {"ACCELERATE_USE_CPU": "1"}
     if not wait:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
