@@ -220,12 +220,10 @@ def _warm(cfg, specs: dict, acc) -> None:
     """One regime's caches: its training shards' stem outputs (every rank) and its val and test
     sets' (main process)."""
     from vlp.models.model import build_model  # heavy (open_clip, the towers), as above
-    from vlp.models.towers import chosen_train_transform
     from vlp.train.data import TrainData
     from vlp.train.feature_cache import retrieval_features, training_features
 
-    model, tokenizer, train_t, eval_t = build_model(cfg.model, cfg.loss)
-    transform = chosen_train_transform(cfg.data, train_t, eval_t)
+    model, tokenizer, transform, eval_t = build_model(cfg.model, cfg.loss, data_cfg=cfg.data)
     plan = TrainData(cfg, transform, tokenizer, acc.process_index, acc.num_processes).loader.plan
     training_features(cfg, model, transform, tokenizer, plan, acc.device)  # collective: every rank
     if acc.is_main_process:

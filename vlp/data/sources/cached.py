@@ -2,7 +2,7 @@
 pairs once per image size into ``<cache>/<name>/<size>px-<version tag>/`` (PNG files plus
 ``index.json``), git-ignored, and reads them back per split.
 
-Splits are OpenMoji's (vlp.data.sources.openmoji): a stable hash of the pair's *name* (its title
+Splits are every packaged source's (vlp.data.sources.splits): a stable hash of the pair's *name* (its title
 or icon name, from which the caption is made) puts ~10 % in 'test' (= 'eval'), ~10 % in 'val'
 and the rest in 'fit' ('fit' + 'val' = 'train'). Captions are one per name, so the splits are
 disjoint by caption.
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import Pair
-from .openmoji import SPLITS, in_split, split_of
+from .splits import SPLITS, in_split, split_of
 
 BACKGROUND = (255, 255, 255)
 

