@@ -45,7 +45,7 @@ from vlp.losses.common import (as_fp32, check_inputs, fp32_block, negative_lse_f
                                softplus_exact)
 from vlp.losses.diagnostics import diagnostics_from_softmax
 from vlp.losses.sharded import ShardedState, update_log_u
-from vlp.models.temperature import CLIP_TAU
+from vlp.losses.registry import CLIP_TAU
 
 DEFAULT_TAU = CLIP_TAU  # CLIP's 0.07: every sample's temperature starts there when loss.tau is unset
 MOMENTUM = 0.5  # beta of the temperatures' moving-average gradient (the authors' CLIP code)

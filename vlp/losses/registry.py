@@ -19,6 +19,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+CLIP_TAU = 0.07  # CLIP (Radford et al. 2021): logit_scale starts at 1/0.07; iSogCLR's per-sample start
+
 
 def resolve(target: str) -> Any:
     """The object a "module:attribute" target names (imported on first use)."""

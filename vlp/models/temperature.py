@@ -28,11 +28,10 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from vlp.losses.registry import REGISTRY, get_spec, resolve
+from vlp.losses.registry import CLIP_TAU, REGISTRY, get_spec, resolve
 
 # torch (and the losses, which need it) are imported inside the functions that use them:
 # vlp.config validates with this module, and config errors must come before torch's import.
-CLIP_TAU = 0.07  # CLIP (Radford et al. 2021): logit_scale starts at 1/0.07
 MIN_LOG_SCALE = 0.0  # t >= 1 (tau <= 1): open_clip's clamp keeps the temperature at most 1
 MODES = ("learnable", "fixed", "split")
 RENAMED_MODES = {"infonce": "split"}  # old name -> current one (accepted with a note)
