@@ -82,8 +82,10 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, _command_line_overrides(args))  # config errors come before torch's import
     if not cfg.data.train_shards:
         raise ConfigError("config: data.train_shards is empty: give a shard spec (see `vlp shards`)")
+    from vlp.distributed import cpu_when_launched_without_gpu
     from vlp.train.loop import Trainer
 
+    cpu_when_launched_without_gpu()  # plain torchrun on CPU: one gloo group, not N lone runs
     trainer = Trainer(cfg)
     try:
         result = trainer.train()
