@@ -41,7 +41,7 @@ def submit(cluster, out: Path, shards: str, *extra: str, sbatch=()) -> int:
     bin_dir = str(Path(os.sys.executable).parent)
     env = dict(cluster.env, PYTHONPATH=str(REPO), PATH=bin_dir + os.pathsep + cluster.env["PATH"],
                ACCELERATE_USE_CPU="1", VLP_PROCS_PER_NODE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               MASTER_PORT=str(free_ports(1)[0]))
+               MASTER_PORT=str(free_ports(1)[0]), VLP_PREEMPT_MARKER=str(out.parent / f".{out.name}.preempted"))
     log = out.parent / f"{out.name}-%j.out"
     return cluster.sbatch(["--gpus-per-node=0", "--cpus-per-task=1", f"--output={log}", *sbatch,
                            "launch/slurm.sbatch", "configs/demo.yaml",
@@ -189,16 +189,18 @@ def test_a_lost_node_ends_the_other_in_one_line_and_the_requeued_job_resumes_exa
     took = time.time() - start
     print(f"n1 said it lost its peers {took:.1f} s after n2 was killed (timeout {timeout_s} s)")
     assert took < timeout_s + 60, job_log(out, job)[-4000:]
-    cluster.wait(job, lambda i: int(i.get("Restarts", 0)) >= 1, 300, "requeue after the node loss")
-    saved = sorted((out / "checkpoints").glob("step_*.pt"))
-    assert saved, "no checkpoint to resume from"
+    # n2 comes back once the requeue is complete (PENDING, not COMPLETING): a slurmd that registers
+    # while the first run is still completing on n1 gets that run's end of the job and the new run's
+    # step on n2 never reports its end (the job hung RUNNING after its last step; docs/slurm.md)
+    cluster.wait(job, lambda i: int(i.get("Restarts", 0)) >= 1 and i["JobState"] == "PENDING", 300,
+                 "requeue after the node loss")
+    saved = max(int(p.stem.split("_")[1]) for p in (out / "checkpoints").glob("step_*.pt"))  # what it resumes from
     cluster.restart_slurmd("n2")
     cluster.resume_nodes()
     cluster.release(job)
-    info = finished(cluster, job, out, 600)
+    finished(cluster, job, out)
     text = job_log(out, job)
-    print(text[-3000:])
     assert len([x for x in text.splitlines() if "vlp: error: rank 0 lost its peers" in x]) == 1, text[-4000:]
-    assert "[vlp] resumed from" in text, text[-4000:]
+    assert f"[vlp] resumed from {out}/checkpoints/step_{saved:08d}.pt at step {saved}," in text, text[-4000:]
     ref, got = weights(uninterrupted[0]), weights(out)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
