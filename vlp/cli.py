@@ -82,8 +82,10 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, _command_line_overrides(args))  # config errors come before torch's import
     if not cfg.data.train_shards:
         raise ConfigError("config: data.train_shards is empty: give a shard spec (see `vlp shards`)")
+    from vlp.distributed import cpu_when_launched_without_gpu
     from vlp.train.loop import Trainer
 
+    cpu_when_launched_without_gpu()  # plain torchrun on CPU: one gloo group, not N lone runs
     trainer = Trainer(cfg)
     try:
         result = trainer.train()
@@ -240,13 +242,20 @@ def user_message(error: BaseException) -> str:
 
 def peer_failure(error: BaseException) -> bool:
     """True for a collective that failed because another rank or node died or timed out (gloo /
-    NCCL connection errors, the process group's timeout): not this rank's bug, so one line."""
+    NCCL connection errors, the process group's timeout): not this rank's bug, so one line.
+    gloo's own words differ with where the wait ended: "Timed out waiting ...", "Connection reset
+    by peer", "Socket closed", and "Application timeout caused pair closure" (a frozen peer, the
+    timeout hit inside DDP's gradient all-reduce: a bare RuntimeError naming neither gloo nor a
+    time-out; tests/test_cluster.py [frozen])."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and isinstance(error, getattr(dist, "DistError", ())):
         return True
     text = str(error)
-    return isinstance(error, RuntimeError) and any(
-        needle in text for needle in ("gloo", "NCCL", "Connection reset by peer", "Connection closed by peer", "imed out"))
+    return isinstance(error, RuntimeError) and any(needle in text for needle in PEER_FAILURE_WORDS)
+
+
+PEER_FAILURE_WORDS = ("gloo", "NCCL", "Connection reset by peer", "Connection closed by peer", "imed out",
+                      "timeout caused pair closure", "Socket closed")
 
 
 def main(argv: list[str] | None = None) -> int:

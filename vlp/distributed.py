@@ -67,6 +67,7 @@ __all__ = [
     "gather_with_grad",
     "positive_offset",
     "exit_with_launcher",
+    "cpu_when_launched_without_gpu",
     "is_main",
     "barrier",
     "all_reduce",
@@ -180,14 +181,48 @@ def positive_offset(local_batch: int, global_batch: int | None = None) -> int:
     return get_rank() * local_batch
 
 
+def launched_world(env=None) -> int:
+    """The world size a launcher (torchrun, ``accelerate launch``) started this process in: its
+    WORLD_SIZE, 1 without a launcher."""
+    env = os.environ if env is None else env
+    return int(env.get("WORLD_SIZE", "1") or 1) if "TORCHELASTIC_RUN_ID" in env else 1
+
+
+def cpu_when_launched_without_gpu(env=None, gpu: bool | None = None) -> bool:
+    """Under a launcher on a machine without a GPU, set ACCELERATE_USE_CPU=1 (unless given), so
+    Accelerate forms one gloo group of CPU processes. Without it Accelerate falls back to
+    "no distribution" and every process trained alone on its own (plain ``torchrun`` on CPU).
+    Call before the Accelerator is built; True when it set the variable."""
+    env = os.environ if env is None else env
+    if launched_world(env) <= 1 or "ACCELERATE_USE_CPU" in env:
+        return False
+    gpu = (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())) if gpu is None else gpu
+    if gpu:
+        return False
+    env["ACCELERATE_USE_CPU"] = "1"
+    return True
+
+
+def check_launched_world(env=None) -> None:
+    """ValueError (one line) when the launcher started a world of N processes but this one is not
+    in a process group of N (e.g. ACCELERATE_USE_CPU=0 on a machine without a GPU): each would
+    train alone on the same folder."""
+    launched, joined = launched_world(env), get_world_size()
+    if launched != joined:
+        raise ValueError(f"the launcher started {launched} processes but this one is in a group of {joined}: "
+                         "on a machine without a GPU unset ACCELERATE_USE_CPU or set it to 1 (gloo)")
+
+
 def exit_with_launcher(poll_s: float = 1.0) -> None:
     """Under a launcher (torchrun / ``accelerate launch`` with several processes), end this rank
     within ``poll_s`` seconds when its launcher dies, e.g. on SIGKILL, instead of training on as
     an orphan that keeps writing checkpoints. A daemon thread watches the parent pid (portable,
     and unlike PR_SET_PDEATHSIG not tied to the parent *thread*). No-op without a launcher, so a
-    plain ``python -m vlp train`` survives its shell."""
+    plain ``python -m vlp train`` survives its shell. First refuses a process that is not in its
+    launcher's world (`check_launched_world`): the Trainer calls this right after its Accelerator."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
+    check_launched_world()
     parent = os.getppid()
 
     def watch() -> None:

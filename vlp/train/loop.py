@@ -218,6 +218,8 @@ class Trainer:
         self.data.load_state_dict(state, rank, self.world, moved)
         if changed:  # train.resume_mode=continue: the same global sample position, new layout
             set_seed(self.cfg.train.seed + rank)  # fresh per-rank RNG (dropout etc.)
+            what = "; ".join(resume.layout_changes(state, self.cfg, self.world))  # e.g. world size: 2 -> 1
+            self.print(f"[vlp] layout changed since {path}: {what} (train.resume_mode=continue)")
         else:
             ckpt.set_rng_state(state["rng"][rank])
         self.total_steps = self.step + (self.cfg.train.samples - self.samples_seen) // self.global_batch
