@@ -122,7 +122,8 @@ def test_tiny_study_end_to_end_picks_val_best_then_rerun_skips(study_shards, tmp
 def test_shipped_config_quick_and_gpu_are_the_same_study():
     base, grid = load_compare_config(REPO / "configs/compare_small_batch.yaml", quick=True)
     assert grid.sweep and grid.optimizers and len(grid.final_seeds) >= 2
-    assert len(sweep_runs(grid)) <= 32 and base["train"]["samples"] <= 4096
+    assert len(sweep_runs(grid)) <= 64 and base["train"]["samples"] <= 4096
+    assert set(grid.datasets) == {"openmoji", "material_icons"} and len(grid.seeds) >= 2
     full_base, full = load_compare_config(REPO / "configs/compare_small_batch.yaml")
     gpu_base, gpu = load_compare_config(REPO / "configs/compare_gpu_vitb32.yaml")
     assert set(full.losses) == set(gpu.losses) == {"infonce", "flatnce", "sogclr", "siglip"}
@@ -147,7 +148,8 @@ def test_cli_quick_on_openmoji_tiny(tmp_path):
         [PYTHON, "-m", "vlp", "compare", "-c", str(REPO / "configs/compare_small_batch.yaml"), "--quick",
          f"grid.out_dir={out}", "train.samples=16", "grid.losses=[infonce,sogclr]", "grid.optimizers=[adamw]",
          "grid.final_seeds=[0]", "grid.sweep={optim.lr: [0.001]}", "grid.warmup_samples=8",
-         "grid.batch_per_device=[8]", "grid.regimes={scratch: {}}", "grid.accum_price=null", "grid.workers=1"],
+         "grid.batch_per_device=[8]", "grid.regimes={scratch: {}}", "grid.accum_price=null", "grid.workers=1",
+         "grid.datasets=null", "grid.seeds=[0]", "grid.sweep_bounds=null"],
         cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = (out / "study.md").read_text()
