@@ -184,8 +184,8 @@ def test_loss_overrides_and_grid_validation(tmp_path):
         run_config(base, typo, expand_grid(typo)[0])
 
 
-@pytest.mark.parametrize("name,runs,model", [("compare_small_batch.yaml", 72, "vlp-micro"),
-                                             ("compare_gpu_vitb32.yaml", 72, "ViT-B-32"),
+@pytest.mark.parametrize("name,runs,model", [("compare_small_batch.yaml", 240, "vlp-micro"),
+                                             ("compare_gpu_vitb32.yaml", 144, "ViT-B-32"),
                                              ("compare_b8_lars.yaml", 24, "vlp-micro")])
 def test_shipped_configs_load(name, runs, model):
     """The shipped configs are tuned studies (vlp/study/study.py): the map (4 losses x 3 batches x

@@ -42,8 +42,8 @@ def test_sweep_expansion_selection_and_reuse_by_hand():
            "infonce_lars_b8_lr0.5_s0": 0.05, "flatnce_lars_b8_lr0.5_s0": None}
     rows = [{"arm": r.arm, "setting": r.setting, "status": "ok", "val/mean_R@10": val[r.name]} for r in runs]
     best = select_best(rows, "mean_R@10")
-    assert best == {("", "infonce", "adamw", 8): (("optim.lr", 1e-3),), ("", "flatnce", "adamw", 8): (("optim.lr", 3e-3),),
-                    ("", "infonce", "lars", 8): (("optim.lr", 0.5),)}  # flatnce/lars had no val value
+    assert best == {("", "", "infonce", "adamw", 8): (("optim.lr", 1e-3),), ("", "", "flatnce", "adamw", 8): (("optim.lr", 3e-3),),
+                    ("", "", "infonce", "lars", 8): (("optim.lr", 0.5),)}  # flatnce/lars had no val value
     finals = [r.name for r in final_runs(grid, best)]
     assert finals[:3] == ["infonce_adamw_b8_lr0.001_s0", "flatnce_adamw_b8_lr0.003_s0", "infonce_lars_b8_lr0.5_s0"]
     assert len(finals) == 6 and finals[3] == "infonce_adamw_b8_lr0.001_s1"
@@ -93,12 +93,12 @@ def test_tiny_study_end_to_end_picks_val_best_then_rerun_skips(study_shards, tmp
                        "test_shards": study_shards["test"], "metric": "mean_R@10", "keep_checkpoints": False})
     result = run_grid(base, grid)
     assert len(result["sweep"]) == 4 and all(r["status"] == "ok" for r in result["sweep"] + result["final"])
-    for arm in (("", "infonce", "adamw", 8), ("", "sogclr", "adamw", 8)):  # the val-best setting was picked
+    for arm in (("", "", "infonce", "adamw", 8), ("", "", "sogclr", "adamw", 8)):  # the val-best setting was picked
         scores = {r["setting"]: r["val/mean_R@10"] for r in result["sweep"] if r["arm"] == arm}
         assert scores[result["best"][arm]] == max(scores.values())
     finals = result["final"]
     assert sorted(r["seed"] for r in finals) == [0, 0, 1, 1]
-    assert {r["setting"] for r in finals if r["loss"] == "infonce"} == {result["best"][("", "infonce", "adamw", 8)]}
+    assert {r["setting"] for r in finals if r["loss"] == "infonce"} == {result["best"][("", "", "infonce", "adamw", 8)]}
     items = json.loads((out / finals[0]["run"] / "eval_items.json").read_text())
     assert len(items["test"]["image_to_text"]) == 24 and len(items["val"]["text_to_image"]) == 24
     assert not (out / finals[0]["run"] / "checkpoints").exists()
@@ -122,7 +122,8 @@ def test_tiny_study_end_to_end_picks_val_best_then_rerun_skips(study_shards, tmp
 def test_shipped_config_quick_and_gpu_are_the_same_study():
     base, grid = load_compare_config(REPO / "configs/compare_small_batch.yaml", quick=True)
     assert grid.sweep and grid.optimizers and len(grid.final_seeds) >= 2
-    assert len(sweep_runs(grid)) <= 32 and base["train"]["samples"] <= 4096
+    assert len(sweep_runs(grid)) <= 64 and base["train"]["samples"] <= 4096
+    assert set(grid.datasets) == {"openmoji", "material_icons"} and len(grid.seeds) >= 2
     full_base, full = load_compare_config(REPO / "configs/compare_small_batch.yaml")
     gpu_base, gpu = load_compare_config(REPO / "configs/compare_gpu_vitb32.yaml")
     assert set(full.losses) == set(gpu.losses) == {"infonce", "flatnce", "sogclr", "siglip"}
@@ -147,7 +148,8 @@ def test_cli_quick_on_openmoji_tiny(tmp_path):
         [PYTHON, "-m", "vlp", "compare", "-c", str(REPO / "configs/compare_small_batch.yaml"), "--quick",
          f"grid.out_dir={out}", "train.samples=16", "grid.losses=[infonce,sogclr]", "grid.optimizers=[adamw]",
          "grid.final_seeds=[0]", "grid.sweep={optim.lr: [0.001]}", "grid.warmup_samples=8",
-         "grid.batch_per_device=[8]", "grid.regimes={scratch: {}}", "grid.accum_price=null", "grid.workers=1"],
+         "grid.batch_per_device=[8]", "grid.regimes={scratch: {}}", "grid.accum_price=null", "grid.workers=1",
+         "grid.datasets=null", "grid.seeds=[0]", "grid.sweep_bounds=null"],
         cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = (out / "study.md").read_text()
@@ -158,11 +160,15 @@ def test_cli_quick_on_openmoji_tiny(tmp_path):
 
 
 def test_edge_selections_are_named():
-    from vlp.study.plan import edge_selections
+    from vlp.study.tuning import edge_notes, edge_sentences
 
     grid = parse_grid({"losses": ["infonce"], "batch_per_device": [8], "seeds": [0],
                        "sweep": {"optim.lr": [1e-4, 1e-3, 1e-2], "loss.tau": [0.07]}})
     grid.optimizers = ["adamw"]
-    best = {("", "infonce", "adamw", 8): (("optim.lr", 1e-4), ("loss.tau", 0.07)),
-            ("", "flatnce", "adamw", 8): (("optim.lr", 1e-3), ("loss.tau", 0.07))}
-    assert edge_selections(best, grid) == ["infonce/adamw/b8: optim.lr=0.0001"]
+    best = {("", "", "infonce", "adamw", 8): (("optim.lr", 1e-4), ("loss.tau", 0.07)),
+            ("", "", "flatnce", "adamw", 8): (("optim.lr", 1e-3), ("loss.tau", 0.07))}
+    notes = edge_notes(grid, best, {})  # no bound declared: an edge of >= 3 values is named
+    assert [(n["label"], n["key"], n["value"], n["kind"]) for n in notes] == [
+        ("infonce/adamw/b8", "optim.lr", 1e-4, "edge")]
+    assert edge_sentences(notes, {}) == ["Selected at the edge of its sweep, no bound declared (the optimum may lie "
+                                         "outside): infonce/adamw/b8: optim.lr=0.0001."]

@@ -16,14 +16,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
-import json
 import multiprocessing
 import os
 import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -145,51 +143,14 @@ def train_only(cfg, accelerator) -> dict:
 
 
 def train_and_rank(cfg, accelerator, specs: dict[str, str]) -> dict:
-    """Train one run, then write eval_items.json (main process) with the val and test ranks."""
-    from vlp.train.loop import Trainer  # heavy (open_clip, the models); imported when a run starts
+    """Train one run and rank its val and test items at every budget point (train.eval_every)
+    and at the end: eval_points.json and eval_items.json (vlp.study.ranking)."""
+    from vlp.study.ranking import RankingTrainer  # heavy (the Trainer, open_clip): a run needs it
 
     try:
-        trainer = Trainer(cfg, accelerator=accelerator)
-        result = trainer.train()
-        model = trainer.eval_model()  # collective under FSDP
-        if accelerator.is_main_process:
-            rank = cached_item_ranks if cfg.data.feature_cache else eval_item_ranks
-            items = {split: rank(model, trainer.tokenizer, trainer.eval_transform, specs[split], accelerator.device,
-                                 cfg.eval.batch_size, cfg.data.feature_cache) for split in SPLITS}
-            path = Path(cfg.train.output_dir) / "eval_items.json"
-            path.with_suffix(".tmp").write_text(json.dumps(items))
-            path.with_suffix(".tmp").replace(path)
-        accelerator.wait_for_everyone()
-        return result
+        return RankingTrainer(cfg, accelerator=accelerator, specs=specs).train()
     finally:
         accelerator.free_memory()
-
-
-def cached_item_ranks(model, tokenizer, transform, spec: str, device, batch_size: int, cache: str) -> dict[str, list[int]]:
-    """eval_item_ranks for a model with locked stems (data.feature_cache): the stems' outputs over
-    the set come from the cache (built once, by the same eval reader), only the heads run."""
-    from vlp.eval.retrieval import retrieval_ranks  # heavy (the eval suite's readers), as above
-    from vlp.train.feature_cache import embed_features, retrieval_features
-
-    img_feat, txt_feat, txt_to_img = retrieval_features(model, tokenizer, transform, spec, device, batch_size,
-                                                        cache=None if cache == "memory" else cache)
-    with torch.no_grad():
-        img, txt = embed_features(model, img_feat, txt_feat)
-    i2t, t2i = retrieval_ranks(img, txt, txt_to_img)
-    return {"image_to_text": i2t.tolist(), "text_to_image": t2i.tolist()}
-
-
-def eval_item_ranks(model, tokenizer, transform, spec: str, device, batch_size: int = 256,
-                    cache: Optional[str] = None) -> dict[str, list[int]]:
-    """1-based rank of the correct item for every query of a retrieval set, both directions: the
-    eval suite's reader and ranking (vlp.eval.suite, vlp.eval.retrieval), ties included."""
-    from vlp.eval.retrieval import retrieval_ranks  # heavy (the eval suite's readers), as above
-    from vlp.eval.suite import embed_retrieval_shards
-
-    with torch.no_grad():
-        img, txt, txt_to_img = embed_retrieval_shards(model, tokenizer, transform, spec, device, batch_size)
-    i2t, t2i = retrieval_ranks(img, txt, txt_to_img)
-    return {"image_to_text": i2t.tolist(), "text_to_image": t2i.tolist()}
 
 
 # ---------------------------------------------------------------------------- feature caches

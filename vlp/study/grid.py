@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from vlp.config import ConfigError, LossConfig
+from vlp.data.sources import PACKAGED
 from vlp.eval.keys import EVAL_KEYS
 from vlp.storage import is_url
 
@@ -72,6 +73,19 @@ class GridSpec:
     workers: int = 1
     """Study on one process: run this many runs at once in worker processes (2 on a 2-core CPU
     with OMP_NUM_THREADS=1). Results do not depend on it; samples/s share the cores."""
+    datasets: dict[str, dict] = field(default_factory=dict)
+    """Study: the packaged data sets, an axis of the map ({}: the data config as given). A list
+    of names, or {name: {batch_per_device: [...], regimes: [...]}} to run a data set on a subset
+    of the grid's batches or regimes. Each replaces the name in data.train_shards ('openmoji:128'
+    -> 'openclipart:128'). Parsed to {name: {"batch_per_device": list or None, "regimes": list or None}}."""
+    sweep_bounds: dict[str, list] = field(default_factory=dict)
+    """Study: {dotted key: [low, high]} (e.g. {optim.lr: [1e-4, 0.1]}): an arm selected at an edge
+    of its values of that key gets one more value beyond the edge (x3 or /3) until its selection is
+    interior or the next value would cross the bound (the report names it). {}: no extension."""
+    budget_points: int = 1
+    """Study: rank val and test at this many evenly spaced points of the budget (4: every quarter;
+    the steps of every run must divide by it); the report gives the verdict at the end and at each
+    arm's val-best point."""
 
 
 def _int_list(raw: dict, key: str, minimum: Optional[int]) -> list[int]:
@@ -192,6 +206,13 @@ def _parse_study(raw: dict, spec: GridSpec) -> None:
         raise ConfigError(f"config: grid.test_shards must be a shard spec, got {spec.test_shards!r}")
     spec.regimes = _parse_regimes(raw.get("regimes"), bool(sweep))
     spec.accum_price = _parse_price(raw.get("accum_price"), spec, bool(sweep))
+    spec.datasets = _parse_datasets(raw.get("datasets"), spec, bool(sweep))
+    spec.sweep_bounds = _parse_bounds(raw.get("sweep_bounds"), bool(sweep))
+    _check_in_bounds(spec)
+    points = raw.get("budget_points", 1)
+    if not isinstance(points, int) or isinstance(points, bool) or not 1 <= points <= 64:
+        raise ConfigError(f"config: grid.budget_points must be an integer in 1..64, got {points!r}")
+    spec.budget_points = points
 
 
 def _parse_regimes(raw: Any, study: bool) -> dict[str, dict]:
@@ -255,6 +276,65 @@ def _parse_price(raw: Any, spec: GridSpec, study: bool) -> dict[str, Any]:
         raise ConfigError(f"config: grid.accum_price.samples={raw['samples']} is less than one step of {b * k}")
     seeds = _int_list({"accum_price.seeds": raw["seeds"]}, "accum_price.seeds", 0) if raw.get("seeds") is not None else [0]
     return {"batch_per_device": b, "accum_steps": k, "samples": raw["samples"], "seeds": seeds}
+
+
+def _parse_datasets(raw: Any, spec: GridSpec, study: bool) -> dict[str, dict]:
+    """grid.datasets (a list of packaged data set names, or {name: {batch_per_device, regimes}})
+    -> {name: {"batch_per_device": subset or None, "regimes": subset or None}}."""
+    if not raw:
+        return {}
+    if not study:
+        raise ConfigError("config: grid.datasets needs a tuned study (grid.sweep)")
+    table = {name: {} for name in raw} if isinstance(raw, list) else raw
+    if not isinstance(table, dict) or len(table) != (len(raw) if isinstance(raw, list) else len(table)):
+        raise ConfigError(f"config: grid.datasets must be a list of distinct names or a mapping, got {raw!r}")
+    out = {}
+    for name, sets in table.items():
+        if name not in PACKAGED:
+            raise ConfigError(f"config: grid.datasets: {name!r} is not a packaged data set ({', '.join(PACKAGED)})")
+        sets = sets or {}
+        if not isinstance(sets, dict) or set(sets) - {"batch_per_device", "regimes"}:
+            raise ConfigError(f"config: grid.datasets.{name} may set batch_per_device and regimes only, got {sets!r}")
+        batches = _int_list(sets, "batch_per_device", 1) if sets.get("batch_per_device") is not None else None
+        if batches and set(batches) - set(spec.batch_per_device):
+            raise ConfigError(f"config: grid.datasets.{name}.batch_per_device {batches} must be a subset of "
+                              f"grid.batch_per_device {spec.batch_per_device}")
+        regimes = sets.get("regimes")
+        if regimes is not None and (not isinstance(regimes, list) or not regimes
+                                    or set(regimes) - set(spec.regimes)):
+            raise ConfigError(f"config: grid.datasets.{name}.regimes must be a non-empty subset of grid.regimes "
+                              f"{list(spec.regimes)}, got {regimes!r}")
+        out[name] = {"batch_per_device": batches, "regimes": regimes}
+    return out
+
+
+def _parse_bounds(raw: Any, study: bool) -> dict[str, list]:
+    """grid.sweep_bounds -> {dotted key: [low, high]}, 0 < low < high."""
+    if not raw:
+        return {}
+    if not study:
+        raise ConfigError("config: grid.sweep_bounds needs a tuned study (grid.sweep)")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: grid.sweep_bounds must map a swept key to [low, high], got {raw!r}")
+    for key, pair in raw.items():
+        ok = (isinstance(pair, list) and len(pair) == 2
+              and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair) and 0 < pair[0] < pair[1])
+        if not ok or "." not in str(key) or key in GRID_KEYS:
+            raise ConfigError(f"config: grid.sweep_bounds.{key} must be [low, high] with 0 < low < high on a dotted "
+                              f"swept key, got {pair!r}")
+    return {key: [float(lo), float(hi)] for key, (lo, hi) in raw.items()}
+
+
+def _check_in_bounds(spec: GridSpec) -> None:
+    """Every swept value of a bounded key lies inside its grid.sweep_bounds."""
+    tables = [spec.sweep] + [r["sweep"] for r in spec.regimes.values() if r.get("sweep")]
+    for table in tables:
+        maps = table.values() if any(isinstance(v, dict) for v in table.values()) else [table]
+        for values in maps:
+            for key, (lo, hi) in spec.sweep_bounds.items():
+                outside = [v for v in values.get(key, []) if not isinstance(v, (int, float)) or not lo <= v <= hi]
+                if outside:
+                    raise ConfigError(f"config: grid.sweep_bounds.{key}=[{lo:g}, {hi:g}] excludes swept value(s) {outside}")
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:

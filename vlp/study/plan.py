@@ -6,7 +6,9 @@
                  select_best(rows, m):    per arm, the setting with the best mean val metric
                  final_runs(grid, best):  the selected setting of every arm × final seed
                  price_runs(grid, best):  the accumulated batch b·k as k micro-batches of b (timed)
-                 edge_selections(best):   arms selected at an edge of a swept range
+    the axes     cells_of(grid):          (data set, regime, batch) of every cell (grid.datasets may
+                                          run a data set on fewer batches or regimes)
+Edge extension of the sweep (grid.sweep_bounds) is vlp.study.tuning's.
 
 Nothing here trains, reads run folders or writes files (vlp.study.runs and vlp.study.executor
 run the plan; vlp.study.report reports it).
@@ -70,10 +72,12 @@ class StudyRun:
     """> 1: a price run (grid.accum_price): contrastive accumulation, timed, not evaluated."""
     samples: Optional[int] = None
     """A price run's train.samples (None: the study's budget)."""
+    dataset: str = ""
+    """grid.datasets name ('' without datasets): it replaces the data set in the run's base config."""
 
     @property
-    def arm(self) -> tuple[str, str, str, int]:
-        return self.regime, self.loss, self.optim, self.batch_per_device
+    def arm(self) -> tuple[str, str, str, str, int]:
+        return self.dataset, self.regime, self.loss, self.optim, self.batch_per_device
 
     @property
     def overrides(self) -> tuple[tuple[str, Any], ...]:
@@ -83,7 +87,7 @@ class StudyRun:
     @property
     def name(self) -> str:
         batch = f"b{self.batch_per_device}" + (f"x{self.accum}" if self.accum > 1 else "")
-        head = f"{self.regime}_" if self.regime else ""
+        head = "".join(f"{part}_" for part in (self.dataset, self.regime) if part)
         return f"{head}{self.loss}_{self.optim}_{batch}_{setting_tag(self.setting)}_s{self.seed}"
 
 
@@ -111,29 +115,56 @@ def regimes_of(grid) -> list[str]:
     return list(grid.regimes) or [""]
 
 
+def datasets_of(grid) -> list[str]:
+    """The data set names ([''] without grid.datasets: the data config as given)."""
+    return list(getattr(grid, "datasets", None) or {}) or [""]
+
+
+def groups_of(grid) -> list[tuple[str, str]]:
+    """(data set, regime) of every table of the study, in the grid's order; a data set may be
+    limited to some regimes (grid.datasets.<name>.regimes)."""
+    out = []
+    for dataset in datasets_of(grid):
+        only = (grid.datasets.get(dataset) or {}).get("regimes") if dataset else None
+        out += [(dataset, regime) for regime in regimes_of(grid) if only is None or regime in only]
+    return out
+
+
+def batches_of(grid, dataset: str) -> list[int]:
+    """The per-GPU batches of a data set (grid.datasets.<name>.batch_per_device, else the grid's)."""
+    only = (grid.datasets.get(dataset) or {}).get("batch_per_device") if dataset else None
+    return [b for b in grid.batch_per_device if only is None or b in only]
+
+
+def cells_of(grid) -> list[tuple[str, str, int]]:
+    """(data set, regime, per-GPU batch) of every cell of the map."""
+    return [(dataset, regime, batch) for dataset, regime in groups_of(grid) for batch in batches_of(grid, dataset)]
+
+
 def sweep_of(grid, regime: str) -> dict:
     """The sweep of a regime: its own `sweep:` if it has one, else grid.sweep."""
     own = (grid.regimes.get(regime) or {}).get("sweep") if regime else None
     return own or grid.sweep
 
 
-def _overrides(grid, loss: str) -> tuple:
+def loss_overrides(grid, loss: str) -> tuple:
     return tuple(sorted(grid.loss_overrides.get(loss, {}).items()))
 
 
 def sweep_runs(grid) -> list[StudyRun]:
     """Every arm × setting × sweep seed, seed-major (one full sweep first)."""
-    return [StudyRun(loss, optim, batch, setting, seed, _overrides(grid, loss), regime)
-            for seed in grid.seeds for regime in regimes_of(grid) for batch in grid.batch_per_device
+    return [StudyRun(loss, optim, batch, setting, seed, loss_overrides(grid, loss), regime, dataset=dataset)
+            for seed in grid.seeds for dataset, regime, batch in cells_of(grid)
             for optim in grid.optimizers for loss in grid.losses
             for setting in settings_for(sweep_of(grid, regime), optim)]
 
 
 def final_runs(grid, best: dict[tuple, tuple]) -> list[StudyRun]:
     """The selected setting of every arm with each final seed."""
-    return [StudyRun(loss, optim, batch, best[(regime, loss, optim, batch)], seed, _overrides(grid, loss), regime)
-            for seed in grid.final_seeds for regime in regimes_of(grid) for batch in grid.batch_per_device
-            for optim in grid.optimizers for loss in grid.losses if (regime, loss, optim, batch) in best]
+    return [StudyRun(loss, optim, batch, best[(dataset, regime, loss, optim, batch)], seed, loss_overrides(grid, loss),
+                     regime, dataset=dataset)
+            for seed in grid.final_seeds for dataset, regime, batch in cells_of(grid)
+            for optim in grid.optimizers for loss in grid.losses if (dataset, regime, loss, optim, batch) in best]
 
 
 def price_runs(grid, best: dict[tuple, tuple]) -> list[StudyRun]:
@@ -144,15 +175,15 @@ def price_runs(grid, best: dict[tuple, tuple]) -> list[StudyRun]:
     if not price:
         return []
     b, k = price["batch_per_device"], price["accum_steps"]
-    return [StudyRun(loss, optim, b, best[(regime, loss, optim, b * k)], seed, _overrides(grid, loss), regime,
-                     accum=k, samples=price["samples"])
-            for seed in price.get("seeds", [0]) for regime in regimes_of(grid) for optim in grid.optimizers
-            for loss in grid.losses if (regime, loss, optim, b * k) in best]
+    return [StudyRun(loss, optim, b, best[(dataset, regime, loss, optim, b * k)], seed, loss_overrides(grid, loss),
+                     regime, accum=k, samples=price["samples"], dataset=dataset)
+            for seed in price.get("seeds", [0]) for dataset, regime in groups_of(grid) for optim in grid.optimizers
+            for loss in grid.losses if (dataset, regime, loss, optim, b * k) in best]
 
 
 def select_best(rows: list[dict], metric: str) -> dict[tuple, tuple]:
-    """Per arm, the setting with the highest mean val ``metric`` over its ok runs (ties: the
-    setting listed first). rows: study rows with 'arm', 'setting', 'status', f'val/{metric}'."""
+    """Per arm, the setting with the highest mean val ``metric`` over its ok runs, i.e. over the
+    sweep seeds (grid.seeds; ties: the setting listed first). rows: study rows with 'arm', 'setting', 'status', f'val/{metric}'."""
     means: dict[tuple, dict[tuple, list[float]]] = {}
     for row in rows:
         if row["status"] == "ok" and row.get(f"val/{metric}") is not None:
@@ -166,23 +197,6 @@ def select_best(rows: list[dict], metric: str) -> dict[tuple, tuple]:
 
 
 def arm_label(arm: tuple) -> str:
-    """(regime, loss, optimizer, batch) -> 'regime/loss/optimizer/b<batch>', empty parts left out
-    (a plain grid's arm is ('', loss, '', batch): 'loss/b<batch>')."""
-    regime, loss, optim, batch = arm
-    return "/".join(part for part in (regime, loss, optim) if part) + f"/b{batch}"
-
-
-def edge_selections(best: dict, grid) -> list[str]:
-    """Arms whose selected setting is the first or last value of a swept key with >= 3 values:
-    the optimum may lie outside the sweep (widen it)."""
-    notes = []
-    for arm, setting in best.items():
-        table = settings_for(sweep_of(grid, arm[0]), arm[2])
-        keys = {k: sorted({dict(s)[k] for s in table}) for k, _ in (table[0] if table else ())}
-        for key, value in setting:
-            values = keys.get(key, [])
-            if len(values) >= 3 and value in (values[0], values[-1]):
-                notes.append(f"{arm_label(arm)}: {key}={value:g}" if isinstance(value, float)
-                             else f"{arm_label(arm)}: {key}={value}")
-    return notes
-
+    """(data set, regime, loss, optimizer, batch) -> 'dataset/regime/loss/optimizer/b<batch>',
+    empty parts left out (a plain grid's arm is ('', loss, '', batch): 'loss/b<batch>')."""
+    return "/".join(part for part in arm[:-1] if part) + f"/b{arm[-1]}"

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from vlp.study.plan import REFERENCE_LOSS, arm_label
-from vlp.study.tables import arm_cells, arm_order, mechanism_points, regimes
+from vlp.study.tables import arm_cells, arm_order, group_label, groups, mechanism_points
 
 LOSS_COLOURS = {"infonce": "tab:blue", "flatnce": "tab:orange", "sogclr": "tab:green", "siglip": "tab:purple"}
 OPTIM_STYLES = {"adamw": "-", "lars": "--", "sgd": ":", "": "-"}
@@ -74,14 +74,14 @@ def mean_curve(logs: list[list[dict]], key: str) -> tuple[list[int], list[float]
 
 def plot_curves(curves: dict[tuple, list[list[dict]]], path: Optional[Path] = None,
                 keys: Sequence[str] = CURVE_KEYS):
-    """Diagnostics vs samples seen, mean over the seeds of each arm (regime, loss, optimizer,
-    batch; a plain grid's arm is ('', loss, '', batch)): colour = loss, line style = optimizer,
+    """Diagnostics vs samples seen, mean over the seeds of each arm ((data set, regime,) loss,
+    optimizer, batch; a plain grid's arm is ('', loss, '', batch)): colour = loss, line style = optimizer,
     width = batch (thicker = larger)."""
     fig = figure(figsize=(15, 7))
     axes = [fig.add_subplot(2, 3, i + 1) for i in range(len(keys))]
-    batches = sorted({arm[3] for arm in curves})
+    batches = sorted({arm[-1] for arm in curves})
     for arm, logs in curves.items():
-        _, loss, optim, batch = arm
+        loss, optim, batch = arm[-3:]
         for ax, key in zip(axes, keys):
             xs, ys = mean_curve(logs, key)
             ax.plot(xs, ys, color=LOSS_COLOURS.get(loss, "k"), linestyle=OPTIM_STYLES.get(optim, "-."),
@@ -134,13 +134,13 @@ def plot_final(table: list[dict], metric: str, path: Optional[Path] = None):
 
 
 def plot_map(table: list[dict], metric: str, path: Optional[Path] = None):
-    """One panel per regime: test metric vs per-GPU batch (log2 axis), a line per loss with its
-    95 % CI over seeds as a band."""
-    names = regimes(table)
+    """One panel per (data set, regime): test metric vs per-GPU batch (log2 axis), a line per
+    loss with its 95 % CI over seeds as a band."""
+    names = groups(table)
     fig = figure(figsize=(5.5 * max(1, len(names)), 4))
-    for i, regime in enumerate(names):
+    for i, group in enumerate(names):
         ax = fig.add_subplot(1, len(names), i + 1)
-        cells = arm_cells(table, regime)
+        cells = arm_cells(table, group)
         for loss in dict.fromkeys(e["loss"] for e in cells):
             points = sorted((e["batch_per_device"], e.get(metric)) for e in cells if e["loss"] == loss and e.get(metric))
             if not points:
@@ -157,7 +157,7 @@ def plot_map(table: list[dict], metric: str, path: Optional[Path] = None):
         ax.set_xticks(batches, [str(b) for b in batches])
         ax.set_xlabel("per-GPU batch (equal sample budget)")
         ax.set_ylabel(f"test {metric} (%)")
-        ax.set_title(f"{regime or 'study'}: mean and 95 % CI over seeds", fontsize=10)
+        ax.set_title(f"{group_label(group)}: mean and 95 % CI over seeds", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if path is not None:
@@ -167,22 +167,23 @@ def plot_map(table: list[dict], metric: str, path: Optional[Path] = None):
 
 def plot_mechanism(table: list[dict], metric: str, path: Optional[Path] = None):
     """FlatNCE − InfoNCE (paired, 95 % CI) against InfoNCE's final σ(v), a point per cell,
-    labelled with its batch; marker per regime. The paper's argument predicts Δ > 0 as σ(v) → 0."""
+    labelled with its batch; marker per (data set, regime). The paper's argument predicts Δ > 0
+    as σ(v) → 0."""
     points = mechanism_points(table, metric)
     fig = figure(figsize=(6, 4.5))
     ax = fig.add_subplot(1, 1, 1)
-    markers = dict(zip(regimes(table), "os^Dv<>"))
-    for regime in dict.fromkeys(p["regime"] for p in points):
-        mine = [p for p in points if p["regime"] == regime]
+    markers = dict(zip(groups(table), "os^Dv<>pP*Xh"))
+    for group in dict.fromkeys((p["dataset"], p["regime"]) for p in points):
+        mine = [p for p in points if (p["dataset"], p["regime"]) == group]
         for p in mine:
             d = p["diff"]
             err = 0.0 if d.get("lo") is None else 100 * (d["hi"] - d["mean"])
             colour = "tab:grey" if not d.get("resolved") else ("tab:green" if d["mean"] > 0 else "tab:red")
-            ax.errorbar([p["sigma_v"]], [100 * d["mean"]], yerr=[err], marker=markers.get(regime, "o"),
+            ax.errorbar([p["sigma_v"]], [100 * d["mean"]], yerr=[err], marker=markers.get(group, "o"),
                         color=colour, capsize=4, linestyle="none")
             ax.annotate(f"b{p['batch_per_device']}", (p["sigma_v"], 100 * d["mean"]), fontsize=8,
                         xytext=(4, 4), textcoords="offset points")
-        ax.plot([], [], marker=markers.get(regime, "o"), color="k", linestyle="none", label=regime or "study")
+        ax.plot([], [], marker=markers.get(group, "o"), color="k", linestyle="none", label=group_label(group))
     ax.axhline(0, color="k", linewidth=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("InfoNCE's final σ(v) = |∇InfoNCE| / |∇FlatNCE| per anchor (log)")
@@ -193,4 +194,49 @@ def plot_mechanism(table: list[dict], metric: str, path: Optional[Path] = None):
         ax.legend(fontsize=8)
     if path is not None:
         fig.savefig(path, dpi=120)
+    return fig
+
+
+def sweep_curves(rows: list[dict], metric: str, key: str) -> dict[tuple, list[tuple[float, float]]]:
+    """Per arm, (value of ``key``, mean val ``metric`` over its ok runs) sorted by value: the val
+    curve over the swept key (other keys of a setting are folded into the arm's one line)."""
+    values: dict[tuple, dict[float, list[float]]] = {}
+    for r in rows:
+        value = dict(r["setting"]).get(key)
+        if r["status"] == "ok" and isinstance(value, (int, float)) and r.get(f"val/{metric}") is not None:
+            values.setdefault(r["arm"], {}).setdefault(value, []).append(r[f"val/{metric}"])
+    return {arm: sorted((v, statistics.fmean(ms)) for v, ms in by.items()) for arm, by in values.items()}
+
+
+def plot_sweep(rows: list[dict], best: dict, notes: list[dict], metric: str, key: str = "optim.lr",
+               path: Optional[Path] = None):
+    """One panel per (data set, regime): every arm's val ``metric`` (mean over the sweep seeds)
+    against ``key`` (log axis); the selection as a filled marker, a selection at a declared bound
+    as a red square. Colour = loss, width = batch."""
+    curves = sweep_curves(rows, metric, key)
+    tables = list(dict.fromkeys(arm[:2] for arm in curves))
+    batches = sorted({arm[-1] for arm in curves})
+    fig = figure(figsize=(5.5 * max(1, len(tables)), 4.2))
+    bounded = {n["arm"] for n in notes if n["kind"] == "bound" and n["key"] == key}
+    for i, group in enumerate(tables):
+        ax = fig.add_subplot(1, len(tables), i + 1)
+        for arm, points in curves.items():
+            if arm[:2] != group:
+                continue
+            colour = LOSS_COLOURS.get(arm[2], "k")
+            ax.plot(*zip(*points), color=colour, linewidth=0.8 + batches.index(arm[-1]), alpha=0.8,
+                    label=arm_label(arm[2:]))
+            chosen = dict(best.get(arm, ())).get(key)
+            for x, y in points:
+                if x == chosen:
+                    ax.plot([x], [y], marker="s" if arm in bounded else "o", color="tab:red" if arm in bounded else colour,
+                            markersize=8)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{key} (log)")
+        ax.set_ylabel(f"val {metric} (mean over sweep seeds)")
+        ax.set_title(f"{group_label(group)}: filled = selected, red square = at a bound", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncol=2)
+    if path is not None:
+        fig.savefig(path, dpi=110)
     return fig

@@ -1,7 +1,8 @@
 """The report's files, rebuilt from the run folders' rows (`vlp compare --report-only` redoes all).
 
     plain grid  write_report:        runs.csv, results.md, metric_vs_batch.png, curves.png
-    study       write_study_report:  study.md, study.json, final.png, curves.png, map.png, mechanism.png
+    study       write_study_report:  study.md, study.json, final.png, curves.png, sweep.png, map.png,
+                                     mechanism.png
 
 Tables come from vlp.study.tables, figures from vlp.study.plots: one stack for both.
 """
@@ -14,8 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from vlp.eval.keys import CHANCE_R1, EVAL_KEYS
-from vlp.study import plots, tables
-from vlp.study.plan import edge_selections
+from vlp.study import plots, tables, transfer, tuning
 from vlp.study.rows import DIAG_KEYS, final_table, read_log
 
 CSV_COLUMNS = ("run", "loss", "temperature", "batch_per_device", "global_batch", "seed", "steps",
@@ -62,20 +62,42 @@ def write_report(out: Path, rows: list[dict], grid, total_runs: int) -> None:
 
 
 # ---------------------------------------------------------------------------- study
+def test_rows(final_rows: list[dict]) -> list[dict]:
+    """The final rows with their test metrics (and per-run bootstraps) under the metric's name."""
+    return [{**r, **{m: r.get(f"test/{m}") for m in STUDY_METRICS},
+             **{f"boot/{m}": r.get(f"boot/test/{m}") for m in STUDY_METRICS}} for r in final_rows]
+
+
 def write_study_report(out: Path, sweep_rows: list[dict], final_rows: list[dict], best: dict, grid,
-                       price_rows: Optional[list[dict]] = None) -> str:
-    """study.md, study.json, final.png, curves.png, map.png and mechanism.png; returns the markdown."""
-    price_rows = price_rows or []
-    test_rows = [{**r, **{m: r.get(f"test/{m}") for m in STUDY_METRICS},
-                  **{f"boot/{m}": r.get(f"boot/test/{m}") for m in STUDY_METRICS}} for r in final_rows]
-    table = final_table(test_rows, STUDY_METRICS)
-    text = study_markdown(table, sweep_rows, final_rows, price_rows, best, grid)
+                       price_rows: Optional[list[dict]] = None, facts: Optional[dict] = None) -> str:
+    """study.md, study.json and the figures (final, curves, sweep; the map's map and mechanism);
+    returns the markdown. facts: {"tried": settings per arm (vlp.study.tuning), "fit_sizes":
+    training pairs per (data set, regime)}."""
+    price_rows, facts = price_rows or [], dict(facts or {})
+    facts.setdefault("tried", tuning.tried_settings_of_rows(sweep_rows))
+    facts["notes"] = tuning.edge_notes(grid, best, facts["tried"])
+    facts.setdefault("points", transfer.point_fractions(final_rows))
+    facts.setdefault("budget", max((r.get("samples_seen") or 0 for r in final_rows), default=0))
+    table = final_table(test_rows(final_rows), STUDY_METRICS)
+    choice = transfer.point_choice(final_rows, grid.select_metric)
+    at_best = final_table(transfer.rows_at(final_rows, choice, STUDY_METRICS), STUDY_METRICS) if choice else []
+    text = study_markdown(table, at_best, sweep_rows, final_rows, price_rows, best, grid, facts)
     (out / "study.md").write_text(text)
     (out / "study.json").write_text(json.dumps({
         "best": [{"arm": list(a), "setting": [list(kv) for kv in s]} for a, s in best.items()],
+        "edges": [{**n, "arm": list(n["arm"])} for n in facts["notes"]],
+        "val_best_point": [{"arm": list(a), "samples": s} for a, s in choice.items()],
         "final": [{k: v for k, v in e.items() if k != "arm"} for e in table],
+        "final_at_val_best_point": [{k: v for k, v in e.items() if k != "arm"} for e in at_best],
         "price": tables.price_table(price_rows)}, indent=1, default=str))
+    write_study_figures(out, table, sweep_rows, final_rows, best, grid, facts["notes"])
+    return text
+
+
+def write_study_figures(out: Path, table: list[dict], sweep_rows: list[dict], final_rows: list[dict], best: dict,
+                        grid, notes: list[dict]) -> None:
     plots.plot_final(table, grid.metric, out / "final.png")
+    plots.plot_sweep(sweep_rows, best, notes, grid.select_metric, SWEEP_KEY, out / "sweep.png")
     if is_map(grid):
         plots.plot_map(table, grid.metric, out / "map.png")
         plots.plot_mechanism(table, grid.metric, out / "mechanism.png")
@@ -84,54 +106,102 @@ def write_study_report(out: Path, sweep_rows: list[dict], final_rows: list[dict]
         if r["status"] == "ok":
             curves.setdefault(r["arm"], []).append(read_log(out / r["run"] / "log.jsonl"))
     plots.plot_curves(curves, out / "curves.png")
-    return text
 
 
 def is_map(grid) -> bool:
-    """Several batches or regimes: the report adds the map, its cost and its mechanism."""
-    return len(grid.batch_per_device) > 1 or bool(grid.regimes)
+    """Several batches, regimes or data sets: the report adds the map, its cost and its mechanism."""
+    return len(grid.batch_per_device) > 1 or bool(grid.regimes) or bool(grid.datasets)
 
 
-def study_markdown(table: list[dict], sweep_rows: list[dict], final_rows: list[dict], price_rows: list[dict],
-                   best: dict, grid) -> str:
-    """study.md: the arms, the sweep (val), the final table (test) and its verdicts, the map."""
-    failed = [f"{r['run']} ({r.get('error', '')})" for r in sweep_rows + final_rows + price_rows if r["status"] != "ok"]
+SWEEP_KEY = "optim.lr"
+"""The swept key whose val curve sweep.png draws."""
+FINAL_LEGEND = (
+    "Cells: mean ± std over seeds [95 % t-interval]; per-run bootstrap: mean over seeds of each run's 95 % "
+    "bootstrap interval over test items; Δ: paired by seed against infonce with the same data set, regime, "
+    "optimizer and batch (✓ = 95 % CI excludes 0, not corrected for the number of cells); Δ after Holm: the paired "
+    "t-test's p-value adjusted by Holm-Bonferroni over the cells of the same (data set, regime) table (every loss, "
+    "optimizer and batch compared with infonce, per metric; ✓ = adjusted p ≤ 0.05: resolved once the number of "
+    "cells is accounted for); in the map, the simultaneous 95 % CI of that family (Bonferroni, level 1 − 0.05/m); "
+    "diagnostics from the last training step.")
+
+
+def header_lines(grid, facts: dict) -> list[str]:
+    """The arms, the sweep and its bounds, the selection rule, the budget and its epochs."""
     regimes = f" × regimes {list(grid.regimes)}" if grid.regimes else ""
+    datasets = f" × data sets {list(grid.datasets)}" if grid.datasets else ""
+    bounds = (f"; an arm selected at an edge gets the next value ×3 or /3 within grid.sweep_bounds "
+              f"{json.dumps(grid.sweep_bounds)}" if grid.sweep_bounds else "")
     lines = [
         "# Tuned loss comparison (sweep on val, seeds on test)", "",
-        f"Arms: losses {grid.losses} × optimizers {grid.optimizers} × batch per GPU {grid.batch_per_device}{regimes}; "
-        f"sweep {json.dumps(grid.sweep)}"
+        f"Arms: losses {grid.losses} × optimizers {grid.optimizers} × batch per GPU {grid.batch_per_device}"
+        f"{regimes}{datasets}; sweep {json.dumps(grid.sweep)}"
         + "".join(f"; {r}: sweep {json.dumps(v['sweep'])}" for r, v in grid.regimes.items() if v.get("sweep"))
-        + f" with seeds {grid.seeds}, selected on val {grid.select_metric}; "
-        f"final seeds {grid.final_seeds}. Every run sees the same budget of samples.", "",
-        "## Sweep (val)", "", tables.sweep_markdown(sweep_rows, best, grid.select_metric), "",
-        *([f"Selected at the edge of its sweep (the optimum may lie outside): {'; '.join(edges)}.", ""]
-          if (edges := edge_selections(best, grid)) else []),
-        "## Final (test)", "",
-        "Cells: mean ± std over seeds [95 % t-interval]; per-run bootstrap: mean over seeds of each run's 95 % "
-        "bootstrap interval over test items; Δ: paired by seed against infonce with the same regime, optimizer "
-        "and batch (✓ = 95 % CI excludes 0, not corrected for the number of cells); Δ after Holm: the paired "
-        "t-test's p-value adjusted by Holm-Bonferroni over the cells of the same regime's table (every loss, "
-        "optimizer and batch compared with infonce, per metric; ✓ = adjusted p ≤ 0.05: resolved once the number "
-        "of cells is accounted for); diagnostics from the last training step.", "",
-        tables.final_markdown(table, STUDY_METRICS), "",
-        *[f"- {v}" for v in tables.verdicts(table, grid.metric)], "",
-    ]
+        + f" with seeds {grid.seeds}, selected on the mean val {grid.select_metric} over those {len(grid.seeds)} "
+        f"seed(s){bounds}; final seeds {grid.final_seeds}. Every run sees the same budget of samples.", ""]
+    if grid.datasets:
+        lines += ["Data sets (each with its own fit / val / test split): "
+                  + "; ".join(f"{d}: " + ", ".join(f"{k} {v}" for k, v in sets.items() if v) if any(sets.values())
+                              else d for d, sets in grid.datasets.items()) + ".", ""]
+    if facts.get("fit_sizes"):
+        lines += ["## Budget and epochs", "", transfer.epochs_markdown(
+            list(facts["fit_sizes"]), facts["fit_sizes"], facts.get("points") or [], facts.get("budget") or 0), ""]
+    return lines
+
+
+def sweep_lines(sweep_rows: list[dict], best: dict, grid, notes: list[dict]) -> list[str]:
+    edges = tuning.edge_sentences(notes, grid.sweep_bounds)
+    return ["## Sweep (val)", "", "Val curve of every arm over the learning rate: sweep.png.", "",
+            tables.sweep_markdown(sweep_rows, best, grid.select_metric), "",
+            *(edges or ["Every selection is interior to the values its arm tried."]), ""]
+
+
+def points_lines(table: list[dict], at_best: list[dict], grid) -> list[str]:
+    """The verdicts across data sets at the end and at each arm's val-best budget point."""
+    metric = grid.metric
+    lines = ["## Verdicts across data sets (test)", "",
+             "Verdict per cell: + or − where the paired Δ to infonce stays resolved after Holm over its table, "
+             "0 where it does not. A verdict transfers when every data set that ran the cell gives the same one.", "",
+             "**At the end of the budget**", "", transfer.transfer_markdown(table, metric), "",
+             transfer.transfer_counts(table, metric), ""]
+    if at_best:
+        lines += [f"**At the val-best budget point** (rule: {transfer.VAL_BEST_RULE.format(metric=grid.select_metric)})",
+                  "", transfer.transfer_markdown(at_best, metric), "", transfer.transfer_counts(at_best, metric), "",
+                  *[f"- at the val-best point: {v}" for v in tables.verdicts(at_best, metric)], ""]
+    return lines
+
+
+def study_markdown(table: list[dict], at_best: list[dict], sweep_rows: list[dict], final_rows: list[dict],
+                   price_rows: list[dict], best: dict, grid, facts: dict) -> str:
+    """study.md: the arms and budget, the sweep (val), the final table (test) and its verdicts,
+    the map per data set, the verdicts across data sets and budget points, cost, mechanism."""
+    failed = [f"{r['run']} ({r.get('error', '')})" for r in sweep_rows + final_rows + price_rows if r["status"] != "ok"]
+    lines = [*header_lines(grid, facts), *sweep_lines(sweep_rows, best, grid, facts["notes"]),
+             "## Final (test)", "", FINAL_LEGEND, "", tables.final_markdown(table, STUDY_METRICS), "",
+             *[f"- {v}" for v in tables.verdicts(table, grid.metric)], ""]
     if is_map(grid):
-        lines += ["## The map (test)", "", "σ(v): InfoNCE-style mean of sigmoid(v_i) at the last step (grad_ratio).",
-                  "", tables.map_markdown(table, grid.metric),
-                  "## Cost per cell", "",
-                  "samples/s: training samples over training seconds (machine- and load-dependent); peak step "
-                  "memory: the most bytes held by tensors during one training step (vlp.train.memory; on CPU a "
-                  "function of shapes only).", "",
-                  tables.cost_markdown(table, price_rows, grid.metric, grid.accum_price)]
+        lines += map_lines(table, price_rows, grid)
+        lines += points_lines(table, at_best, grid)
         if tables.mechanism_points(table, grid.metric):
             lines += ["## The mechanism, cell by cell (test)", "",
                       f"The argument for {tables.CHALLENGER}: per anchor ∇InfoNCE = σ(v_i) ∇FlatNCE, so where "
                       f"InfoNCE's σ(v) is small its gradient vanishes and {tables.CHALLENGER} should gain. Every cell "
-                      "with both losses, then a least-squares fit of the paired Δ (per seed) on log10 of InfoNCE's "
-                      "σ(v) at that seed: the prediction is a negative slope.", "",
+                      "of every data set with both losses, then a least-squares fit of the paired Δ (per seed) on "
+                      "log10 of InfoNCE's σ(v) at that seed: the prediction is a negative slope.", "",
                       tables.mechanism_markdown(table, grid.metric), ""]
     if failed:
         lines += ["Failed runs: " + "; ".join(failed), ""]
     return "\n".join(lines)
+
+
+def map_lines(table: list[dict], price_rows: list[dict], grid) -> list[str]:
+    """The map, one section per data set (each of its regimes a table), and its cost."""
+    lines = ["## The map (test)", "", "σ(v): InfoNCE-style mean of sigmoid(v_i) at the last step (grad_ratio).", ""]
+    for dataset in dict.fromkeys(g[0] for g in tables.groups(table)):
+        if dataset:
+            lines += [f"### {dataset}", ""]
+        lines += [tables.map_markdown(table, grid.metric, [g for g in tables.groups(table) if g[0] == dataset])]
+    return lines + [
+        "## Cost per cell", "",
+        "samples/s: training samples over training seconds (machine- and load-dependent); peak step memory: the "
+        "most bytes held by tensors during one training step (vlp.train.memory; on CPU a function of shapes only).",
+        "", tables.cost_markdown(table, price_rows, grid.metric, grid.accum_price)]

@@ -20,7 +20,7 @@ from vlp.eval import keys
 from vlp.eval.keys import RECALL_KS
 from vlp.storage import RunFolder
 from vlp.study.plan import REFERENCE_LOSS, SPLITS, RunSpec, StudyRun
-from vlp.study.stats import bootstrap_ci, holm, paired_difference, seed_summary
+from vlp.study.stats import bootstrap_ci, holm, paired_difference, seed_summary, simultaneous_ci
 
 KS = (1, 5, 10)
 DIAG_KEYS = ("infonce", "log_xi", "grad_ratio", "frac_saturated", "ess_neg", "acc", "logit_scale")
@@ -110,7 +110,8 @@ def study_row(run: StudyRun, run_dir: Path, metric_keys: tuple[str, ...], n_boot
     items_path, record_path, result_path = run_dir / "eval_items.json", run_dir / "compare.json", run_dir / "result.json"
     if not items_path.is_file() and not record_path.is_file() and not result_path.is_file():
         return None
-    row = {"run": run.name, "arm": run.arm, "regime": run.regime, "loss": run.loss, "optim": run.optim,
+    row = {"run": run.name, "arm": run.arm, "dataset": run.dataset, "regime": run.regime, "loss": run.loss,
+           "optim": run.optim,
            "batch_per_device": run.batch_per_device, "accum": run.accum, "setting": run.setting, "seed": run.seed,
            "status": "ok" if (items_path.is_file() or not items) and result_path.is_file() else "failed"}
     if row["status"] != "ok":
@@ -123,6 +124,7 @@ def study_row(run: StudyRun, run_dir: Path, metric_keys: tuple[str, ...], n_boot
         for key in metric_keys:  # e.g. mean_R@10 -> bootstrap over the test items
             k = int(key.rsplit("@", 1)[1])
             row[f"boot/test/{key}"] = bootstrap_ci(item_hits(ranks["test"], k), n_boot=n_boot, seed=run.seed)
+        row["points"] = point_metrics(run_dir / "eval_points.json")
     log = read_log(run_dir / "log.jsonl")
     last = log[-1] if log else {}
     row.update({k: last.get(k) for k in DIAG})
@@ -135,18 +137,28 @@ def study_row(run: StudyRun, run_dir: Path, metric_keys: tuple[str, ...], n_boot
     return row
 
 
+def point_metrics(path: Path) -> dict[int, dict[str, float]]:
+    """A run's budget points (eval_points.json; {} without one): {samples seen: {"val/mean_R@10":
+    ..., "test/mean_R@10": ..., ...}} in the order of the budget."""
+    if not path.is_file():
+        return {}
+    points = json.loads(path.read_text())
+    return {int(samples): {f"{split}/{k}": v for split in SPLITS for k, v in split_metrics(items[split]).items()}
+            for samples, items in sorted(points.items(), key=lambda kv: int(kv[0]))}
+
+
 def final_table(rows: list[dict], metrics: tuple[str, ...], reference: str = REFERENCE_LOSS) -> list[dict]:
     """One entry per arm: seed summaries of each test metric and diagnostic, mean per-run
-    bootstrap interval, and the paired difference to ``reference`` (same regime, optimizer and
-    batch) with its Holm-adjusted p over the regime's cells (``correct_per_regime``)."""
+    bootstrap interval, and the paired difference to ``reference`` (same data set, regime,
+    optimizer and batch) with its Holm-adjusted p over the table's cells (``correct_per_table``)."""
     by_arm: dict[tuple, list[dict]] = {}
     for row in rows:
         if row["status"] == "ok":
             by_arm.setdefault(row["arm"], []).append(row)
     table = []
     for arm, members in by_arm.items():
-        regime, loss, optim, batch = arm
-        entry = {"arm": arm, "regime": regime, "loss": loss, "optim": optim, "batch_per_device": batch,
+        dataset, regime, loss, optim, batch = arm
+        entry = {"arm": arm, "dataset": dataset, "regime": regime, "loss": loss, "optim": optim, "batch_per_device": batch,
                  "setting": members[0]["setting"], "n": len(members)}
         for key in metrics + DIAG + COST:
             entry[key] = seed_summary([r.get(key) for r in members])
@@ -155,22 +167,26 @@ def final_table(rows: list[dict], metrics: tuple[str, ...], reference: str = REF
             boot = [r.get(f"boot/{key}") for r in members if r.get(f"boot/{key}")]
             entry[f"boot/{key}"] = (sum(b[0] for b in boot) / len(boot), sum(b[1] for b in boot) / len(boot)) \
                 if boot else None
-            ref = {r["seed"]: r.get(key) for r in by_arm.get((regime, reference, optim, batch), [])}
+            ref = {r["seed"]: r.get(key) for r in by_arm.get((dataset, regime, reference, optim, batch), [])}
             entry[f"diff/{key}"] = None if loss == reference else paired_difference(
                 {r["seed"]: r.get(key) for r in members}, ref)
         table.append(entry)
-    correct_per_regime(table, metrics)
+    correct_per_table(table, metrics)
     return table
 
 
-def correct_per_regime(table: list[dict], metrics: tuple[str, ...]) -> None:
-    """Holm-Bonferroni per metric over the cells of one regime's table (every loss, optimizer and
-    batch with a paired difference and a p-value): adds p_holm, holm (resolved after the
-    correction) and m (the family size) to each of those differences, in place."""
+def correct_per_table(table: list[dict], metrics: tuple[str, ...]) -> None:
+    """Holm-Bonferroni per metric over the cells of one (data set, regime) table (every loss,
+    optimizer and batch with a paired difference and a p-value): adds p_holm, holm (resolved
+    after the correction), m (the family size) and the simultaneous interval over the family
+    (lo_sim, hi_sim: Bonferroni, each cell's t-interval at level 1 − 0.05 / m) to each of those
+    differences, in place."""
     for key in metrics:
-        for regime in dict.fromkeys(e["regime"] for e in table):
+        for group in dict.fromkeys((e["dataset"], e["regime"]) for e in table):
             family = {i: e[f"diff/{key}"]["p"] for i, e in enumerate(table)
-                      if e["regime"] == regime and e.get(f"diff/{key}") is not None}
+                      if (e["dataset"], e["regime"]) == group and e.get(f"diff/{key}") is not None}
             for i, corrected in holm(family).items():
-                table[i][f"diff/{key}"].update(corrected)
+                d = table[i][f"diff/{key}"]
+                d.update(corrected)
+                d["lo_sim"], d["hi_sim"] = simultaneous_ci(d["mean"], d["std"], d["n"], corrected["m"])
 

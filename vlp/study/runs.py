@@ -44,7 +44,19 @@ def run_config(base: dict, grid, run, world: int = 1) -> Config:
         cfg.train.log_every = max(1, grid.log_every_samples // global_batch)
     if not getattr(grid, "keep_models", True):  # a study ranking the model in memory keeps no weights
         cfg.train.save_final = False
+    points = getattr(grid, "budget_points", 1)
+    if points > 1 and getattr(run, "accum", 1) == 1:  # a ranked study run: val and test at every point
+        cfg.train.eval_every = point_interval(cfg.train.samples // global_batch, points, run.name)
     return cfg.validate()
+
+
+def point_interval(steps: int, points: int, name: str) -> int:
+    """The steps between two budget points (grid.budget_points evenly spaced points, the last at
+    the end of the run); one ConfigError line when the run's steps do not divide evenly."""
+    if steps % points:
+        raise ConfigError(f"config: grid.budget_points={points} does not divide the {steps} steps of {name}; "
+                          "choose train.samples so that every batch's steps divide by it")
+    return steps // points
 
 
 def run_dir(out_dir: str, name: str) -> str:

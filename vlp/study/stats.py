@@ -6,7 +6,8 @@ scipy.stats (no hand-typed tables).
   mean, 95 % t-interval and two-sided paired t-test p-value: the comparison that cancels the
   seed's own effect;
 - ``holm``: Holm-Bonferroni over a family of p-values (the cells of one table): which
-  differences stay resolved when the number of cells is accounted for;
+  differences stay resolved when the number of cells is accounted for; ``simultaneous_ci`` the
+  Bonferroni interval of each, valid for the whole family at once;
 - ``bootstrap_ci``: a percentile bootstrap over eval items (queries) of one run
   (scipy.stats.bootstrap): how much the metric would move on another eval set of the same size;
 - ``linear_fit``: least-squares slope with its 95 % t-interval (scipy.stats.linregress);
@@ -85,6 +86,15 @@ def holm(pvalues: dict[Hashable, Optional[float]], alpha: float = 1.0 - LEVEL) -
         running = max(running, min(1.0, (m - i) * p))
         out[key] = {"p_holm": running, "holm": running <= alpha, "m": m}
     return out
+
+
+def simultaneous_ci(mean: float, std: float, n: int, m: int, level: float = LEVEL) -> tuple[float, float]:
+    """The Bonferroni interval of one of ``m`` paired differences: mean ± t·std/√n with t the
+    two-sided 1 − (1 − level) / m quantile (n − 1 degrees of freedom), so that all m intervals
+    cover together with probability >= ``level``. Holm's step-down test has no interval of its
+    own; where this interval excludes 0, Holm rejects too. n >= 2."""
+    half = t_quantile(n - 1, 1.0 - (1.0 - level) / m) * std / math.sqrt(n)
+    return mean - half, mean + half
 
 
 def bootstrap_ci(items: Sequence[float], stat: Callable = np.mean, n_boot: int = 2000, level: float = LEVEL,

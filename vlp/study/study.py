@@ -5,6 +5,10 @@ budget, selected on val, reported on test with seeds and paired statistics.
     sweep    = the same settings grid for every arm (per optimizer: an AdamW lr range is not a
                LARS one; per regime if it has its own), run with grid.seeds: val metric per setting
     select   = per arm, the setting with the best mean val metric over those seeds
+    extend   = grid.sweep_bounds: an arm selected at an edge gets the next value beyond it (x3, /3)
+               with the same seeds, and is selected again, until interior or at a bound
+    datasets = grid.datasets: every (data set, regime) is its own table, on that set's fit/val/test
+    points   = grid.budget_points: val and test ranked at evenly spaced points of every run
     final    = the selected setting per arm with grid.final_seeds (a sweep run with the same
                setting and seed is reused, not rerun): test metrics
     price    = grid.accum_price: the batch b·k as k accumulated micro-batches of b, timed
@@ -24,13 +28,19 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Optional
 
 from vlp.config import ConfigError, set_dotted
+from vlp.data.shard_list import sizes_from_spec
+from vlp.data.sources import parse_packaged
 from vlp.study.executor import Executor, Job, warm_caches
-from vlp.study.plan import StudyRun, final_runs, price_runs, regimes_of, select_best, sweep_runs
+from vlp.study.plan import StudyRun, final_runs, groups_of, price_runs, select_best, sweep_runs
 from vlp.study.report import STUDY_METRICS, write_study_report
 from vlp.study.rows import study_row
 from vlp.study.runs import broadcast, embedded_shards, plan_runs, run_config
+from vlp.study.tuning import extension_runs, tried_settings
+
+DEFAULT_SOURCE = "openmoji"
 
 STUDY_SHARDS = Path(".cache") / "shards" / "openmoji_study"
 
@@ -50,21 +60,54 @@ def resolve_study_data(base: dict, acc, cache: Path) -> tuple[dict, dict[str, st
     return base, {"val": val, "test": None}
 
 
-def regime_bases(base: dict, grid, acc) -> dict[str, tuple[dict, dict[str, str]]]:
-    """Per regime: (its base config = base + the regime's settings, data resolved; its val and
-    test shard specs)."""
+def with_dataset(tree: dict, dataset: str) -> dict:
+    """The base config of one data set of grid.datasets: data.train_shards names it, at the size
+    the regime renders ('openmoji:128' -> 'openclipart:128'). Its val and test are that set's."""
+    if not dataset:
+        return tree
+    data = tree.setdefault("data", {})
+    spec = data.get("train_shards") or DEFAULT_SOURCE
+    try:
+        parsed = parse_packaged(spec)
+    except ValueError as e:
+        raise ConfigError(f"config: {e}") from None
+    if parsed is None:
+        raise ConfigError(f"config: grid.datasets needs data.train_shards to name a packaged data set, got {spec!r}")
+    if data.get("eval_shards"):
+        raise ConfigError("config: grid.datasets ranks each data set's own val and test: leave data.eval_shards unset")
+    data["train_shards"] = f"{dataset}:{parsed[1]}" if parsed[1] else dataset
+    return tree
+
+
+def regime_bases(base: dict, grid, acc) -> dict[tuple[str, str], tuple[dict, dict[str, str]]]:
+    """Per (data set, regime): (its base config = base + the regime's settings, the data set
+    named, data resolved; its val and test shard specs)."""
+    if grid.datasets and grid.test_shards:
+        raise ConfigError("config: grid.datasets ranks each data set's own val and test: leave grid.test_shards unset")
     out = {}
-    for regime in regimes_of(grid):
+    for dataset, regime in groups_of(grid):
         tree = copy.deepcopy(base)
         for key, value in ((grid.regimes.get(regime) or {}).get("set") or {}).items():
             set_dotted(tree, key, value)
-        tree, specs = resolve_study_data(tree, acc, STUDY_SHARDS)
+        tree, specs = resolve_study_data(with_dataset(tree, dataset), acc, STUDY_SHARDS)
         if grid.test_shards:
             specs["test"] = grid.test_shards
         if not specs["val"] or not specs["test"]:
             raise ConfigError("config: a study (grid.sweep) needs data.eval_shards (val) and grid.test_shards "
                               "(or data.train_shards: openmoji)")
-        out[regime] = (tree, specs)
+        out[(dataset, regime)] = (tree, specs)
+    return out
+
+
+def fit_sizes(bases: dict) -> dict[tuple[str, str], Optional[int]]:
+    """Per (data set, regime): the pairs of its training set (None where its shards carry no
+    sizes.json), for the epochs the budget implies."""
+    out = {}
+    for group, (tree, _) in bases.items():
+        try:
+            out[group] = sizes_from_spec(tree["data"]["train_shards"])
+        except (OSError, ValueError):
+            out[group] = None
     return out
 
 
@@ -78,21 +121,38 @@ class StudyWalk:
 
     def __call__(self, runs: list[StudyRun], ranked: bool = True) -> list[dict]:
         grid, acc, out = self.grid, self.acc, self.out
-        cfgs = {r.name: run_config(self.bases[r.regime][0], grid, r, acc.num_processes) for r in runs}
+        cfgs = {r.name: run_config(self.bases[(r.dataset, r.regime)][0], grid, r, acc.num_processes) for r in runs}
         done, error = broadcast(plan_runs(runs, cfgs, out, items=ranked) if acc.is_main_process else None, acc)
         if error:
             raise ConfigError(error)
         todo = [(i, r) for i, (r, d) in enumerate(zip(runs, done), 1) if not d]
         acc.print(f"[compare] {len(runs)} runs ({len(runs) - len(todo)} already done) -> {out}")
         if todo and not self.report_only:
-            self.executor.run([Job(r, cfgs[r.name], self.bases[r.regime][1] if ranked else None, grid.retries,
+            self.executor.run([Job(r, cfgs[r.name], self.bases[(r.dataset, r.regime)][1] if ranked else None, grid.retries,
                                    grid.keep_checkpoints, i) for i, r in todo], total=len(runs))
         return [row for r in runs if (row := study_row(r, out / r.name, STUDY_METRICS, items=ranked)) is not None]
 
 
+def tune(walk: StudyWalk, grid, acc) -> tuple[list[dict], dict, dict]:
+    """The sweep, then its edge extension (grid.sweep_bounds; vlp.study.tuning) until every
+    selection is interior or at a bound: (sweep rows, the selection, the settings tried per arm).
+    Each round adds settings not tried before, inside the bounds, so the walk ends."""
+    planned = sweep_runs(grid)
+    rows = walk(planned)
+    while True:
+        best = broadcast(select_best(rows, grid.select_metric) if acc.is_main_process else None, acc)
+        new = extension_runs(grid, best, tried_settings(planned))
+        if not new:
+            ok = {row["run"] for row in rows if row["status"] == "ok"}
+            return rows, best, tried_settings([r for r in planned if r.name in ok])
+        planned += new
+        rows += walk(new)
+
+
 def run_study(base: dict, grid, acc, report_only: bool = False) -> dict:
-    """Sweep, select, final seeds, price runs, report. Every process walks the same runs in the
-    same order; with grid.workers > 1 (one process) runs go to that many worker processes."""
+    """Sweep (extended at its edges), select, final seeds, price runs, report. Every process walks
+    the same runs in the same order; with grid.workers > 1 (one process) runs go to that many
+    worker processes."""
     bases = regime_bases(base, grid, acc)
     out = Path(grid.out_dir)
     if acc.is_main_process:
@@ -101,12 +161,12 @@ def run_study(base: dict, grid, acc, report_only: bool = False) -> dict:
         warm_caches(bases, grid, acc)
     with Executor(grid, acc) as executor:
         walk = StudyWalk(grid, acc, bases, executor, report_only)
-        sweep = walk(sweep_runs(grid))
-        best = broadcast(select_best(sweep, grid.select_metric) if acc.is_main_process else None, acc)
+        sweep, best, tried = tune(walk, grid, acc)
         finals = walk(final_runs(grid, best))
         prices = walk(price_runs(grid, best), ranked=False)
     text = ""
     if acc.is_main_process:
-        text = write_study_report(out, sweep, finals, best, grid, prices)
+        facts = {"tried": tried, "fit_sizes": fit_sizes(bases)}
+        text = write_study_report(out, sweep, finals, best, grid, prices, facts)
         print(text, flush=True)
-    return {"sweep": sweep, "final": finals, "best": best, "price": prices, "report": text}
+    return {"sweep": sweep, "final": finals, "best": best, "price": prices, "report": text, "tried": tried}

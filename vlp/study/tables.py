@@ -43,12 +43,14 @@ def mean_cell(stat: Optional[dict], fmt: str = "{:.3g}") -> str:
     return "—" if stat is None else fmt.format(stat["mean"])
 
 
-def holm_cell(d: Optional[dict]) -> str:
-    """A paired difference after Holm over its regime's cells: 'p=<adjusted p>', ' ✓' when it
-    stays resolved; '—' without a test (one seed)."""
+def holm_cell(d: Optional[dict], interval: bool = False) -> str:
+    """A paired difference after Holm over its table's cells: 'p=<adjusted p>', ' ✓' when it
+    stays resolved; with ``interval`` its simultaneous (Bonferroni) CI too; '—' without a test
+    (one seed)."""
     if d is None or d.get("p_holm") is None:
         return "—"
-    return f"p={d['p_holm']:.2g}" + (" ✓" if d["holm"] else "")
+    ci = f" [{signed(d['lo_sim'])}, {signed(d['hi_sim'])}]" if interval and d.get("lo_sim") is not None else ""
+    return f"p={d['p_holm']:.2g}{ci}" + (" ✓" if d["holm"] else "")
 
 
 # ---------------------------------------------------------------------------- plain grid
@@ -144,8 +146,8 @@ def sweep_markdown(rows: list[dict], best: dict, metric: str) -> str:
 
 
 def arm_order(e: dict) -> tuple:
-    """Table order: regime (as listed), batch, optimizer, the reference loss first."""
-    return (e["regime"], e["batch_per_device"], e["optim"], e["loss"] != REFERENCE_LOSS, e["loss"])
+    """Table order: data set, regime, batch, optimizer, the reference loss first."""
+    return (e.get("dataset", ""), e["regime"], e["batch_per_device"], e["optim"], e["loss"] != REFERENCE_LOSS, e["loss"])
 
 
 def final_markdown(table: list[dict], metrics: tuple[str, ...]) -> str:
@@ -169,47 +171,48 @@ def final_markdown(table: list[dict], metrics: tuple[str, ...]) -> str:
 
 
 def verdicts(table: list[dict], metric: str) -> list[str]:
-    """One sentence per (optimizer, batch) with a reference arm."""
+    """One sentence per (data set, regime, optimizer, batch) with a reference arm."""
     out = []
-    groups = sorted({(e["regime"], e["optim"], e["batch_per_device"]) for e in table})
-    for regime, optim, batch in groups:
-        diffs = {e["loss"]: e.get(f"diff/{metric}") for e in table if e["regime"] == regime
+    cells = sorted({(e["dataset"], e["regime"], e["optim"], e["batch_per_device"]) for e in table})
+    for dataset, regime, optim, batch in cells:
+        diffs = {e["loss"]: e.get(f"diff/{metric}") for e in table if (e["dataset"], e["regime"]) == (dataset, regime)
                  and e["optim"] == optim and e["batch_per_device"] == batch and e["loss"] != REFERENCE_LOSS}
         if diffs:
-            where = f"{regime}, " if regime else ""
+            where = "".join(f"{part}, " for part in (dataset, regime) if part)
             out.append(f"{where}{optim}, batch {batch}: " + verdict(diffs, REFERENCE_LOSS, f"test {metric}"))
     return out
 
 
 # ---------------------------------------------------------------------------- the map
-def regimes(table: list[dict]) -> list[str]:
-    """Regime names in the order the grid listed them (the table keeps that order)."""
-    seen: list[str] = []
-    for e in table:
-        if e["regime"] not in seen:
-            seen.append(e["regime"])
-    return seen
+def groups(table: list[dict]) -> list[tuple[str, str]]:
+    """The (data set, regime) tables in the order the grid listed them (the table keeps that order)."""
+    return list(dict.fromkeys((e["dataset"], e["regime"]) for e in table))
 
 
-def arm_cells(table: list[dict], regime: str) -> list[dict]:
-    return sorted((e for e in table if e["regime"] == regime),
+def group_label(group: tuple[str, str]) -> str:
+    """('openclipart', 'lit') -> 'openclipart · lit'; ('', 'lit') -> 'lit'; ('', '') -> 'all'."""
+    return " · ".join(part for part in group if part) or "all"
+
+
+def arm_cells(table: list[dict], group: tuple[str, str]) -> list[dict]:
+    return sorted((e for e in table if (e["dataset"], e["regime"]) == group),
                   key=lambda e: (e["batch_per_device"], e["optim"], e["loss"] != REFERENCE_LOSS, e["loss"]))
 
 
-def map_markdown(table: list[dict], metric: str) -> str:
-    """Per regime, one row per (batch, optimizer, loss): seeds, test metric mean ± std [95 %
-    CI], paired Δ to InfoNCE [95 % CI] (✓ = resolved), Δ after Holm over the regime's cells,
-    final σ(v) and logit_scale."""
+def map_markdown(table: list[dict], metric: str, only: Optional[list[tuple[str, str]]] = None) -> str:
+    """Per (data set, regime), one row per (batch, optimizer, loss): seeds, test metric mean ±
+    std [95 % CI], paired Δ to InfoNCE [95 % CI] (✓ = resolved), Δ after Holm over the table's
+    cells with its simultaneous (Bonferroni) interval, final σ(v) and logit_scale."""
     out = []
-    for regime in regimes(table):
-        out += [f"**{regime or 'all'}**", "",
+    for group in (only or groups(table)):
+        out += [f"**{group_label(group)}**", "",
                 f"| per-GPU batch | loss | optimizer | setting | seeds | test {metric} (%) mean ± std [95 % CI] | "
-                f"Δ vs {REFERENCE_LOSS} [95 % CI] | Δ after Holm | σ(v) | logit_scale |",
+                f"Δ vs {REFERENCE_LOSS} [95 % CI] | Δ after Holm [simultaneous CI] | σ(v) | logit_scale |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
-        for e in arm_cells(table, regime):
+        for e in arm_cells(table, group):
             tag = setting_tag(e["setting"])
             d = e.get(f"diff/{metric}")
-            diff, corrected = ("ref", "ref") if e["loss"] == REFERENCE_LOSS else (diff_cell(d), holm_cell(d))
+            diff, corrected = ("ref", "ref") if e["loss"] == REFERENCE_LOSS else (diff_cell(d), holm_cell(d, True))
             out.append(f"| {e['batch_per_device']} | {e['loss']} | {e['optim']} | {tag} | {e['n']} | "
                        f"{pct(e.get(metric))} | {diff} | {corrected} | {mean_cell(e.get('grad_ratio'), '{:.3f}')} | "
                        f"{mean_cell(e.get('logit_scale'), '{:.1f}')} |")
@@ -223,26 +226,26 @@ def price_table(prices: list[dict]) -> list[dict]:
     for row in prices:
         if row["status"] == "ok":
             by_arm.setdefault(row["arm"], []).append(row)
-    return [{"regime": arm[0], "loss": arm[1], "optim": arm[2], "batch_per_device": arm[3],
+    return [{"dataset": arm[0], "regime": arm[1], "loss": arm[2], "optim": arm[3], "batch_per_device": arm[4],
              "accum": rows[0]["accum"], "samples_per_s": seed_summary([r.get("samples_per_s") for r in rows]),
              "peak_step_mem_mb": seed_summary([r.get("peak_step_mem_mb") for r in rows])}
             for arm, rows in by_arm.items()]
 
 
 def cost_markdown(table: list[dict], prices: list[dict], metric: str, price: dict) -> str:
-    """Per regime, samples/s and peak step memory of every cell, and the accumulation runs
-    (b × k micro-batches) beside batch b with the accuracy of the b·k cell they equal."""
+    """Per (data set, regime), samples/s and peak step memory of every cell, and the accumulation
+    runs (b × k micro-batches) beside batch b with the accuracy of the b·k cell they equal."""
     priced = price_table(prices)
     out = []
-    for regime in regimes(table):
-        out += [f"**{regime or 'all'}**", "",
+    for group in groups(table):
+        out += [f"**{group_label(group)}**", "",
                 f"| contrastive batch | loss | samples/s | peak step memory (MiB) | test {metric} (%) |",
                 "|---|---|---|---|---|"]
-        cells = arm_cells(table, regime)
+        cells = arm_cells(table, group)
         for e in cells:
             out.append(f"| {e['batch_per_device']} | {e['loss']} | {mean_cell(e.get('samples_per_s'), '{:.0f}')} | "
                        f"{mean_cell(e.get('peak_step_mem_mb'), '{:.1f}')} | {pct(e.get(metric))} |")
-        for p in (p for p in priced if p["regime"] == regime):
+        for p in (p for p in priced if (p["dataset"], p["regime"]) == group):
             big = p["batch_per_device"] * p["accum"]
             same = next((e for e in cells if e["loss"] == p["loss"] and e["optim"] == p["optim"]
                          and e["batch_per_device"] == big), None)
@@ -254,16 +257,17 @@ def cost_markdown(table: list[dict], prices: list[dict], metric: str, price: dic
 
 
 def mechanism_points(table: list[dict], metric: str) -> list[dict]:
-    """Per (regime, optimizer, batch) cell with both losses: InfoNCE's final σ(v) and the paired
-    FlatNCE − InfoNCE difference."""
+    """Per (data set, regime, optimizer, batch) cell with both losses: InfoNCE's final σ(v) and
+    the paired FlatNCE − InfoNCE difference."""
     out = []
     for e in table:
         if e["loss"] != CHALLENGER or e.get(f"diff/{metric}") is None:
             continue
-        ref = next((r for r in table if r["loss"] == REFERENCE_LOSS and r["regime"] == e["regime"]
+        ref = next((r for r in table if r["loss"] == REFERENCE_LOSS and r["arm"][:2] == e["arm"][:2]
                     and r["optim"] == e["optim"] and r["batch_per_device"] == e["batch_per_device"]), None)
         if ref is not None and ref.get("grad_ratio") is not None:
-            out.append({"regime": e["regime"], "optim": e["optim"], "batch_per_device": e["batch_per_device"],
+            out.append({"dataset": e["dataset"], "regime": e["regime"], "optim": e["optim"],
+                        "batch_per_device": e["batch_per_device"],
                         "sigma_v": ref["grad_ratio"]["mean"], "diff": e[f"diff/{metric}"],
                         "sigma_by_seed": ref.get("grad_ratio_by_seed") or {}})
     return out
@@ -294,26 +298,35 @@ def fit_reading(fit: Optional[dict]) -> str:
     return "not resolved (95 % CI includes 0)"
 
 
+def fit_groups(points: list[dict]) -> list[tuple[str, list[dict]]]:
+    """The mechanism fits: per (data set, regime) table, per data set over its regimes (with
+    several data sets and regimes), and over everything (with more than one table)."""
+    tables = list(dict.fromkeys((p["dataset"], p["regime"]) for p in points))
+    out = [(group_label(g), [p for p in points if (p["dataset"], p["regime"]) == g]) for g in tables]
+    datasets = list(dict.fromkeys(p["dataset"] for p in points))
+    if len(datasets) > 1 and len(tables) > len(datasets):
+        out += [(f"{d}, every regime", [p for p in points if p["dataset"] == d]) for d in datasets]
+    if len(tables) > 1:
+        out.append(("every table", points))
+    return out
+
+
 def mechanism_markdown(table: list[dict], metric: str) -> str:
-    """Every (regime, optimizer, batch) cell: InfoNCE's σ(v), FlatNCE − InfoNCE [95 % CI] and
-    after Holm; then per regime (and over all regimes) the fit of Δ on log10 σ(v)."""
-    order = {name: i for i, name in enumerate(regimes(table))}  # the grid's regime order
+    """Every (data set, regime, optimizer, batch) cell: InfoNCE's σ(v), FlatNCE − InfoNCE [95 %
+    CI] and after Holm; then the fit of Δ on log10 σ(v) per table, per data set and over all."""
+    order = {g: i for i, g in enumerate(groups(table))}  # the grid's order
     points = sorted(mechanism_points(table, metric),
-                    key=lambda p: (order[p["regime"]], p["optim"], p["batch_per_device"]))
-    lines = [f"| regime | optimizer | per-GPU batch | InfoNCE σ(v) | {CHALLENGER} − {REFERENCE_LOSS} [95 % CI] | "
-             "Δ after Holm |", "|---|---|---|---|---|---|"]
+                    key=lambda p: (order[(p["dataset"], p["regime"])], p["optim"], p["batch_per_device"]))
+    lines = [f"| data set · regime | optimizer | per-GPU batch | InfoNCE σ(v) | {CHALLENGER} − {REFERENCE_LOSS} "
+             "[95 % CI] | Δ after Holm |", "|---|---|---|---|---|---|"]
     for p in points:
-        lines.append(f"| {p['regime'] or 'all'} | {p['optim']} | {p['batch_per_device']} | {p['sigma_v']:.3g} | "
-                     f"{diff_cell(p['diff'])} | {holm_cell(p['diff'])} |")
-    groups = [(r or "all", [p for p in points if p["regime"] == r]) for r in dict.fromkeys(p["regime"] for p in points)]
-    if len(groups) > 1:
-        groups.append(("all regimes", points))
+        lines.append(f"| {group_label((p['dataset'], p['regime']))} | {p['optim']} | {p['batch_per_device']} | "
+                     f"{p['sigma_v']:.3g} | {diff_cell(p['diff'])} | {holm_cell(p['diff'])} |")
     lines += ["", f"| fit over | points (cell × seed) | slope: Δ {metric} (points) per decade of σ(v) [95 % CI] | r | "
               "reading |", "|---|---|---|---|---|"]
-    for name, members in groups:
+    for name, members in fit_groups(points):
         fit = mechanism_fit(members)
         shown = ("—", "—", "—") if fit is None else (
             str(fit["n"]), f"{signed(fit['slope'])} [{signed(fit['lo'])}, {signed(fit['hi'])}]", f"{fit['r']:.2f}")
         lines.append(f"| {name} | {shown[0]} | {shown[1]} | {shown[2]} | {fit_reading(fit)} |")
     return "\n".join(lines)
-

@@ -1,0 +1,103 @@
+"""The run room's ranking: a study run's val and test items ranked at every budget point and at
+the end, from the Trainer's evaluation hook (the model as trained so far, in eval mode).
+
+    RankingTrainer(cfg, accelerator, specs).train()
+        <run>/eval_points.json  {samples seen: {"val": ranks, "test": ranks}} at every point
+        <run>/eval_items.json   the last point's ranks (what the final table reads)
+
+Ranks are the 1-based rank of the correct item for every query, both directions (the eval
+suite's reader and ranking, vlp.eval), from which every study metric and bootstrap is computed.
+Ranking runs under no_grad and draws no random numbers, so the points do not change training.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from vlp.study.plan import SPLITS
+from vlp.train.loop import Trainer
+
+POINTS_FILE = "eval_points.json"
+ITEMS_FILE = "eval_items.json"
+
+
+class RankingTrainer(Trainer):
+    """A Trainer whose evaluation (every train.eval_every steps, and once at the end) ranks the
+    study's val and test sets instead of data.eval_shards (the study clears those)."""
+
+    def __init__(self, cfg, accelerator=None, specs: Optional[dict[str, str]] = None):
+        super().__init__(cfg, accelerator=accelerator)
+        self.specs = specs or {}
+
+    def evaluate(self) -> dict:
+        model = self.eval_model()  # collective under FSDP
+        flat: dict = {}
+        if self.accelerator.is_main_process:
+            self.model.eval()
+            items = {split: rank_items(model, self.tokenizer, self.eval_transform, self.specs[split], self.cfg,
+                                       self.accelerator.device) for split in SPLITS}
+            self.model.train()
+            self.record(items)
+            flat = {f"{split}/mean_R@{k}": mean_recall(items[split], k) for split in SPLITS for k in (1, 10)}
+        self.accelerator.wait_for_everyone()
+        return flat
+
+    def record(self, items: dict) -> None:
+        """This point's ranks into eval_points.json (kept over a resume) and, at the last step,
+        eval_items.json."""
+        folder = Path(self.cfg.train.output_dir)
+        points_path = folder / POINTS_FILE
+        points = json.loads(points_path.read_text()) if points_path.is_file() else {}
+        points[str(self.samples_seen)] = items
+        write_json(points_path, points)
+        if self.step >= self.total_steps:
+            write_json(folder / ITEMS_FILE, items)
+
+
+def write_json(path: Path, data) -> None:
+    path.with_suffix(".tmp").write_text(json.dumps(data))
+    path.with_suffix(".tmp").replace(path)
+
+
+def mean_recall(items: dict[str, list[int]], k: int) -> float:
+    """mean_R@k of one split's ranks: the mean over both directions of the share of ranks <= k."""
+    hits = [sum(r <= k for r in ranks) / len(ranks) for ranks in items.values()]
+    return sum(hits) / len(hits)
+
+
+def rank_items(model, tokenizer, transform, spec: str, cfg, device) -> dict[str, list[int]]:
+    """The val or test ranks of ``model``: from the locked stems' cached features when the run
+    has a data.feature_cache, else by embedding the set."""
+    rank = cached_item_ranks if cfg.data.feature_cache else eval_item_ranks
+    return rank(model, tokenizer, transform, spec, device, cfg.eval.batch_size, cfg.data.feature_cache)
+
+
+def cached_item_ranks(model, tokenizer, transform, spec: str, device, batch_size: int, cache: str) -> dict[str, list[int]]:
+    """eval_item_ranks for a model with locked stems (data.feature_cache): the stems' outputs over
+    the set come from the cache (built once, by the same eval reader), only the heads run."""
+    from vlp.eval.retrieval import retrieval_ranks  # heavy (the eval suite's readers)
+    from vlp.train.feature_cache import embed_features, retrieval_features
+
+    img_feat, txt_feat, txt_to_img = retrieval_features(model, tokenizer, transform, spec, device, batch_size,
+                                                        cache=None if cache == "memory" else cache)
+    with torch.no_grad():
+        img, txt = embed_features(model, img_feat, txt_feat)
+    i2t, t2i = retrieval_ranks(img, txt, txt_to_img)
+    return {"image_to_text": i2t.tolist(), "text_to_image": t2i.tolist()}
+
+
+def eval_item_ranks(model, tokenizer, transform, spec: str, device, batch_size: int = 256,
+                    cache: Optional[str] = None) -> dict[str, list[int]]:
+    """1-based rank of the correct item for every query of a retrieval set, both directions: the
+    eval suite's reader and ranking (vlp.eval.suite, vlp.eval.retrieval), ties included."""
+    from vlp.eval.retrieval import retrieval_ranks  # heavy (the eval suite's readers)
+    from vlp.eval.suite import embed_retrieval_shards
+
+    with torch.no_grad():
+        img, txt, txt_to_img = embed_retrieval_shards(model, tokenizer, transform, spec, device, batch_size)
+    i2t, t2i = retrieval_ranks(img, txt, txt_to_img)
+    return {"image_to_text": i2t.tolist(), "text_to_image": t2i.tolist()}
