@@ -25,7 +25,9 @@ buffer). Hence:
   (a loaded optimizer state would otherwise keep the saved lr, weight decay and betas).
 
 Which key is which is ONE table, ``RESUME_RULES``, read from each key's declaration
-(vlp/config_keys.py); checkpoint.changed_settings and vlp compare's harmless keys are views of it.
+(vlp/config_keys.py); `changed_settings` and vlp compare's harmless keys are views of it.
+The checkpointer calls `fit` before any part loads: it refuses, or rewrites the per-rank entries
+of the saved state (data position, RNG) for this run's ranks.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from typing import Any, Optional
 
 from vlp.config import KEYS, Config, ConfigError
 from vlp.config_rules import APPLY, LAYOUT, REFUSE, KeyRule
-from vlp.train.data import DataPosition
 
 # ----------------------------------------------------------------------------- the rules table
 RESUME_RULES: dict[str, KeyRule] = {name: k.resume for name, k in KEYS.items()}
@@ -93,7 +94,7 @@ def applied_lines(saved: dict, cfg: Config) -> list[str]:
     """The log lines of the config changes a resume from `saved` applies: '[vlp] resume:
     optim.lr 0.001 -> 1e-05 from step 12'."""
     applied, _ = resume_changes(saved.get("config") or {}, cfg.to_dict())
-    return [f"[vlp] resume: {line} from step {saved.get('step')}" for line in applied]
+    return [f"[vlp] resume: {line} from step {saved['train']['step']}" for line in applied]
 
 
 def apply_optim_changes(optimizer, scheduler, cfg: Config) -> None:
@@ -157,7 +158,7 @@ def check_resume(saved: dict, cfg: Config, world_size: int, path: str) -> bool:
                           "or start a new run)")
     changed = layout_changes(saved, cfg, world_size)
     if changed and cfg.train.resume_mode == "exact":
-        seen = saved.get("samples_seen", 0)
+        seen = saved.get("train", {}).get("samples_seen", 0)
         raise ConfigError(
             f"resume: {'; '.join(changed)} since {path}; exact resume needs the same data layout: "
             f"set train.resume_mode=continue to go on from sample {seen} under the new layout "
@@ -165,21 +166,46 @@ def check_resume(saved: dict, cfg: Config, world_size: int, path: str) -> bool:
     return bool(changed)
 
 
-def position_after_change(saved: dict, cfg: Config, world_size: int) -> DataPosition:
-    """Where the stream goes on when the layout changed (resume_mode=continue)."""
-    epoch, batch = saved["epoch"], saved["batch_in_epoch"]
-    if batch >= saved.get("epoch_batches", batch + 1):  # the epoch was complete
-        return DataPosition(epoch + 1, 0)
-    old_cfg = saved["config"]
-    if old_cfg["data"]["mode"] == "resampled":  # with replacement: carry the position in samples
-        done = batch * old_cfg["data"]["batch_per_device"] * saved["world_size"]
-        return DataPosition(epoch, done // (cfg.data.batch_per_device * world_size))
-    rest = saved.get("data_rest")
-    if not rest:
+def changed_settings(saved: dict, current: dict) -> list[str]:
+    """'key=old in the checkpoint, new now' for the keys that shape the saved state (the model's
+    parameters and which of them train): a resume across such a change cannot load it."""
+    return [f"{key}={_dotted(saved or {}, key)!r} in the checkpoint, {_dotted(current, key)!r} now"
+            for key in STATE_KEYS if _dotted(saved or {}, key) != _dotted(current, key)]
+
+
+def fit(saved: dict, cfg: Config, world_size: int, where: str) -> dict:
+    """The saved state as this run loads it: a change the resume mode does not allow is refused
+    (ConfigError, `check_resume`); after a layout change (resume_mode=continue) every rank gets
+    its data entry from `relayout` and a fresh RNG (None: seeded seed + rank)."""
+    if not check_resume(saved, cfg, world_size, where):
+        return saved
+    return {**saved, "data": relayout(saved, cfg, world_size), "rng": [None] * world_size}
+
+
+def relayout(saved: dict, cfg: Config, world_size: int) -> list[dict]:
+    """The data entries of this run's ranks after a layout change: the same global position
+    (split mode: the rest of the epoch as pieces every rank's rest adds up to, read under the new
+    layout; resampled: the position in samples), and the skip counts summed on rank 0."""
+    data, old_cfg = saved["data"], saved["config"]
+    epoch, batch, pieces = data[0]["epoch"], data[0]["batch_in_epoch"], None
+    if batch >= (data[0].get("epoch_batches") or batch + 1):  # the epoch was complete
+        epoch, batch = epoch + 1, 0
+    elif old_cfg["data"]["mode"] == "resampled":  # with replacement: carry the position in samples
+        batch = batch * old_cfg["data"]["batch_per_device"] * len(data) // (cfg.data.batch_per_device * world_size)
+    elif any(d.get("rest") is None for d in data):
         raise ConfigError("resume: this checkpoint does not record the rest of its epoch (written "
                           "before vlp saved it); resume it with the old layout")
-    pieces = [tuple(piece) for rank_pieces in rest for piece in rank_pieces]
-    left = sum(end - begin for _, begin, end in pieces)
-    if left < cfg.data.batch_per_device * world_size:  # less than one batch per rank
-        return DataPosition(epoch + 1, 0)
-    return DataPosition(epoch, 0, pieces)
+    else:
+        pieces = [tuple(piece) for d in data for piece in d["rest"]]
+        batch = 0
+        if sum(end - begin for _, begin, end in pieces) < cfg.data.batch_per_device * world_size:
+            epoch, pieces = epoch + 1, None  # less than one batch per rank
+    skipped = [d.get("skipped") or {} for d in data]
+    if len(skipped) != world_size:
+        total: dict[str, int] = {}
+        for counts in skipped:
+            for kind, n in counts.items():
+                total[kind] = total.get(kind, 0) + n
+        skipped = [dict(sorted(total.items()))] + [{}] * (world_size - 1)
+    return [{"epoch": epoch, "batch_in_epoch": batch, "epoch_pieces": pieces if r == 0 else None,
+             "skipped": skipped[r]} for r in range(world_size)]
