@@ -144,7 +144,9 @@ def test_local_folder_is_plain_files(tmp_path):
 
 def test_log_writer_appends_and_survives_a_resume(any_folder):
     f = any_folder
-    log = f.log_writer("log.jsonl", upload_every_s=3600)
+    from vlp.train.logger import LogWriter
+
+    log = LogWriter(f, "log.jsonl", upload_every_s=3600)
     log.write('{"step": 1}')
     log.write('{"step": 2}\n')
     if f.remote:  # not yet uploaded: an object cannot be appended to, it is put whole
@@ -153,7 +155,7 @@ def test_log_writer_appends_and_survives_a_resume(any_folder):
     assert f.read_text("log.jsonl") == '{"step": 1}\n{"step": 2}\n'
     log.write('{"step": 3}')
     log.close()
-    resumed = f.log_writer("log.jsonl", upload_every_s=0)  # every line uploaded
+    resumed = LogWriter(f, "log.jsonl", upload_every_s=0)  # every line uploaded
     resumed.write('{"step": 4}')
     assert f.read_text("log.jsonl").splitlines() == [f'{{"step": {i}}}' for i in (1, 2, 3, 4)]
     resumed.close()

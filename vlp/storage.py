@@ -198,7 +198,8 @@ class RunFolder:
         parent, _, base = name.rpartition("/")
         temp = f".{base}.tmp-{os.getpid()}" + (f"-{tag}" if tag else "")
         path = (self.cache_dir / "stage" / parent if self.remote else Path(self._key(parent))) / temp
-        remove_local(path)
+        if path.is_dir():  # a file is truncated by its writer
+            remove_local(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
 
