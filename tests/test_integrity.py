@@ -287,7 +287,7 @@ def dcp_pair(tmp_path_factory):
             p.grad = torch.randn_like(p)
         opt.step()
         meta = {"scheduler": {}, "step": step, "epoch": 0, "batch_in_epoch": step, "world_size": 1,
-                "rng": [ckpt.rng_state()], "config": cfg, "preprocess": dict(model.preprocess)}
+                "rng": [ckpt.RNG().state_dict()], "config": cfg, "preprocess": dict(model.preprocess)}
         save_sharded(model, opt, meta, root, step)
     return root
 

@@ -1,18 +1,11 @@
-"""Checksums: everything vlp writes for later loading verifies itself, wherever it is copied.
+"""Checksums: what vlp writes for later loading verifies itself, wherever it is copied to.
 
-* A `.pt` checkpoint carries its checksum inside (`seal`): SHA-256 over its contents as loaded
-  (every tensor's dtype, shape and bytes, every other value), so it verifies alone, renamed too.
-* A folder (a DCP checkpoint) holds `manifest.json`: each other file's size and SHA-256, named
-  relative to the folder, so a copied or renamed folder verifies.
-* A file whose format is someone else's (an open_clip export) gets the same manifest beside it,
-  `NAME.manifest.json`; it names one file, which is checked under whatever name it has now.
-
-`verify` reads every covered file back and compares before torch.load or DCP parse a byte; a
-mismatch is an `IntegrityError` naming the file. Files from before checksums have none: `verify`
-returns False and the caller decides (a warning for those, a refusal for vlp's own).
-
-SHA-256 streams at ~1.2 GB/s per core here (SHA extensions; blake2b ~0.76 GB/s, md5 ~0.68),
-in 4 MiB reads: bench/checksum_cost.py measures its share of a save and a load.
+A checkpoint dict carries its SHA-256 inside (`seal`: over every tensor's dtype, shape and bytes and
+every other value, in order). A folder (DCP) holds `manifest.json`, each other file's size and
+SHA-256 named relative to it; a file in someone else's format (the open_clip export) the same
+manifest beside it, `NAME.manifest.json`, checked under whatever name the file has now. `verify`
+reads the files back before torch.load or DCP parse a byte; a mismatch is an `IntegrityError`
+naming the file. SHA-256 streams at ~1.2 GB/s per core here (bench/checksum_cost.py).
 """
 
 from __future__ import annotations
@@ -24,6 +17,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from vlp.util import atomic_write
 
 ALGORITHM = "sha256"
 CHUNK_BYTES = 4 << 20
@@ -72,8 +67,6 @@ def manifest_bytes(entries: dict[str, dict]) -> bytes:
 
 def write_manifest(path: str | Path) -> Path:
     """Write the manifest of a file (its sidecar) or a folder (all its files), fsynced."""
-    from vlp.util import atomic_write
-
     path = Path(path)
     files = sorted(f for f in path.iterdir() if f.is_file() and f.name != DIR_MANIFEST) if path.is_dir() else [path]
     target = manifest_path(path)

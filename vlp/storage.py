@@ -1,25 +1,12 @@
-"""Run folders: one shim over fsspec for a local folder and a bucket (``s3://``, ``gs://``, any
-fsspec URL), so the checkpointer, the logger and the study make the same calls for both.
+"""Run folders: one shim over fsspec for a local folder and a bucket (``s3://``, ``gs://``), so
+the checkpointer, the logger and the study make the same calls for both (docs/checkpoints.md).
 
-    folder = RunFolder("s3://bucket/runs/x")            # or a plain path
-    folder.write_text("config.yaml", text)               # whole objects: readers see old or new
-    log = folder.log_writer("log.jsonl")                 # appends; on a bucket uploaded every 30 s
-    stage = folder.stage("checkpoints/step_00000007.pt") # a local path to write to, then ...
-    folder.publish(stage, "checkpoints/step_00000007.pt")  # ... visible whole, in the background
-    folder.wait()                                        # before the next publish and at exit
-    path = folder.download("checkpoints/step_00000007.pt")   # a local file (the file itself locally)
-
-The two kinds differ in three facts, kept here and nowhere else:
-
-* **Where a tool writes real files** (``stage``, ``local_dir``, ``file``): in a local folder beside
-  the target (the same disk, so publishing is a rename); for a bucket in this process's temp
-  folder ``$TMPDIR/vlp-run-PID-*``, removed by ``close`` and, after a kill, at the next start.
-* **How an object appears whole**: a rename locally, one PUT on a bucket (an object store has no
-  rename and no append; an upload killed halfway leaves nothing under the name).
-* **How a file is created only if absent** (the run lock): O_EXCL locally, a conditional PUT.
-
-Listing, reading, removing and moving are the same fsspec calls for both. Uploads in the
-background go through one thread; its error is raised by the next ``wait``/``publish``.
+They differ in three facts, kept here and nowhere else: where a writer puts real files
+(``stage``, ``local_dir``, ``file``: beside the target locally, on the same disk; for a bucket in
+this process's temp folder $TMPDIR/vlp-run-PID-*, removed by ``close`` and, after a kill, at the
+next start), how an object appears whole (``put``: a rename, or one PUT: an object store has no
+rename and no append), and how a file is created only if absent (``create``: O_EXCL, or a
+conditional PUT). Background uploads go through one thread; its error is raised by ``wait``.
 """
 
 from __future__ import annotations
@@ -30,11 +17,11 @@ import re
 import shutil
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Callable, Optional
 
 from vlp.config import ConfigError
+from vlp.data.shard_io import has_backend
 from vlp.util import atomic_write, pid_alive
 
 CACHE_PREFIX = "vlp-run-"  # $TMPDIR/vlp-run-PID-XXXX: a bucket folder's stage and downloads
@@ -79,9 +66,9 @@ def remove_local(path: Path) -> None:
 
 
 class RunFolder:
-    """A run's folder at a local path or URL (module docstring). Names are relative paths inside
-    it ('log.jsonl', 'checkpoints/step_00000007.pt'). ``cache_dir``: where a bucket folder stages
-    and downloads (default: a temp folder removed by ``close``); ``storage_options``: for fsspec."""
+    """A run's folder at a local path or URL. Names are relative paths inside it ('log.jsonl',
+    'checkpoints/step_00000007.pt'). ``cache_dir``: where a bucket folder stages and downloads
+    (default: a temp folder removed by ``close``); ``storage_options``: for fsspec."""
 
     def __init__(self, url_or_path, cache_dir: Optional[str] = None, **storage_options):
         import fsspec
@@ -114,8 +101,8 @@ class RunFolder:
 
     @property
     def cache_dir(self) -> Path:
-        """This process's temp folder ($TMPDIR/vlp-run-PID-*). Removed by ``close``; those of dead
-        processes (a SIGKILL) when the next one is made."""
+        """This process's temp folder ($TMPDIR/vlp-run-PID-*); those of dead processes are removed
+        when one is made."""
         if self._parent is not None:
             return self._parent.cache_dir
         if self._cache is None:
@@ -124,9 +111,9 @@ class RunFolder:
         self._cache.mkdir(parents=True, exist_ok=True)
         return self._cache
 
-    # ------------------------------------------------------------------ whole objects
+    # ------------------------------------------------------------------ objects
     def write_bytes(self, name: str, data: bytes) -> None:
-        """Replace ``name`` with ``data``: one PUT on a bucket, temp + rename locally."""
+        """Replace ``name`` with ``data``, readers seeing the old or the new: one PUT, or temp + rename."""
         if self.remote:
             self.fs.pipe_file(self._key(name), data)
         else:
@@ -137,15 +124,12 @@ class RunFolder:
 
     def create(self, name: str, data: bytes) -> bool:
         """Create ``name`` holding ``data`` only if it does not exist (exactly one creator wins:
-        O_EXCL locally, S3 If-None-Match / GCS ifGenerationMatch=0); False when it exists."""
-        if self.remote:
-            try:
+        O_EXCL, or S3 If-None-Match / GCS ifGenerationMatch=0); False when it exists."""
+        try:
+            if self.remote:
                 self.fs.pipe_file(self._key(name), data, mode="create")
                 return True
-            except FileExistsError:
-                return False
-        Path(self._key(name)).parent.mkdir(parents=True, exist_ok=True)
-        try:
+            Path(self._key(name)).parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self._key(name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
@@ -185,16 +169,15 @@ class RunFolder:
         self.fs.invalidate_cache()
 
     def move(self, name: str, new: str) -> None:
-        """Rename a file or folder (on a bucket: copy, then delete), replacing ``new``."""
+        """Rename a file or folder (in a bucket: copy, then delete), replacing ``new``."""
         self.remove(new, tree=True)
         self.fs.mv(self._key(name), self._key(new), recursive=True)
         self.fs.invalidate_cache()
 
     # ------------------------------------------------------------------ local files
     def stage(self, name: str, tag: str = "") -> Path:
-        """A fresh local path to write ``name`` into before ``put``/``publish``: locally
-        ``.BASE.tmp-PID[-TAG]`` beside it (a killed writer's is found by its PID); on a bucket
-        in this process's temp folder."""
+        """A fresh local path to write ``name`` to before ``put``: ``.BASE.tmp-PID[-TAG]`` beside
+        it (a killed writer's is known by its PID), or in this process's temp folder."""
         parent, _, base = name.rpartition("/")
         temp = f".{base}.tmp-{os.getpid()}" + (f"-{tag}" if tag else "")
         path = (self.cache_dir / "stage" / parent if self.remote else Path(self._key(parent))) / temp
@@ -203,23 +186,22 @@ class RunFolder:
         path.parent.mkdir(parents=True, exist_ok=True)
         return path
 
-    def put(self, local, name: str) -> None:
+    def put(self, local, name: str, keep: bool = False) -> None:
         """Make the file at ``local``, or each file under the folder ``local``, the object of the
-        same relative name under ``name``, each appearing whole (rename / PUT); ``local`` goes."""
-        local = Path(local)
-        for rel, path in _files_under(local):
-            key = self._key(f"{name}/{rel}" if rel else name)
+        same relative name under ``name``, each appearing whole; ``local`` goes unless ``keep``."""
+        for rel, path in _files_under(Path(local)):
+            key = self._key(f"{name}/{rel}".strip("/") if rel else name)
             if self.remote:
                 self.fs.put_file(str(path), key)
-            else:
+            elif Path(key) != path:
                 Path(key).parent.mkdir(parents=True, exist_ok=True)
-                os.replace(path, key)
-        remove_local(local)
+                shutil.copyfile(path, key) if keep else os.replace(path, key)
+        if not keep:
+            remove_local(Path(local))
         self.fs.invalidate_cache()
 
     def publish(self, local, name: str, then: Optional[Callable[[], None]] = None) -> None:
-        """``put`` in the background (then ``then()``, e.g. pruning): waits for the previous one;
-        an error is raised by the next ``wait``."""
+        """``put`` in the background, then ``then()``; waits for the previous one first."""
         self.wait()
 
         def run():
@@ -246,38 +228,25 @@ class RunFolder:
     def uploading(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def upload(self, local_path, name: str) -> None:
-        """Copy a local file or folder to ``name`` now (eval reports, a finished tb/ folder)."""
-        for rel, path in _files_under(Path(local_path)):
-            key = self._key(f"{name}/{rel}".strip("/") if rel else name)
-            if self.remote:
-                self.fs.put_file(str(path), key)
-            elif Path(key) != path:
-                Path(key).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(path, key)
-
     def download(self, name: str) -> Path:
         """A local path holding ``name`` (a file or a folder): itself in a local folder, else a
-        copy in the cache folder (``drop`` it when done). FileNotFoundError when absent."""
+        copy in the temp folder. FileNotFoundError when absent."""
         key = self._key(name)
-        if not self.remote:
-            if not os.path.exists(key):
-                raise FileNotFoundError(f"{self.path(name)} does not exist")
-            return Path(key)
-        files = self.fs.find(key)
+        files = self.fs.find(key) if self.remote else [key] * os.path.exists(key)
         if not files:
             raise FileNotFoundError(f"{self.path(name)} does not exist")
+        if not self.remote:
+            return Path(key)
         dest = self.cache_dir / "downloads" / name
         remove_local(dest)
         for f in files:
-            rel = f[len(key):].lstrip("/")
-            target = dest / rel if rel else dest
+            target = dest / f[len(key):].lstrip("/")
             target.parent.mkdir(parents=True, exist_ok=True)
             self.fs.get_file(f, str(target))
         return dest
 
     def drop_downloads(self) -> None:
-        """Remove what ``download`` copied here (nothing locally: those were the files themselves)."""
+        """Remove what ``download`` copied here (locally those were the files themselves)."""
         cache = (self._parent or self)._cache
         if self.remote and cache is not None:
             remove_local(cache / "downloads")
@@ -293,85 +262,36 @@ class RunFolder:
         return cls(parent, **kwargs), base
 
     def local_dir(self, name: str) -> Path:
-        """A real local folder for tools that write files themselves (tensorboard's tb/, eval
-        reports): the folder itself; on a bucket a cache folder that ``sync_dir`` uploads."""
+        """A real local folder for tools that write files themselves (tb/, eval reports): the
+        folder itself, or a temp folder that ``sync_dir`` uploads."""
         path = self.cache_dir / "dirs" / name if self.remote else Path(self._key(name))
         path.mkdir(parents=True, exist_ok=True)
         return path
 
     def sync_dir(self, name: str) -> None:
-        """Upload what ``local_dir(name)`` holds now (bucket; a no-op locally)."""
+        """Upload what ``local_dir(name)`` holds now (a no-op locally)."""
         if self.remote:
-            self.upload(self.local_dir(name), name)
+            self.put(self.local_dir(name), name, keep=True)
 
     @contextlib.contextmanager
     def file(self, name: str):
-        """A local path to write member ``name`` to (``torch.save``, ``write_text``): the member
-        itself locally; on a bucket a cache file uploaded whole when the block ends without an
-        error, then its checksum sidecar (NAME.manifest.json) if one was written beside it."""
+        """A local path to write member ``name`` to: the member itself, or a temp file uploaded
+        when the block ends without an error, then its sidecar NAME.manifest.json if written."""
         path = self.cache_dir / "files" / name if self.remote else Path(self._key(name))
         path.parent.mkdir(parents=True, exist_ok=True)
         yield path
-        if self.remote:
-            self.fs.put_file(str(path), self._key(name))
-            side = path.with_name(path.name + SIDECAR)
-            if side.is_file():  # after the file: a reader never finds a manifest without it
-                self.fs.put_file(str(side), self._key(name + SIDECAR))
-
-    def log_writer(self, name: str = "log.jsonl", upload_every_s: float = 30.0) -> "LogWriter":
-        return LogWriter(self, name, upload_every_s)
+        for local, member in ((path, name), (path.with_name(path.name + SIDECAR), name + SIDECAR)):
+            if self.remote and local.is_file():  # the file first: a manifest is never without it
+                self.fs.put_file(str(local), self._key(member))
 
     def close(self) -> None:
-        """Finish the upload in flight (raising its error) and remove the temp cache folder."""
+        """Finish the upload in flight (raising its error) and remove the temp folder."""
         try:
             self.wait()
         finally:
             if self._own_cache and self._cache is not None:
                 shutil.rmtree(self._cache, ignore_errors=True)
                 self._cache = None
-
-
-class LogWriter:
-    """An appending text log (``log.jsonl``). Locally: a file opened for append, flushed on every
-    line. On a bucket: lines go to a local copy (started from the existing object, so a resumed
-    run keeps its history), uploaded whole every ``upload_every_s``, on ``flush()`` and ``close()``."""
-
-    def __init__(self, folder: RunFolder, name: str, upload_every_s: float = 30.0):
-        self.folder, self.name, self.upload_every_s = folder, name, upload_every_s
-        self._last_upload = time.monotonic()
-        if folder.remote:
-            self._local = folder.cache_dir / "logs" / name
-            self._local.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                self._local.write_bytes(folder.read_bytes(name))
-            except FileNotFoundError:
-                self._local.write_bytes(b"")
-        else:
-            self._local = Path(folder._key(name))
-            self._local.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self._local, "a")
-        self._dirty = False
-
-    def write(self, line: str) -> None:
-        """Append one line (a newline is added when missing)."""
-        self._file.write(line if line.endswith("\n") else line + "\n")
-        self._file.flush()
-        self._dirty = True
-        if self.folder.remote and time.monotonic() - self._last_upload >= self.upload_every_s:
-            self.flush()
-
-    def flush(self) -> None:
-        """Upload the whole log now (bucket); a no-op locally."""
-        self._file.flush()
-        if self.folder.remote and self._dirty:
-            self.folder.fs.put_file(str(self._local), self.folder._key(self.name))
-            self._dirty = False
-        self._last_upload = time.monotonic()
-
-    def close(self) -> None:
-        if not self._file.closed:
-            self.flush()
-            self._file.close()
 
 
 # ---------------------------------------------------------------------- start-up check
@@ -394,9 +314,9 @@ def _cause(error: BaseException) -> str:
 
 
 def open_run_folder(url_or_path, option: str = "train.output_dir") -> RunFolder:
-    """The RunFolder of a run's output; a bucket is checked first (`check_writable`), so a
-    wrong bucket, refused credentials, an unreachable endpoint or a missing extra fail in one
-    line naming ``option`` before anything is written. A local path is not touched here."""
+    """The RunFolder of a run's output; a bucket is checked first (`check_writable`), so a wrong
+    bucket, refused credentials, an unreachable endpoint or a missing extra fail in one line
+    naming ``option`` before anything is written. A local path is not touched here."""
     if is_url(url_or_path) and not str(url_or_path).startswith("file://"):
         check_writable(url_or_path, option=option)
         remove_dead_caches()  # stage copies and downloads of runs that were killed
@@ -424,10 +344,10 @@ def _probe(url: str, probe: str) -> str:
 
 def check_writable(url, timeout_s: Optional[float] = None, option: str = "train.output_dir") -> None:
     """Check at start that a run folder can be written (a probe object written, read back,
-    deleted). StorageError with one line naming the URL and the cause: a missing backend (which
-    extra to install), no such bucket, refused credentials, no answer within ``timeout_s``
-    (default $VLP_STORAGE_TIMEOUT_S, else 30 s; the probe runs in a thread, so the backend's own
-    retries cannot stretch it), or a local folder that cannot be created."""
+    deleted): StorageError in one line naming the URL and the cause (a missing backend, no such
+    bucket, refused credentials, no answer within ``timeout_s``: $VLP_STORAGE_TIMEOUT_S, else
+    30 s, the probe in a thread so the backend's retries cannot stretch it; a local folder that
+    cannot be created)."""
     url = str(url).rstrip("/")
     timeout_s = float(os.environ.get("VLP_STORAGE_TIMEOUT_S", 30)) if timeout_s is None else timeout_s
     probe = f".vlp-write-check-{os.uname().nodename}-{os.getpid()}"
@@ -440,13 +360,10 @@ def check_writable(url, timeout_s: Optional[float] = None, option: str = "train.
         except OSError as e:
             raise StorageError(f"{option}={url}: cannot write there: {e.strerror or e}") from None
         return
-    from vlp.data.shard_io import has_backend
-
     if not has_backend(url):
         raise StorageError(f"{option}={url}: {_missing_backend(url).split(': ', 1)[1]}")
     outcome: list[str] = []
-    thread = threading.Thread(target=lambda: outcome.append(_probe(url, probe)), name="vlp-check-writable",
-                              daemon=True)
+    thread = threading.Thread(target=lambda: outcome.append(_probe(url, probe)), daemon=True)
     thread.start()
     thread.join(timeout_s)
     if not outcome:

@@ -1,18 +1,14 @@
 """One checkpoint's bytes: the two formats, how each is read and checked before use.
 
-    step_N.pt       one torch.save of plain tensors and containers: "model", "optimizer" and each
-                    registered part's state under its key (vlp.train.checkpointer), sealed with its
-                    checksum inside (vlp.integrity.seal)
-    step_N/         a DCP folder (train.parallel=fsdp): every rank's shard files and DCP's
-                    .metadata, then manifest.json (every file's checksum), then META_FILE (the
-                    parts' state, sealed) last: a folder is a checkpoint once META_FILE is there
-    step_N.ranks/   one file per rank of state sharded by rank (SogCLR's u), beside either
+    step_N.pt      one torch.save: "model", "optimizer", every registered part's key, sealed
+    step_N/        DCP (train.parallel=fsdp): every rank's shards and .metadata, then manifest.json,
+                   then META_FILE (the parts, sealed), last: the folder is a checkpoint once it is there
+    step_N.ranks/  one file per rank of state sharded by rank (SogCLR's u), beside either
 
-Everything is read with torch.load(weights_only=True): nothing from a file is unpickled as an
-arbitrary object, and every checksum is checked before a tensor is used. A damaged checkpoint is
-a CheckpointError naming the file; one vlp wrote with checksums that cannot be verified is
-refused; one from before checksums loads with one warning. Checkpoints of earlier releases (the
-counters and the data position at the top level) are read through `upgrade`.
+Everything is read with torch.load(weights_only=True) and checked before a tensor is used: a
+damaged checkpoint is a CheckpointError naming the file, one vlp sealed that cannot be verified
+is refused, one from before checksums loads with a warning. Checkpoints of earlier releases are
+read through `upgrade` (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -35,7 +31,7 @@ from vlp.util import first_line
 CKPT_RE = re.compile(r"^step_(\d+)(\.pt)?$")  # step_N.pt file (replicated) or step_N/ DCP folder (sharded)
 META_FILE = "meta.pt"  # a DCP checkpoint's parts (counters, RNG, config, ...): written last, by rank 0
 REQUIRED = ("scheduler", "train", "data", "world_size", "rng", "config")  # besides model and optimizer
-__all__ = ["CheckpointError"]
+__all__ = ["CheckpointError"]  # raised here; defined in vlp.integrity with IntegrityError
 
 
 def ranks_name(name: str) -> str:
@@ -283,38 +279,30 @@ def load_sharded_full(path: str | Path) -> dict:
 
 
 # ---------------------------------------------------------------- the random state, a part
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+class RNG:
+    """This process's random state (torch, Python, CUDA) as a per-rank part: loaded from its
+    rank's saved entry; None (a resume under another layout) seeds `seed + rank` afresh."""
 
+    def __init__(self, seed: int = 0, rank: int = 0):
+        self.seed, self.rank = seed, rank
 
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(_tuplify(state["python"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    def state_dict(self) -> dict:
+        state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, states: list) -> None:
+        state = states[self.rank]
+        if state is None:
+            from accelerate.utils import set_seed  # accelerate's: torch, numpy, Python and CUDA at once
+
+            return set_seed(self.seed + self.rank)
+        torch.set_rng_state(state["torch"])
+        random.setstate(_tuplify(state["python"]))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _tuplify(x):
     return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
-class RNG:
-    """This process's random state as a per-rank part. Loaded from its rank's saved entry; an
-    entry of None (a resume under another layout) seeds `seed + rank` afresh."""
-
-    def __init__(self, seed: int, rank: int):
-        self.seed, self.rank = seed, rank
-
-    def state_dict(self) -> dict:
-        return rng_state()
-
-    def load_state_dict(self, states: list) -> None:
-        if states[self.rank] is None:
-            from accelerate.utils import set_seed
-
-            set_seed(self.seed + self.rank)
-        else:
-            set_rng_state(states[self.rank])

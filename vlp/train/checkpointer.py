@@ -1,30 +1,20 @@
-"""The checkpointer: one for every run, over one storage path (vlp.storage.RunFolder, a local
-folder or a bucket), with the parts that own state registered with it.
+"""The checkpointer: one per run, over one storage path (vlp.storage.RunFolder, a local folder
+or a bucket alike), with the parts that own state registered with it (docs/checkpoints.md).
 
     checkpoints = Checkpointer(folder.sub("checkpoints"), tensors, keep_last, facts, say=print)
-    checkpoints.register("scheduler", scheduler)                  # the main process's copy
-    checkpoints.register("data", data, PER_RANK)                   # every rank's, in rank order
-    checkpoints.register("loss", loss, RANK_FILES)                 # one file per rank, O(N / world)
-    where = checkpoints.save(step)                                 # a collective
-    found = checkpoints.resume(cfg.train.resume, cfg)              # (where, state) or None
-    checkpoints.close()                                            # the upload in flight ends
+    checkpoints.register("scheduler", scheduler)              # SHARED: the main process's dict
+    checkpoints.register("data", data, PER_RANK)               # every rank's, in rank order
+    checkpoints.register("loss", loss, RANK_FILES)             # one file per rank, O(N / world)
+    where = checkpoints.save(step)                             # a collective
+    where, state = checkpoints.resume(cfg.train.resume, cfg)   # or None: starting fresh
 
-A part has ``state_dict()`` and ``load_state_dict(x)``, and x is what it saved: its dict (SHARED),
-the list of every rank's dicts (PER_RANK: each rank takes its own; vlp.train.resume rewrites the
-list for a new layout), or the saved ranks' dicts it names by ``shards_needed(saved_world)``
-(RANK_FILES: any world size). ``tensors`` (the strategy's model and optimizer) chooses the format
-(vlp.train.checkpoint): one .pt of full tensors, or a DCP folder every rank writes its shards to.
-``facts`` (config, world size, preprocessing) are written beside the parts and never loaded.
-
-The rules, the same in a local folder and a bucket:
-- A checkpoint is listed once it is whole: step_N.pt appears by one rename or PUT; step_N/ when
-  its META_FILE, written last, is there. Its per-rank files are complete before either appears.
-- After each save, all but the newest keep_last are removed (with their per-rank files); a .pt is
-  published, and then pruned, in the background.
-- resume=latest takes the newest checkpoint that loads and checks (from a bucket: a download,
-  removed once loaded); each newer one that fails is set aside as NAME.corrupt and named in the log.
-- A failed save (disk full, DCP's CheckpointException, a lost bucket) raises one line on every
-  rank and removes what it wrote; what killed saves left is removed at the next start.
+``load_state_dict`` gets what ``state_dict`` gave: the dict (SHARED), every rank's in a list
+(PER_RANK; vlp.train.resume.fit rewrites it for a new layout), or the saved ranks' dicts the
+part names by ``shards_needed(saved_world)`` (RANK_FILES). ``tensors`` (the strategy's model and
+optimizer) chooses the format (vlp.train.checkpoint); ``facts`` are written and never loaded.
+A checkpoint is listed once whole (step_N.pt appears by a rename or one PUT; step_N/ once its
+META_FILE, written last, is there); a failed save is one line on every rank and removes what it
+wrote; what killed saves left goes at the next start; resume=latest sets aside what fails.
 """
 
 from __future__ import annotations
@@ -135,10 +125,6 @@ class Checkpointer:
 
     def name(self, step: int) -> str:
         return f"step_{step:08d}" + ("" if self.tensors.sharded else ".pt")
-
-    def path(self, step: int) -> str:
-        """Where step `step`'s checkpoint is (or would be) written, for messages."""
-        return self.folder.path(self.name(step))
 
     # ------------------------------------------------------------ save
     def save(self, step: int) -> str:

@@ -44,7 +44,7 @@ from vlp.train.logger import RunLogger, check_wandb, show_step
 from vlp.train.checkpoint import RNG
 from vlp.train.checkpointer import PER_RANK, RANK_FILES, Checkpointer
 from vlp.train.memory import StepMemory
-from vlp.train.optim import build_optimizer, build_scheduler, param_groups
+from vlp.train.optim import build_optimizer, build_scheduler, follow_config, param_groups
 from vlp.train.step import contrastive_backward
 from vlp.train.strategy import Tensors, make_strategy
 
@@ -259,7 +259,8 @@ class Trainer:
         if found is not None:
             (path, state), d = found, self.data
             self.total_steps = self.step + (self.cfg.train.samples - self.samples_seen) // self.global_batch
-            for line in resume.apply_changes(state, self.cfg, self.torch_optimizer, self.scheduler):
+            follow_config(self.torch_optimizer, self.scheduler, self.cfg.optim)  # not the saved lr, betas, ...
+            for line in resume.applied_lines(state, self.cfg):
                 self.print(line)  # e.g. "optim.lr 1e-3 -> 1e-5 from step 12" (vlp.train.resume.RESUME_RULES)
             self.print(f"[vlp] resumed from {path} at step {self.step}, {self.samples_seen} samples seen (epoch "
                        f"{d.epoch}, batch {d.batch_in_epoch}{' of its rest under the new layout' if d.pieces else ''})")

@@ -1,33 +1,15 @@
-"""Resume on a changed cluster: which changes a checkpoint allows, and where the data goes on.
+"""Resume rules: which config changes a checkpoint allows, and where the data goes on.
 
-The data a step sees is decided by the *layout*: world size, per-device batch, accum_steps,
-num_workers, seed, shuffle buffer and mode (vlp.data.stream: rank r owns a contiguous
-range of the epoch, worker w the batches j = w mod W of it, each read through a seeded shuffle
-buffer). Hence:
-
-* ``train.resume_mode: exact`` (default): the layout must not change. The run then continues
-  bit-identically (CPU, deterministic settings) to an uninterrupted one. A changed layout, seed
-  or loss would alter results silently, so it is refused with one line naming each change and
-  how to allow it.
-* ``train.resume_mode: continue``: the layout (and seed, loss) may change, e.g. after a node is
-  lost. The run goes on from the same global sample position: every rank saved the pieces of
-  the current epoch it had not consumed (``Loader.rest_of_epoch``); concatenated in rank order,
-  they are read as the rest of the epoch under the new layout, so no sample of the epoch is
-  repeated or skipped (a remainder smaller than one global batch is dropped, as ``drop_last``
-  does at every epoch end). Later epochs use the new layout. In resampled mode (sampling with
-  replacement) the position in the epoch is carried over in samples. The LR schedule follows
-  samples seen, so it is continuous across a change of global batch.
-* Never: a changed model, shard list or optimizer (the weights, the optimizer state or the
-  saved shard pieces would not fit), nor a value the checkpoint overrides (pretrained weights,
-  tau): refused by name.
-* Every other key is applied from the resume step on and logged ("optim.lr 0.001 -> 1e-05 from
-  step 12"); ``apply_optim_changes`` makes the optimizer and LR schedule follow the new values
-  (a loaded optimizer state would otherwise keep the saved lr, weight decay and betas).
+The *layout* (world size, per-device batch, accum_steps, num_workers, seed, shuffle buffer, mode,
+loss) decides which samples each step sees. ``train.resume_mode: exact`` (default) refuses a
+changed layout in one line naming each change: the run then continues bit-identically.
+``continue`` allows it and goes on from the same global sample: the ranks' unconsumed pieces of
+the epoch, in rank order, are the rest of the epoch under the new layout (`relayout`). A changed
+model, shard list or optimizer, or a value the checkpoint overrides, is always refused; every
+other key is applied from the resume step on and logged (docs/design.md, "Stream").
 
 Which key is which is ONE table, ``RESUME_RULES``, read from each key's declaration
-(vlp/config_keys.py); `changed_settings` and vlp compare's harmless keys are views of it.
-The checkpointer calls `fit` before any part loads: it refuses, or rewrites the per-rank entries
-of the saved state (data position, RNG) for this run's ranks.
+(vlp/config_keys.py). The checkpointer calls `fit` before any part loads.
 """
 
 from __future__ import annotations
@@ -95,40 +77,6 @@ def applied_lines(saved: dict, cfg: Config) -> list[str]:
     optim.lr 0.001 -> 1e-05 from step 12'."""
     applied, _ = resume_changes(saved.get("config") or {}, cfg.to_dict())
     return [f"[vlp] resume: {line} from step {saved['train']['step']}" for line in applied]
-
-
-def apply_optim_changes(optimizer, scheduler, cfg: Config) -> None:
-    """Make a resumed optimizer and LR schedule follow `cfg.optim`, not the checkpoint's values
-    (optimizer.load_state_dict restores every group's lr, weight decay, betas, ...; the
-    scheduler's state its base_lrs). Call after loading both and after the trainer's
-    samples_seen is restored (the LR lambda reads it): the step about to run uses the new peak
-    lr at the schedule's current point. Groups follow vlp.train.optim.param_groups: group 0 has no
-    weight decay, the others cfg.optim.weight_decay."""
-    o = cfg.optim
-    for i, group in enumerate(optimizer.param_groups):
-        group["initial_lr"] = o.lr
-        if i > 0:
-            group["weight_decay"] = o.weight_decay
-        if "betas" in group:
-            group["betas"] = (o.beta1, o.beta2)
-        if "eps" in group:
-            group["eps"] = o.eps
-        if "momentum" in group:
-            group["momentum"] = o.momentum
-        if "eta" in group:
-            group["eta"] = o.trust_coefficient
-    scheduler.base_lrs = [o.lr] * len(optimizer.param_groups)
-    lambdas = getattr(scheduler, "lr_lambdas", None) or [lambda _: 1.0] * len(optimizer.param_groups)
-    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, lambdas):
-        group["lr"] = base * factor(scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-
-
-def apply_changes(saved: dict, cfg: Config, optimizer, scheduler) -> list[str]:
-    """The one call after a resume has loaded everything: apply the optimizer's new settings
-    (apply_optim_changes) and return the log lines of every applied change (applied_lines)."""
-    apply_optim_changes(optimizer, scheduler, cfg)
-    return applied_lines(saved, cfg)
 
 
 def layout_changes(saved: dict, cfg: Config, world_size: Optional[int],

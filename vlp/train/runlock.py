@@ -1,21 +1,14 @@
 """One writer per run folder: `vlp.lock` in it, created only if absent, by the main process.
 
-    lock = acquire(folder, break_lock=cfg.train.break_lock, log=print)   # before anything is written
-    ...
-    lock.release()                                                         # also at exit, on errors
+    lock = acquire_on_main(folder, cfg.train.break_lock, is_main, log=print)   # before any write
+    lock.release()                                                               # also at exit
 
-The lock is created through the run folder (vlp.storage.RunFolder.create), local or bucket alike:
-O_EXCL in a local folder (exactly one creator wins, also on NFSv3+ and every current NFS/Lustre/
-GPFS client; not on NFSv2), a conditional PUT in a bucket (S3 If-None-Match, GCS
-ifGenerationMatch=0). It holds the holder's pid, host, start time and the pid's own start time (a
-reused pid is not mistaken for the holder). A second trainer on the same folder is refused in one
-line naming the holder. A lock whose holder is gone (same host, the pid no longer runs, or runs a
-process started later) is stale: reported in one line and taken over. A lock from another host
-cannot be probed from here: refused, with the advice to set train.break_lock=true once that run is
-known to be gone.
-
-Takeover: the stale lock is moved to a private name, re-read, and put back (created if absent) if
-it turned out to be a fresh lock; then the lock is created again, which only one taker can do.
+Created through RunFolder.create, local or bucket alike (O_EXCL: one creator wins, also on NFSv3+
+and current NFS/Lustre/GPFS clients; a conditional PUT in S3 or GCS). It names its holder (pid,
+host, start time, the pid's own start time, so a reused pid is not mistaken for it). A live
+holder is refused in one line; a gone one (same host) is reported and taken over: the lock is
+moved to a private name, re-read, and put back if it was fresh meanwhile, then created again,
+which only one taker can do. Another host's lock is refused unless train.break_lock=true.
 """
 
 from __future__ import annotations
