@@ -313,6 +313,7 @@ class Trainer:
             finally:
                 if lock is not None:
                     lock.release()
+                self.folder.close()  # a bucket's temp folder (stage, downloads) goes
 
     def _train(self) -> dict:
         cfg = self.cfg
