@@ -11,12 +11,12 @@ two cores with the loop, which a real bucket would not.
 
 A "training loop" of ``--steps`` steps, each a fixed CPU workload of about ``--step-ms`` (a
 matmul chain on one thread: the model's compute, no data loading), saves a checkpoint every
-``--every`` steps through ``vlp.storage.RunFolder``:
+``--every`` steps through ``vlp.storage.RunFolder`` (stage, publish in the background, prune):
 
   none    no saves (the reference step time)
-  local   RunFolder(<tmp dir>): torch.save into a stage folder + rename, all in the loop
+  local   RunFolder(<tmp dir>): torch.save into a stage file beside the target, renamed in the background
   bucket  RunFolder(s3://bench/run): torch.save into a local stage folder, then ``publish``
-          uploads in a background thread (objects, then the manifest, then prune to 2) while
+          uploads in a background thread (the object, then prune to 2) while
           the loop goes on;
           the next publish and the end wait for it
 
@@ -116,16 +116,18 @@ def run_loop(step, steps: int, every: int, folder, state) -> tuple[float, list[f
     last upload: in a real run that one overlaps the final export and eval)."""
     import torch
 
+    from vlp.train.checkpointer import prune
+
     blocked = []
     t0 = time.perf_counter()
     for i in range(1, steps + 1):
         step()
         if folder is not None and i % every == 0:
             t = time.perf_counter()
-            stage = folder.stage_dir()
-            name = f"step_{i:08d}.pt"
-            torch.save(state, stage / name)
-            folder.publish(stage / name, f"checkpoints/{name}", keep_last=2)
+            name = f"checkpoints/step_{i:08d}.pt"
+            stage = folder.stage(name)
+            torch.save(state, stage)
+            folder.publish(stage, name, then=lambda: prune(folder.sub("checkpoints"), 2))
             blocked.append(time.perf_counter() - t)
     loop = time.perf_counter() - t0
     if folder is not None:

@@ -7,7 +7,7 @@ Two states: the trainer's .pt checkpoint of vlp-micro (model + AdamW moments + m
 dict of random fp32 tensors of about --mb MB (a stand-in for a larger model's state). Each round
 alternates:
   save_plain   atomic_write(torch.save) with fsync, as checkpoints were written before manifests
-  save_checked checkpoint.atomic_save: the same, hashing the bytes on the way out, then the manifest
+  save_checked checkpoint.save_file: the same, its checksum computed first and sealed inside
   load_plain   torch.load(weights_only)
   load_checked checkpoint.load: integrity.verify (reads and hashes the file) then torch.load
 The file is read from the page cache (just written): verification's figure is the hash's CPU
@@ -68,7 +68,7 @@ def measure(name: str, state: dict, folder: Path, rounds: int) -> None:
 
     for _ in range(rounds):
         timed("save_plain", lambda: atomic_write(plain, lambda f: torch.save(state, f), fsync=True))
-        timed("save_checked", lambda: ckpt.atomic_save(state, checked))
+        timed("save_checked", lambda: ckpt.save_file(state, checked))
         timed("load_plain", lambda: torch.load(plain, map_location="cpu", weights_only=True))
         timed("load_checked", lambda: ckpt.load(checked))
         timed("verify", lambda: integrity.verify(checked))

@@ -340,7 +340,7 @@ def _meta_entry(rank: int) -> dict:
 
     rest = [(0, 0, 0), (0, 0, 0), (0, 0, 0), (0, rank * 1000 + 37, rank * 1000 + 1000)] + \
         [(i % 4, 100 + i, 101 + i) for i in range(65)]
-    return {"rng": ckpt.rng_state(),
+    return {"rng": ckpt.RNG().state_dict(),
             "data": {"epoch": 3, "batch_in_epoch": 417, "epoch_pieces": None, "epoch_batches": 1000,
                      "rest": rest, "skipped": {"corrupt_image": rank, "missing_caption": 2}}}
 

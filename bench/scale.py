@@ -147,7 +147,7 @@ def train(spec: str, out: Path) -> tuple[float, float, int]:
     first = wall if first is None else first
     ckpt = sorted((out / "checkpoints").glob("step_*.pt"))[-1]
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
-    return first, wall, len(pickle.dumps(state["data_rest"]))
+    return first, wall, len(pickle.dumps([d["rest"] for d in state["data"]]))
 
 
 def late_rest_bytes(spec: str, batches: int = 400) -> int:

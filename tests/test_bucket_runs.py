@@ -126,7 +126,7 @@ def test_s3_run_gets_the_run_folder_and_resumes_after_sigkill_bit_identical(s3, 
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     child = _vlp(s3, tmp_path, *_train_args(tiny_shards, url), wait=False, tmpdir=tmp)
-    _kill_when(s3, child, f"{url[5:]}/checkpoints/step_{kill_at:08d}.pt.manifest.json")
+    _kill_when(s3, child, f"{url[5:]}/checkpoints/step_{kill_at:08d}.pt")
     assert "open_clip_model.pt" not in _keys(s3, url)
     assert [p.name.split("-")[2] for p in tmp.glob("vlp-run-*")] == [str(child.pid)]  # left by the kill
     proc = _vlp(s3, tmp_path, *_train_args(tiny_shards, url, "train.resume=latest"), tmpdir=tmp)
@@ -136,8 +136,7 @@ def test_s3_run_gets_the_run_folder_and_resumes_after_sigkill_bit_identical(s3, 
     _same(_bucket_weights(s3, url), torch.load(tmp_path / "ref/open_clip_model.pt", weights_only=True)["state_dict"])
     keys = _keys(s3, url)
     assert [k for k in keys if k.startswith("checkpoints/")] == [
-        "checkpoints/step_00000011.pt", "checkpoints/step_00000011.pt.manifest.json",
-        "checkpoints/step_00000012.pt", "checkpoints/step_00000012.pt.manifest.json"]
+        "checkpoints/step_00000011.pt", "checkpoints/step_00000012.pt"]  # checksums inside
     for name in ("config.yaml", "log.jsonl", "open_clip_model.pt", "result.json", "eval_step12/metrics.json"):
         assert name in keys, keys
     assert "vlp.lock" not in keys  # released at exit
@@ -148,9 +147,13 @@ def test_s3_run_gets_the_run_folder_and_resumes_after_sigkill_bit_identical(s3, 
 
 
 def test_an_upload_killed_halfway_is_never_resumed_from(s3, tiny_shards, tmp_path, capsys):
-    """Objects without a manifest (an upload killed halfway) are not a checkpoint: removed at the
-    next start; a committed checkpoint whose object no longer matches its manifest is set aside
+    """A checkpoint folder without its META_FILE (an upload killed halfway) is not a checkpoint:
+    removed at the next start; a checkpoint whose bytes no longer match its checksum is set aside
     and resume falls back to the one before."""
+    import io
+    import struct
+    import zipfile
+
     from vlp.train.loop import Trainer
 
     url = _prefix(s3, "half")
@@ -159,19 +162,26 @@ def test_an_upload_killed_halfway_is_never_resumed_from(s3, tiny_shards, tmp_pat
                  "data.eval_shards=null")).train()
     fs = s3.fs()
     good = fs.cat_file(f"{root}/checkpoints/step_00000003.pt")
-    fs.pipe_file(f"{root}/checkpoints/step_00000006.pt", good[:len(good) // 2])  # no manifest: killed halfway
-    fs.pipe_file(f"{root}/checkpoints/step_00000004.pt", good)  # committed, but not the bytes its manifest names
+    fs.pipe_file(f"{root}/checkpoints/step_00000006/__0_0.distcp", good[:1000])  # no META_FILE: killed halfway
+    blob = bytearray(fs.cat_file(f"{root}/checkpoints/step_00000004.pt"))
+    with zipfile.ZipFile(io.BytesIO(bytes(blob))) as z:  # 64 bytes flipped inside its largest tensor
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    name_len, extra_len = struct.unpack("<HH", blob[info.header_offset + 26:info.header_offset + 30])
+    mid = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+    blob[mid:mid + 64] = bytes(b ^ 0xFF for b in blob[mid:mid + 64])
+    fs.pipe_file(f"{root}/checkpoints/step_00000004.pt", bytes(blob))
     capsys.readouterr()
     Trainer(_cfg(tiny_shards, url, "train.samples=96", "train.checkpoint_every=1", "train.keep_last=3",
                  "data.eval_shards=null", "train.resume=latest")).train()
     out = capsys.readouterr().out
-    assert f"removed {url}/checkpoints/step_00000006.pt: objects of a checkpoint upload that was killed" in out
-    assert "does not match its manifest" in out and "step_00000004.pt.corrupt.json" in out
+    assert f"removed step_00000006 in {url}/checkpoints: left by a checkpoint save that was killed" in out
+    assert f"{url}/checkpoints/step_00000004.pt does not match its sha256 checksum" in out
+    assert "kept as step_00000004.pt.corrupt" in out
     assert f"resumed from {url}/checkpoints/step_00000003.pt at step 3" in out
     keys = _keys(s3, url)
-    assert "checkpoints/step_00000004.pt.corrupt.json" in keys
-    assert [k for k in keys if k.startswith("checkpoints/") and k.endswith(".pt.manifest.json")] == [
-        f"checkpoints/step_{s:08d}.pt.manifest.json" for s in (4, 5, 6)]  # step 4 saved again, committed
+    assert "checkpoints/step_00000004.pt.corrupt" in keys
+    assert [k for k in keys if k.startswith("checkpoints/step_") and k.endswith(".pt")] == [
+        f"checkpoints/step_{s:08d}.pt" for s in (4, 5, 6)]  # step 4 saved again
 
 
 def test_vlp_eval_reads_checkpoints_and_writes_reports_in_the_bucket(s3, tiny_shards, tmp_path, capsys, monkeypatch):
@@ -212,8 +222,7 @@ def test_gs_run_folder_trains_prunes_and_resumes(tiny_shards, tmp_path, capsys):
                      "data.eval_shards=null", "train.resume=latest")).train()
         assert f"resumed from {url}/checkpoints/step_00000003.pt at step 3" in capsys.readouterr().out
         keys = _keys(store, url)
-        assert [k for k in keys if k.startswith("checkpoints/")] == [
-            f"checkpoints/step_{s:08d}.pt{m}" for s in (3, 4) for m in ("", ".manifest.json")]
+        assert [k for k in keys if k.startswith("checkpoints/")] == [f"checkpoints/step_{s:08d}.pt" for s in (3, 4)]
         assert {"config.yaml", "log.jsonl", "open_clip_model.pt", "result.json"} <= set(keys)
     finally:
         store.stop()
@@ -235,15 +244,15 @@ def _launch(store, shards, out, *extra, wait=True):
 
 
 def test_fsdp_in_a_bucket_resumes_after_sigkill_bit_identical(s3, tiny_shards, capsys):
-    """2 processes, FSDP: DCP directories and SogCLR's per-rank files (step_N.ranks/) uploaded
-    by each rank, committed by rank 0; SIGKILL of the job after step 3 of 6 and resume=latest give the
+    """2 processes, FSDP: DCP folders and SogCLR's per-rank files (step_N.ranks/) uploaded by
+    each rank, committed by rank 0 (META_FILE last); SIGKILL of the job after step 3 of 6 and resume=latest give the
     uninterrupted run's weights bit for bit; `vlp eval` reads a DCP directory in the bucket."""
     ref = _prefix(s3, "fsdp-ref")
     proc = _launch(s3, shards=tiny_shards, out=ref)
     assert proc.returncode == 0, proc.stderr[-4000:]
     url = _prefix(s3, "fsdp-kill")
     child = _launch(s3, tiny_shards, url, "train.checkpoint_every=1", wait=False)
-    _kill_when(s3, child, f"{url[5:]}/checkpoints/step_00000003.manifest.json")
+    _kill_when(s3, child, f"{url[5:]}/checkpoints/step_00000003/meta.pt")
     proc = _launch(s3, tiny_shards, url, "train.checkpoint_every=1", "train.resume=latest")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"resumed from {url}/checkpoints/step_" in proc.stdout
@@ -251,7 +260,7 @@ def test_fsdp_in_a_bucket_resumes_after_sigkill_bit_identical(s3, tiny_shards, c
     keys = _keys(s3, ref)
     assert {"checkpoints/step_00000006/__0_0.distcp", "checkpoints/step_00000006/__1_0.distcp",
             "checkpoints/step_00000006/.metadata", "checkpoints/step_00000006/meta.pt",
-            "checkpoints/step_00000006.manifest.json", "checkpoints/step_00000006.ranks.manifest.json",
+            "checkpoints/step_00000006/manifest.json",
             "checkpoints/step_00000006.ranks/rank00000-of-00002.pt",
             "checkpoints/step_00000006.ranks/rank00001-of-00002.pt"} <= set(keys), keys
     rc, _, err = _cli(capsys, "eval", "--checkpoint", f"{ref}/checkpoints/step_00000006", "--shards",
@@ -317,9 +326,8 @@ def test_the_bucket_lock_refuses_a_live_writer_and_takes_over_a_dead_one(s3, tin
 
     url = _prefix(s3, "lock")
     folder = RunFolder(url)
-    lock = runlock.acquire_bucket(folder)
-    with pytest.raises(FileExistsError):  # exactly one creator: a second writer (our own pid aside)
-        folder.fs.pipe_file(folder._key("vlp.lock"), b"{}", mode="create")
+    lock = runlock.acquire(folder)
+    assert not folder.create("vlp.lock", b"{}")  # exactly one creator: a second writer (our own pid aside)
     lock.release()
     assert not folder.exists("vlp.lock")
     alive = {"pid": os.getppid(), "host": socket.gethostname(), "started": "then", "token": "x"}
@@ -331,7 +339,7 @@ def test_the_bucket_lock_refuses_a_live_writer_and_takes_over_a_dead_one(s3, tin
     dead = subprocess.run([PYTHON, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     folder.write_text("vlp.lock", json.dumps({**alive, "pid": int(dead.stdout)}))
     said = []
-    lock = runlock.acquire_bucket(folder, log=said.append)
+    lock = runlock.acquire(folder, log=said.append)
     assert "took over the stale lock" in said[0] and json.loads(folder.read_text("vlp.lock"))["pid"] == os.getpid()
     lock.release()
     folder.close()

@@ -1,17 +1,16 @@
-"""Run folders in a bucket (vlp/storage.py) against real servers on 127.0.0.1: moto's S3 and
-fake-gcs-server (tests/object_store.py), and the same calls on a local folder.
+"""Run folders (vlp/storage.py) against real servers on 127.0.0.1: moto's S3 and fake-gcs-server
+(tests/object_store.py), and the same calls on a local folder.
 
-A checkpoint is listed only once its manifest is written last: an uploader killed halfway
-leaves objects that are never listed and are cleaned at the next start; prune and set_aside
-work on the bucket; a fetched checkpoint is checked against its manifest; every start-up
-failure (no bucket, refused credentials, no endpoint, missing extra) is one line."""
+A checkpoint folder is listed only once its META_FILE is written last (vlp/train/checkpointer.py):
+an uploader killed halfway leaves objects that are never listed and are cleaned at the next
+start; prune and set_aside work the same on a bucket; a downloaded checkpoint verifies itself;
+every start-up failure (no bucket, refused credentials, no endpoint, missing extra) is one line."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 import uuid
@@ -19,7 +18,10 @@ import uuid
 import pytest
 
 from object_store import free_port, start_gcs, start_s3
-from vlp.storage import IntegrityError, RunFolder, StorageError, check_writable
+from vlp.integrity import IntegrityError, entry, manifest_bytes
+from vlp.storage import RunFolder, StorageError, check_writable
+from vlp.train.checkpoint import META_FILE, CheckpointError, load_valid
+from vlp.train.checkpointer import clean, fetch, list_checkpoints, prune, set_aside
 from vlp_testing import PYTHON, REPO, run_env
 
 STARTERS = {"s3": start_s3, "gs": start_gcs}
@@ -66,15 +68,27 @@ def any_folder(request, servers, tmp_path):
 
 
 def _stage_file(folder, name, data):
-    stage = folder.stage_dir()
-    (stage / name).write_bytes(data)
-    return stage / name
+    stage = folder.stage(name)
+    stage.write_bytes(data)
+    return stage
 
 
 def _publish_file(folder, step, data):
     name = f"checkpoints/step_{step:08d}.pt"
-    folder.publish(_stage_file(folder, f"step_{step:08d}.pt", data), name)
+    folder.publish(_stage_file(folder, name, data), name)
     return name
+
+
+def _listed(folder) -> list[str]:
+    return [f"checkpoints/{n}" for n in list_checkpoints(folder.sub("checkpoints"))]
+
+
+def _stage_dir(folder, name, files: dict):
+    stage = folder.stage(name)
+    for rel, blob in files.items():
+        (stage / rel).parent.mkdir(parents=True, exist_ok=True)
+        (stage / rel).write_bytes(blob)
+    return stage
 
 
 # ----------------------------------------------------------------------------- whole objects
@@ -115,7 +129,7 @@ def test_download_and_of_for_one_file(any_folder):
     ckpt = _publish_file(f, 3, b"state")
     f.wait()
     folder, name = RunFolder.of(f.path(ckpt))
-    assert (folder.url, name) == (f.url, ckpt) and folder.fetch(name).read_bytes() == b"state"
+    assert (folder.url, name) == (f.url, ckpt) and fetch(folder, name).read_bytes() == b"state"
     with pytest.raises(FileNotFoundError, match="does not exist"):
         folder.download("nothing.pt")
     folder.close()
@@ -130,7 +144,9 @@ def test_local_folder_is_plain_files(tmp_path):
 
 def test_log_writer_appends_and_survives_a_resume(any_folder):
     f = any_folder
-    log = f.log_writer("log.jsonl", upload_every_s=3600)
+    from vlp.train.logger import LogWriter
+
+    log = LogWriter(f, "log.jsonl", upload_every_s=3600)
     log.write('{"step": 1}')
     log.write('{"step": 2}\n')
     if f.remote:  # not yet uploaded: an object cannot be appended to, it is put whole
@@ -139,34 +155,29 @@ def test_log_writer_appends_and_survives_a_resume(any_folder):
     assert f.read_text("log.jsonl") == '{"step": 1}\n{"step": 2}\n'
     log.write('{"step": 3}')
     log.close()
-    resumed = f.log_writer("log.jsonl", upload_every_s=0)  # every line uploaded
+    resumed = LogWriter(f, "log.jsonl", upload_every_s=0)  # every line uploaded
     resumed.write('{"step": 4}')
     assert f.read_text("log.jsonl").splitlines() == [f'{{"step": {i}}}' for i in (1, 2, 3, 4)]
     resumed.close()
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def test_publish_uploads_in_the_background_and_commits_last(any_folder):
+def test_publish_uploads_in_the_background_and_a_folder_is_listed_by_its_last_file(any_folder):
     f = any_folder
     data = os.urandom(3 << 20)
     name = _publish_file(f, 7, data)
     f.wait()
-    assert f.committed_checkpoints() == [name]
-    assert f.fetch(name).read_bytes() == data
-    # a DCP-like directory: several objects, one manifest
-    stage = f.stage_dir()
-    (stage / "step_00000009" / "sub").mkdir(parents=True)
-    files = {".metadata": b"m" * 100, "__0_0.distcp": os.urandom(1 << 20), "sub/meta.pt": b"x"}
-    for rel, blob in files.items():
-        (stage / "step_00000009" / rel).write_bytes(blob)
-    f.publish(stage / "step_00000009", "checkpoints/step_00000009")
-    f.wait()
-    assert f.committed_checkpoints() == [name, "checkpoints/step_00000009"]
-    got = f.fetch("checkpoints/step_00000009")
-    assert {rel: (got / rel).read_bytes() for rel in files} == files
-    if f.remote:
-        assert sorted(o["name"] for o in f.manifest("checkpoints/step_00000009")["objects"]) == sorted(files)
-        assert not stage.exists()  # the staged copy is gone once uploaded
+    assert _listed(f) == [name]
+    assert f.download(name).read_bytes() == data
+    # a DCP-like folder: several objects, listed once META_FILE (written last) is there
+    files = {".metadata": b"m" * 100, "__0_0.distcp": os.urandom(1 << 20), "sub/x.bin": b"x"}
+    stage = _stage_dir(f, "checkpoints/step_00000009", files)
+    f.put(stage, "checkpoints/step_00000009")
+    assert _listed(f) == [name] and not stage.exists()  # the staged copy is gone once uploaded
+    f.put(_stage_file(f, f"checkpoints/step_00000009/{META_FILE}", b"meta"), f"checkpoints/step_00000009/{META_FILE}")
+    assert _listed(f) == [name, "checkpoints/step_00000009"]
+    got = fetch(f, "checkpoints/step_00000009")
+    assert {rel: (got / rel).read_bytes() for rel in files} == files and (got / META_FILE).read_bytes() == b"meta"
 
 
 def test_publish_returns_before_the_upload_ends(folder):
@@ -174,19 +185,19 @@ def test_publish_returns_before_the_upload_ends(folder):
     t = time.perf_counter()
     name = _publish_file(folder, 1, data)
     returned = time.perf_counter() - t
-    listed = folder.committed_checkpoints()
+    listed = _listed(folder)
     in_flight = folder.uploading  # still uploading after the listing: it was listed mid-upload
     folder.wait()
     uploaded = time.perf_counter() - t
     assert returned < uploaded / 2, (returned, uploaded)
     if in_flight:
-        assert listed == []  # never listed before its manifest
-    assert folder.committed_checkpoints() == [name]
+        assert listed == []  # an object appears whole or not at all
+    assert _listed(folder) == [name]
 
 
 def test_a_failed_upload_is_one_line_at_the_next_wait(store):
     f = RunFolder(store.url("no-such-bucket-here", "run"))
-    f.publish(_stage_file(f, "step_00000001.pt", b"abc"), "checkpoints/step_00000001.pt")
+    f.publish(_stage_file(f, "checkpoints/step_00000001.pt", b"abc"), "checkpoints/step_00000001.pt")
     with pytest.raises(StorageError) as err:
         f.wait()
     assert "\n" not in str(err.value) and store.url("no-such-bucket-here", "run") in str(err.value)
@@ -198,14 +209,13 @@ KILLED_UPLOADER = textwrap.dedent("""
     from pathlib import Path
     from vlp.storage import RunFolder
     f = RunFolder(sys.argv[1])
-    stage = f.stage_dir()
-    ckpt = stage / "step_00000005"
+    ckpt = f.stage("checkpoints/step_00000005")
     ckpt.mkdir()
     for i in range(40):
         (ckpt / f"__{i:02d}.distcp").write_bytes(os.urandom(1 << 20))
-    f.publish(ckpt, "checkpoints/step_00000005")
     print("uploading", flush=True)
-    f.wait()
+    f.put(ckpt, "checkpoints/step_00000005")
+    f.write_bytes("checkpoints/step_00000005/meta.pt", b"last")
     print("done", flush=True)
 """)
 
@@ -224,62 +234,66 @@ def test_an_upload_killed_halfway_is_never_listed(folder, store):
         child.send_signal(signal.SIGKILL)
         child.wait()
     uploaded = folder.listdir("checkpoints/step_00000005")
-    assert 3 <= len(uploaded) < 40, uploaded  # stopped halfway, no manifest
-    assert folder.committed_checkpoints() == [old]
-    with pytest.raises(FileNotFoundError, match="no committed manifest"):
-        folder.fetch("checkpoints/step_00000005")
-    assert folder.remove_uncommitted() == ["checkpoints/step_00000005"]
-    assert folder.listdir("checkpoints") == ["step_00000003.pt", "step_00000003.pt.manifest.json"]
-    assert folder.fetch(old).read_bytes() == b"committed"
+    assert 3 <= len(uploaded) < 40 and META_FILE not in uploaded, uploaded  # stopped halfway
+    assert _listed(folder) == [old]
+    with pytest.raises(CheckpointError, match="is incomplete"):
+        load_valid(fetch(folder, "checkpoints/step_00000005"))
+    assert clean(folder.sub("checkpoints")) == ["step_00000005"]
+    assert folder.listdir("checkpoints") == ["step_00000003.pt"]
+    assert folder.download(old).read_bytes() == b"committed"
 
 
-def test_a_checkpoint_written_by_two_ranks_is_committed_once_by_rank_0(folder, tmp_path):
-    """DCP under FSDP: each rank uploads its own shard files, rank 0 writes the manifest of all."""
+def test_a_checkpoint_written_by_two_ranks_is_listed_once_rank_0_writes_its_last_file(folder, tmp_path):
+    """DCP under FSDP: each rank puts its own shard files, rank 0 the manifest and META_FILE last."""
     name = "checkpoints/step_00000008"
     parts = {0: {".metadata": b"index", "__0_0.distcp": b"r0" * 1000}, 1: {"__1_0.distcp": b"r1" * 1000}}
     ranks = {r: RunFolder(folder.url) for r in parts}  # one RunFolder per process
-    entries = []
-    folder.discard(name)
+    digests = {}
     for r, files in parts.items():
-        stage = tmp_path / f"rank{r}" / "step_00000008"
-        stage.mkdir(parents=True)
-        for rel, blob in files.items():
-            (stage / rel).write_bytes(blob)
-        entries += ranks[r].upload_part(stage, name)
-        if r == 0:
-            assert folder.committed_checkpoints() == []  # rank 1 not done: nothing listed
-    with pytest.raises(IntegrityError, match="was not uploaded"):
-        folder.commit(name, entries + [{"name": "__2_0.distcp", "bytes": 1, "sha256": "0"}])
-    assert folder.committed_checkpoints() == []
-    folder.commit(name, entries)
-    got = folder.fetch(name)
-    assert {p.name: p.read_bytes() for p in got.iterdir()} == {**parts[0], **parts[1]}
+        stage = _stage_dir(ranks[r], name, files)
+        digests.update({rel: entry(stage / rel) for rel in files})
+        ranks[r].put(stage, name)
+        assert _listed(folder) == []  # not listed before META_FILE
+    meta = tmp_path / META_FILE
+    meta.write_bytes(b"meta")
+    folder.write_bytes(f"{name}/manifest.json", manifest_bytes({**digests, META_FILE: entry(meta)}))
+    folder.put(meta, f"{name}/{META_FILE}")
+    assert _listed(folder) == [name]
+    got = fetch(folder, name)
+    assert {p.name: p.read_bytes() for p in got.iterdir() if p.name not in ("manifest.json", META_FILE)} == {
+        **parts[0], **parts[1]}
     for r in ranks.values():
         r.close()
 
 
-def test_fetch_checks_every_object_against_the_manifest(folder):
-    name = _publish_file(folder, 2, b"A" * 1000)
-    folder.wait()
-    folder.write_bytes(name, b"B" * 1000)  # same size, other bytes
-    with pytest.raises(IntegrityError, match="does not match its manifest"):
-        folder.fetch(name)
-    folder.remove(name)
-    with pytest.raises(IntegrityError, match="is incomplete"):
-        folder.fetch(name)
+def test_a_downloaded_checkpoint_checks_every_file_against_its_manifest(folder, tmp_path):
+    name = "checkpoints/step_00000002"
+    files = {".metadata": b"m", "__0_0.distcp": b"A" * 1000, META_FILE: b"x"}
+    for rel, blob in files.items():
+        (tmp_path / rel).write_bytes(blob)
+    folder.write_bytes(f"{name}/manifest.json", manifest_bytes({rel: entry(tmp_path / rel) for rel in files}))
+    for rel, blob in files.items():
+        folder.write_bytes(f"{name}/{rel}", blob)
+    folder.write_bytes(f"{name}/__0_0.distcp", b"B" * 1000)  # same size, other bytes
+    with pytest.raises(IntegrityError, match="__0_0.distcp does not match its sha256 checksum"):
+        load_valid(fetch(folder, name))
+    folder.remove(f"{name}/__0_0.distcp")
+    with pytest.raises(IntegrityError, match="__0_0.distcp is missing"):
+        load_valid(fetch(folder, name))
 
 
-def test_prune_and_set_aside_on_the_bucket(any_folder):
+def test_prune_and_set_aside(any_folder):
     f = any_folder
     names = [_publish_file(f, step, f"s{step}".encode()) for step in (1, 2, 3, 10)]
     f.wait()
-    assert f.committed_checkpoints() == names  # by step, not by text (10 after 3)
-    assert f.prune(2) == names[:2]
-    assert f.committed_checkpoints() == names[2:]
+    ckpts = f.sub("checkpoints")
+    assert _listed(f) == names  # by step, not by text (10 after 3)
+    assert prune(ckpts, 2) == ["step_00000001.pt", "step_00000002.pt"]
+    assert _listed(f) == names[2:]
     assert not f.exists(names[0]) and not f.exists(names[1])
-    kept = f.set_aside(names[3])
-    assert f.committed_checkpoints() == [names[2]] and f.exists(kept)
-    assert f.prune(0) == []  # keep_last=0: keep all (as vlp.train.checkpoint.prune)
+    kept = set_aside(ckpts, "step_00000010.pt")
+    assert _listed(f) == [names[2]] and ckpts.exists(kept) and kept == "step_00000010.pt.corrupt"
+    assert prune(ckpts, 0) == []  # keep_last=0: keep all
 
 
 def test_publish_prunes_after_the_commit(any_folder):
@@ -287,10 +301,10 @@ def test_publish_prunes_after_the_commit(any_folder):
     names = []
     for step in (1, 2, 3, 4):
         name = f"checkpoints/step_{step:08d}.pt"
-        f.publish(_stage_file(f, name.split("/")[1], b"x"), name, keep_last=2)
+        f.publish(_stage_file(f, name, b"x"), name, then=lambda: prune(f.sub("checkpoints"), 2))
         names.append(name)
     f.wait()
-    assert f.committed_checkpoints() == names[2:] and not f.exists(names[0])
+    assert _listed(f) == names[2:] and not f.exists(names[0])
 
 
 def test_publishing_the_same_name_again_replaces_it(any_folder):
@@ -298,18 +312,19 @@ def test_publishing_the_same_name_again_replaces_it(any_folder):
     name = _publish_file(f, 4, b"first")
     name = _publish_file(f, 4, b"second")  # waits for the first upload
     f.wait()
-    assert f.committed_checkpoints() == [name] and f.fetch(name).read_bytes() == b"second"
+    assert _listed(f) == [name] and f.download(name).read_bytes() == b"second"
 
 
-def test_local_stage_folders_of_dead_writers_are_removed(tmp_path):
+def test_local_temp_names_of_dead_writers_are_removed(tmp_path):
     f = RunFolder(tmp_path / "run")
-    stage = f.stage_dir()
-    (stage / "step_00000001.pt").write_bytes(b"half")
-    dead = tmp_path / "run" / ".stage-999999999-1"
-    dead.mkdir()
-    assert f.remove_uncommitted() == [".stage-999999999-1"] and stage.exists()
-    f.publish(stage / "step_00000001.pt", "checkpoints/step_00000001.pt")
-    assert not stage.exists() and f.committed_checkpoints() == ["checkpoints/step_00000001.pt"]
+    stage = _stage_file(f, "checkpoints/step_00000001.pt", b"half")  # this process's: alive
+    dead = tmp_path / "run" / "checkpoints" / ".step_00000002.pt.tmp-999999999"
+    dead.write_bytes(b"x")
+    ranks = tmp_path / "run" / "checkpoints" / "step_00000007.ranks"  # per-rank files of no checkpoint
+    ranks.mkdir()
+    assert clean(f.sub("checkpoints")) == [dead.name, ranks.name] and stage.exists()
+    f.put(stage, "checkpoints/step_00000001.pt")
+    assert not stage.exists() and _listed(f) == ["checkpoints/step_00000001.pt"]
 
 
 # ----------------------------------------------------------------------------- start-up check

@@ -57,7 +57,7 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint_resumable(tiny_shar
     left = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert left == ["step_00000004" + (".pt" if procs == 1 else "")], left  # no temp files of step 8
     assert shutil.disk_usage(small_disk).free > 5 << 20  # the failed save gave its space back
-    assert ckpt.load_valid(out / "checkpoints" / left[0])["step"] == 4
+    assert ckpt.load_valid(out / "checkpoints" / left[0])["train"]["step"] == 4
     again = _train(tiny_shards, out, procs, "train.samples=96", "train.checkpoint_every=0",
                    "train.save_final=false", "train.resume=latest")
     assert again.returncode == 0, again.stderr[-4000:]

@@ -168,12 +168,15 @@ def test_fsdp_sigkill_and_resume_is_bit_identical(runs, tiny_shards, tmp_path):
     os.killpg(child.pid, signal.SIGKILL)
     child.wait()
     assert target.is_dir()
-    for path in ckpt.list_checkpoints(tmp_path / "checkpoints"):  # only complete ones under a final name
-        assert ckpt.load_valid(path)["step"] == int(path.name[5:])
+    from vlp.storage import RunFolder
+    from vlp.train.checkpointer import list_checkpoints
+
+    for name in list_checkpoints(RunFolder(tmp_path / "checkpoints")):  # only whole ones (META_FILE last)
+        assert ckpt.load_valid(tmp_path / "checkpoints" / name)["train"]["step"] == int(name[5:])
     proc = _launch(tiny_shards, tmp_path, "train.checkpoint_every=1", "train.resume=latest")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "resumed from" in proc.stdout
-    assert not list((tmp_path / "checkpoints").glob(".*.tmp"))
+    assert not list((tmp_path / "checkpoints").glob(".*.tmp*"))
     assert _max_diff(_weights(tmp_path), _weights(runs / "fsdp")) == 0.0
 
 
@@ -198,7 +201,7 @@ def test_dcp_reshards_two_ranks_to_one(runs):
     assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json",
                                                       "meta.pt"]
     meta = ckpt.load_valid(path)
-    assert meta["step"] == 12 and meta["world_size"] == 2 and len(meta["rng"]) == 2 and "model" not in meta
+    assert meta["train"]["step"] == 12 and meta["world_size"] == 2 and len(meta["rng"]) == 2 and "model" not in meta
     full_model, full_optim = torch.load(runs / "fsdp_full_state.pt", weights_only=True)
 
     # 1 process, no process group, another init: DCP reads the 2-rank shards as whole tensors

@@ -457,7 +457,8 @@ def test_eval_one_caption_retrieval_warns(capsys, tmp_path, exported):
 def test_global_skip_counts_sum_over_ranks(monkeypatch):
     """result.json / log skip counts: every rank's summed (the gather is accelerate's gather_object)."""
     import vlp.train.loop as trainer_module
-    from vlp.train.data import rank_skipped
+    from vlp.config import load_config
+    from vlp.train.resume import relayout
 
     ranks = [{"corrupt_image": 2}, {"corrupt_image": 10, "missing_caption": 1}]
     monkeypatch.setattr(trainer_module, "gather_object", lambda objs: ranks)
@@ -466,10 +467,12 @@ def test_global_skip_counts_sum_over_ranks(monkeypatch):
         world, skipped = 2, ranks[0]
 
     assert trainer_module.Trainer.global_skipped(Stub()) == {"corrupt_image": 12, "missing_caption": 1}
-    state = {"skipped": ranks[0], "skipped_per_rank": ranks}
-    assert rank_skipped(state, 1, 2) == ranks[1]
-    assert rank_skipped(state, 0, 1) == {"corrupt_image": 12, "missing_caption": 1}  # world size changed
-    assert rank_skipped(state, 1, 3) == {}
+    saved = {"config": {"data": {"mode": "split", "batch_per_device": 8}},
+             "data": [{"epoch": 0, "batch_in_epoch": 4, "epoch_batches": 4, "skipped": r} for r in ranks]}
+    relaid = [d["skipped"] for d in relayout(saved, load_config(None, ["data.batch_per_device=8"]), 1)]
+    assert relaid == [{"corrupt_image": 12, "missing_caption": 1}]  # world size changed: all on rank 0
+    assert [d["skipped"] for d in relayout(saved, load_config(None, ["data.batch_per_device=4"]), 2)] == ranks
+    assert [d["skipped"] for d in relayout(saved, load_config(None, []), 3)][1:] == [{}, {}]
 
 
 def test_end_to_end_exit_status_and_stderr_of_a_real_process(tmp_path):
@@ -508,7 +511,8 @@ def test_two_ranks_skip_counts_are_summed_in_result_and_log(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, env=run_env() | {"ACCELERATE_USE_CPU": "1"}, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    per_rank = torch.load(out / "checkpoints" / "step_00000004.pt", weights_only=True)["skipped_per_rank"]
+    per_rank = torch.load(out / "checkpoints" / "step_00000004.pt", weights_only=True)["data"]
+    per_rank = [d["skipped"] for d in per_rank]
     assert len(per_rank) == 2 and all(r.get("corrupt_image", 0) > 0 for r in per_rank), per_rank
     total = sum(r["corrupt_image"] for r in per_rank)
     assert json.loads((out / "result.json").read_text())["skipped"] == {"corrupt_image": total}

@@ -15,6 +15,8 @@ import torch
 
 from vlp.train import checkpoint as ckpt
 from vlp import integrity
+from vlp.storage import RunFolder
+from vlp.train.checkpointer import Checkpointer, latest_valid, list_checkpoints, set_aside
 from vlp.cli import main
 from vlp_testing import REPO, overrides
 
@@ -130,7 +132,7 @@ def test_every_checkpoint_and_the_export_verify(trained):
     assert len(ckpts) == 4 and not list((out / "checkpoints").glob("*manifest*"))  # checksums inside
     for path in ckpts:
         state, verified = ckpt.load_checked(path)
-        assert verified and state[ckpt.MARK_KEY]["format"] == ckpt.CHECKSUMS
+        assert verified and state[integrity.SEAL_KEY]["format"] == integrity.SEAL_FORMAT
     assert integrity.verify(out / "open_clip_model.pt")
 
 
@@ -173,7 +175,7 @@ def test_checkpoint_from_before_checksums_loads_with_one_warning(capsys, run_cop
     ckpts = out / "checkpoints"
     for path in ckpts.glob("step_*.pt"):
         state = torch.load(path, weights_only=True)
-        state.pop(ckpt.MARK_KEY)
+        state.pop(integrity.SEAL_KEY)
         torch.save(state, path)
     rc, stdout, err = run(capsys, *train_args(shards["train"], out, "train.resume=latest", "train.samples=96"))
     assert rc == 0, err[-2000:]
@@ -235,7 +237,7 @@ def test_checkpoint_copied_under_a_new_name_verifies(capsys, run_copy, tmp_path)
     assert rc == 0 and "unverified" not in err, err[-2000:]
     assert f"resumed from {renamed} at step 4" in stdout
     state = torch.load(renamed, weights_only=True)  # as the release before wrote it
-    state[ckpt.MARK_KEY] = integrity.FORMAT
+    state[integrity.SEAL_KEY] = integrity.FORMAT
     previous = tmp_path / "prev" / "step_00000004.pt"
     previous.parent.mkdir()
     torch.save(state, previous)
@@ -243,7 +245,7 @@ def test_checkpoint_copied_under_a_new_name_verifies(capsys, run_copy, tmp_path)
     moved = tmp_path / "elsewhere" / "kept.pt"
     previous.rename(moved)
     integrity.manifest_path(previous).rename(integrity.manifest_path(moved))
-    assert ckpt.load_checked(moved)[1] and ckpt.load_valid(moved)["step"] == 4
+    assert ckpt.load_checked(moved)[1] and ckpt.load_valid(moved)["train"]["step"] == 4
     integrity.manifest_path(moved).unlink()
     rc, _, err = run(capsys, *train_args(shards["train"], tmp_path / "r2", f"train.resume={moved}",
                                          "train.samples=96"))
@@ -251,11 +253,28 @@ def test_checkpoint_copied_under_a_new_name_verifies(capsys, run_copy, tmp_path)
 
 
 # ----------------------------------------------------------------------------- DCP directories
+class Shards:
+    """A model and optimizer as the checkpointer's weights part, saved as DCP shards."""
+    sharded = True
+
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+
+    def sharded_state(self):
+        from vlp.train import parallel
+
+        return parallel.sharded_state(self.model, self.opt)
+
+
+def save_sharded(model, opt, meta: dict, folder, step: int) -> str:
+    """A DCP checkpoint of `model` and `opt` with `meta` beside the parts (as each FSDP rank writes)."""
+    return Checkpointer(RunFolder(folder), Shards(model, opt), facts=meta).save(step)
+
+
 @pytest.fixture(scope="module")
 def dcp_pair(tmp_path_factory):
     """Two DCP checkpoints (steps 1 and 2) of vlp-micro with AdamW state, written in one process
     by save_sharded (as each FSDP rank writes its own), and the state they hold."""
-    from vlp.train import parallel
     from vlp.config import LossConfig, ModelConfig, load_config
     from vlp.models.model import build_model
 
@@ -268,8 +287,8 @@ def dcp_pair(tmp_path_factory):
             p.grad = torch.randn_like(p)
         opt.step()
         meta = {"scheduler": {}, "step": step, "epoch": 0, "batch_in_epoch": step, "world_size": 1,
-                "rng": [ckpt.rng_state()], "config": cfg, "preprocess": dict(model.preprocess)}
-        ckpt.save_sharded(parallel.sharded_state(model, opt), meta, root / f"step_{step:08d}")
+                "rng": [ckpt.RNG().state_dict()], "config": cfg, "preprocess": dict(model.preprocess)}
+        save_sharded(model, opt, meta, root, step)
     return root
 
 
@@ -287,7 +306,7 @@ def test_dcp_manifest_covers_every_file(dcp_pair):
     names = sorted(integrity.read_manifest(folder))
     assert names == sorted(p.name for p in folder.iterdir() if p.name != "manifest.json")
     assert {".metadata", "meta.pt", "__0_0.distcp"} <= set(names)
-    assert ckpt.latest_valid(dcp_pair)[0].name == "step_00000002"
+    assert latest_valid(RunFolder(dcp_pair))[0][1].name == "step_00000002"
 
 
 @pytest.mark.parametrize("where", ["model_zeroed_4k", "adamw_flipped_64", "meta_flipped_64"])
@@ -302,30 +321,30 @@ def test_damaged_dcp_checkpoint_falls_back_to_the_older_one(dcp_copy, where):
             overwrite(newest / name, offset + length // 2 - 2048, b"\0" * 4096)
         else:
             flip(newest / name, offset + length // 2, 64)
-    path, state, rejected = ckpt.latest_valid(dcp_copy)
-    assert path.name == "step_00000001" and state["step"] == 1
+    (_, path, state), rejected = latest_valid(RunFolder(dcp_copy))
+    assert path.name == "step_00000001" and state["train"]["step"] == 1
     assert len(rejected) == 1 and f"{name} does not match its sha256 checksum" in rejected[0][1]
     with pytest.raises(ckpt.CheckpointError, match=f"{name} does not match"):  # vlp eval's reader
         ckpt.load_sharded_full(newest)
-    kept = ckpt.set_aside(newest)
-    assert kept.name == "step_00000002.corrupt" and (kept / "manifest.json").exists()
-    assert [p.name for p in ckpt.list_checkpoints(dcp_copy)] == ["step_00000001"]
+    kept = set_aside(RunFolder(dcp_copy), newest.name)
+    assert kept == "step_00000002.corrupt" and (dcp_copy / kept / "manifest.json").exists()
+    assert list_checkpoints(RunFolder(dcp_copy)) == ["step_00000001"]
 
 
 def test_dcp_checkpoint_without_manifest(dcp_copy, capsys):
     newest = dcp_copy / "step_00000002"
     (newest / "manifest.json").unlink()
-    path, _, rejected = ckpt.latest_valid(dcp_copy)  # written with one (MARK_KEY): not trusted
+    (_, path, _), rejected = latest_valid(RunFolder(dcp_copy))  # written with one (sealed): not trusted
     assert path.name == "step_00000001" and "has no manifest" in rejected[0][1]
     meta = torch.load(newest / "meta.pt", weights_only=True)
-    meta.pop(ckpt.MARK_KEY)
+    meta.pop(integrity.SEAL_KEY)
     torch.save(meta, newest / "meta.pt")  # as written before manifests: loads, with a warning
-    assert ckpt.latest_valid(dcp_copy)[0].name == "step_00000002"
+    assert latest_valid(RunFolder(dcp_copy))[0][1].name == "step_00000002"
     assert "no checksum manifest" in capsys.readouterr().err
 
 
 def _save_two_ranks(rank, world, folder):
-    """Two gloo ranks, FSDP2-sharded vlp-micro: save_sharded, each rank hashing its own file."""
+    """Two gloo ranks, FSDP2-sharded vlp-micro: a DCP save, each rank hashing its own file."""
     from vlp.train import parallel
     from vlp.config import LossConfig, ModelConfig
     from vlp.models.model import build_model
@@ -334,7 +353,7 @@ def _save_two_ranks(rank, world, folder):
     model = parallel.apply_fsdp(build_model(ModelConfig(name="vlp-micro"), LossConfig())[0], "cpu", "fp32")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     meta = {"scheduler": {}, "step": 1, "epoch": 0, "batch_in_epoch": 1, "world_size": world, "rng": [], "config": {}}
-    ckpt.save_sharded(parallel.sharded_state(model, opt), meta, Path(folder) / "step_00000001")
+    save_sharded(model, opt, meta, folder, 1)
     return 0
 
 
@@ -345,7 +364,7 @@ def test_two_ranks_each_hash_their_own_dcp_file(tmp_path):
     folder = tmp_path / "step_00000001"
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"} <= set(integrity.read_manifest(folder))
     assert integrity.verify(folder)
-    assert ckpt.load_sharded_meta(folder)["world_size"] == 2
+    assert ckpt.load_valid(folder)["world_size"] == 2
 
 
 def test_dcp_checkpoint_copied_under_a_new_name_verifies(dcp_pair, tmp_path):
@@ -353,7 +372,7 @@ def test_dcp_checkpoint_copied_under_a_new_name_verifies(dcp_pair, tmp_path):
 
     renamed = tmp_path / "any_name"
     shutil.copytree(dcp_pair / "step_00000002", renamed)  # its manifest names files relative to it
-    assert integrity.verify(renamed) and ckpt.load_valid(renamed)["step"] == 2
+    assert integrity.verify(renamed) and ckpt.load_valid(renamed)["train"]["step"] == 2
 
 
 def _save_twice_second_disk_full(rank, world, folder):
@@ -370,7 +389,7 @@ def _save_twice_second_disk_full(rank, world, folder):
     model = parallel.apply_fsdp(build_model(ModelConfig(name="vlp-micro"), LossConfig())[0], "cpu", "fp32")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     meta = {"scheduler": {}, "step": 1, "epoch": 0, "batch_in_epoch": 1, "world_size": world, "rng": [], "config": {}}
-    ckpt.save_sharded(parallel.sharded_state(model, opt), meta, Path(folder) / "step_00000001")
+    save_sharded(model, opt, meta, folder, 1)
     real = fs._write_item
 
     def full(*args, **kwargs):
@@ -380,7 +399,7 @@ def _save_twice_second_disk_full(rank, world, folder):
 
     fs._write_item = full
     try:
-        ckpt.save_sharded(parallel.sharded_state(model, opt), {**meta, "step": 2}, Path(folder) / "step_00000002")
+        save_sharded(model, opt, {**meta, "step": 2}, folder, 2)
     except ckpt.CheckpointError as e:
         return str(e)
     finally:
@@ -396,4 +415,4 @@ def test_dcp_save_that_hits_a_full_disk_is_one_error_and_leaves_no_temp(tmp_path
         f"cannot write checkpoint {tmp_path / 'step_00000002'}: No space left on device; "
         "earlier checkpoints are unchanged")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]  # no .step_00000002.tmp
-    assert ckpt.load_valid(tmp_path / "step_00000001")["step"] == 1
+    assert ckpt.load_valid(tmp_path / "step_00000001")["train"]["step"] == 1

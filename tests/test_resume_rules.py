@@ -87,9 +87,11 @@ def test_apply_optim_changes_makes_the_resumed_optimizer_use_the_new_lr(trained,
         f"data.train_shards={shards['train']}", f"train.output_dir={run}", *TINY, "optim.lr=1e-5",
         "optim.weight_decay=0.05", "optim.beta2=0.95", "train.resume=latest", "train.samples=96"])
     trainer = Trainer(cfg)
-    path, state = trainer.checkpoints.find(cfg.train.resume)
-    trainer.load_state_dict(state, path)
-    lines = resume.apply_changes(state, cfg, trainer.torch_optimizer, trainer.scheduler)
+    _, state = trainer.checkpoints.resume(cfg.train.resume, cfg)
+    from vlp.train.optim import follow_config
+
+    follow_config(trainer.torch_optimizer, trainer.scheduler, cfg.optim)
+    lines = resume.applied_lines(state, cfg)
     assert "[vlp] resume: optim.lr 0.002 -> 1e-05 from step 4" in lines
     assert "[vlp] resume: optim.weight_decay 0.1 -> 0.05 from step 4" in lines
     groups = trainer.torch_optimizer.param_groups

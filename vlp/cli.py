@@ -272,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         if os.environ.get("VLP_DEBUG"):
             raise
-        print(f"vlp: error: {cap(user_message(e))}", file=sys.stderr)
+        if not getattr(e, "echo", False):  # an error every rank agreed on: rank 0 says it
+            print(f"vlp: error: {cap(user_message(e))}", file=sys.stderr)
         return 2
     except OSError as e:
         # a full or read-only disk while writing logs, configs or results: the user's to fix

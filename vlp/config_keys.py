@@ -160,7 +160,7 @@ class OptimConfig:
     """adamw (fused); lars: SGD with momentum and LARS's layer-wise trust ratio (SimCLR/FlatNCE
     recipe; biases, norms and logit_scale neither adapted nor decayed; vlp/train/optim.py); sgd: SGD
     with momentum. beta1/beta2/eps apply to adamw only."""
-    momentum: float = key(0.9, number(0, 1, hi_open=True), APPLIED)  # resumed: vlp.train.resume.apply_optim_changes
+    momentum: float = key(0.9, number(0, 1, hi_open=True), APPLIED)  # resumed: vlp.train.optim.follow_config
     """lars/sgd: momentum."""
     trust_coefficient: float = key(0.001, number(0, lo_open=True), APPLIED)
     """lars: eta in the trust ratio eta * ||w|| / (||grad|| + weight_decay * ||w||)."""

@@ -161,26 +161,16 @@ def evaluate_checkpoint(checkpoint: Optional[str] = None, model_name: Optional[s
 @contextlib.contextmanager
 def local_checkpoint(checkpoint: str) -> Iterator[str]:
     """A local path for --checkpoint while the block runs: the path itself, or for a URL (s3://,
-    gs://) a download, removed when the block ends: a committed checkpoint (step_N.pt, a DCP
-    step_N/ directory) checked against its bucket manifest, or a plain object (open_clip_model.pt)."""
+    gs://) a download with its per-rank files, removed when the block ends (a checkpoint verifies
+    itself: vlp.train.checkpoint)."""
     if not is_url(checkpoint) or checkpoint.startswith("file://"):
         yield checkpoint.removeprefix("file://")
         return
-    from vlp.storage import MANIFEST, RunFolder
-    from vlp.train.manager import fetch_checkpoint
+    from vlp.storage import RunFolder
+    from vlp.train.checkpointer import fetch
 
     folder, name = RunFolder.of(checkpoint)
     try:
-        try:
-            manifest = folder.manifest(name)  # a bucket commit (objects listed) or a file's checksums
-        except FileNotFoundError:
-            manifest = None
-        if manifest and "objects" in manifest:
-            yield str(fetch_checkpoint(folder, name))
-            return
-        path = folder.download(name)
-        if manifest is not None:  # beside the file, so vlp.train.checkpoint verifies it
-            folder.download(name + MANIFEST)
-        yield str(path)
+        yield str(fetch(folder, name))
     finally:
         folder.close()  # the download folder ($TMPDIR/vlp-run-PID-*) goes

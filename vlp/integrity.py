@@ -1,24 +1,11 @@
-"""Content checksums of checkpoints and exports: a manifest written last, checked before loading.
+"""Checksums: what vlp writes for later loading verifies itself, wherever it is copied to.
 
-A manifest is a small JSON file naming every file of a checkpoint with its size and SHA-256:
-
-    step_N.pt  +  step_N.pt.manifest.json     (a replicated checkpoint, an open_clip export)
-    step_N/    +  step_N/manifest.json        (a DCP directory: every rank file, .metadata, meta.pt)
-
-It is written after everything it covers, so its presence says the checkpoint is complete; this
-also holds where the run folder cannot rename atomically (an object store: each object appears
-whole when its PUT ends, and the manifest is the last one). `verify` reads every covered file
-back and compares; a mismatch is an `IntegrityError` naming the file, raised before torch.load
-or DCP ever parse the bytes. Checkpoints written before manifests existed have none: `verify`
-returns False and the caller warns that they are unverified. A sidecar manifest covers one file
-whatever its name, so a checkpoint renamed or copied with its manifest still verifies.
-
-A training `.pt` carries its checksum inside instead (`state_digest`: SHA-256 over every tensor's
-bytes and every other value, in order), so it verifies alone, copied or renamed.
-
-SHA-256 streams at ~1.2 GB/s per core here (SHA extensions; blake2b ~0.76 GB/s, md5 ~0.68),
-in 4 MiB reads (1-8 MiB give the same speed): bench/checksum_cost.py measures its share of a
-save and a load.
+A checkpoint dict carries its SHA-256 inside (`seal`: over every tensor's dtype, shape and bytes and
+every other value, in order). A folder (DCP) holds `manifest.json`, each other file's size and
+SHA-256 named relative to it; a file in someone else's format (the open_clip export) the same
+manifest beside it, `NAME.manifest.json`, checked under whatever name the file has now. `verify`
+reads the files back before torch.load or DCP parse a byte; a mismatch is an `IntegrityError`
+naming the file. SHA-256 streams at ~1.2 GB/s per core here (bench/checksum_cost.py).
 """
 
 from __future__ import annotations
@@ -31,15 +18,23 @@ from typing import Optional
 
 import torch
 
+from vlp.util import atomic_write
+
 ALGORITHM = "sha256"
 CHUNK_BYTES = 4 << 20
 FORMAT = "vlp-manifest/1"
 DIR_MANIFEST = "manifest.json"
 SIDECAR_SUFFIX = ".manifest.json"
+SEAL_KEY = "integrity"  # in every checkpoint dict vlp writes: its checksum, or (older) a manifest's format
+SEAL_FORMAT = "vlp-checksums/1"
 
 
-class IntegrityError(ValueError):
-    """A file whose content is not what its manifest recorded; the message is one line."""
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or used; the message is one line for the user."""
+
+
+class IntegrityError(CheckpointError):
+    """A file whose content is not what its checksums recorded; the message is one line."""
 
 
 def file_digest(path: str | Path) -> str:
@@ -59,53 +54,47 @@ def entry(path: str | Path) -> dict:
 
 
 def manifest_path(path: str | Path) -> Path:
-    """Where the manifest of a checkpoint file or directory lives."""
+    """Where the manifest of a checkpoint file or folder lives."""
     path = Path(path)
     return path / DIR_MANIFEST if path.is_dir() else path.with_name(path.name + SIDECAR_SUFFIX)
 
 
-def write_manifest(path: str | Path, entries: Optional[dict[str, dict]] = None, *,
-                   manifest_at: Optional[Path] = None) -> Path:
-    """Write the manifest of `path` (a file, or a directory: all its files) atomically and fsynced.
-    `entries` (name relative to the directory -> `entry`) supplies digests computed elsewhere
-    (e.g. by the rank that wrote a file); files of the directory not in it are hashed here.
-    `manifest_at`: write it there instead of `manifest_path(path)` (a file's temp name)."""
-    from vlp.util import atomic_write
+def manifest_bytes(entries: dict[str, dict]) -> bytes:
+    """A manifest's bytes: {name relative to the folder: `entry`}."""
+    return (json.dumps({"format": FORMAT, "algorithm": ALGORITHM, "files": entries}, indent=1,
+                       sort_keys=True) + "\n").encode()
 
+
+def write_manifest(path: str | Path) -> Path:
+    """Write the manifest of a file (its sidecar) or a folder (all its files), fsynced."""
     path = Path(path)
-    entries = dict(entries or {})
-    if path.is_dir():
-        for f in sorted(path.iterdir()):
-            if f.is_file() and f.name != DIR_MANIFEST and f.name not in entries:
-                entries[f.name] = entry(f)
-    elif not entries:
-        entries = {path.name: entry(path)}
-    target = manifest_at or manifest_path(path)
-    body = json.dumps({"format": FORMAT, "algorithm": ALGORITHM, "files": entries}, indent=1, sort_keys=True)
-    atomic_write(target, body + "\n", fsync=True)
+    files = sorted(f for f in path.iterdir() if f.is_file() and f.name != DIR_MANIFEST) if path.is_dir() else [path]
+    target = manifest_path(path)
+    atomic_write(target, manifest_bytes({f.name: entry(f) for f in files}), fsync=True)
     return target
 
 
 def read_manifest(path: str | Path) -> Optional[dict]:
-    """The manifest's {name: entry} of a checkpoint file or directory; None when it has none."""
+    """The {name: entry} of a file's or folder's manifest; None when it has none. Also reads the
+    bucket manifests of vlp before one format ({"objects": [{name, bytes, sha256}]})."""
     where = manifest_path(path)
     if not where.is_file():
         return None
     try:
         data = json.loads(where.read_text())
-        files = data["files"]
-        if data.get("algorithm") != ALGORITHM or not isinstance(files, dict):
+        if "objects" in data:
+            return {o["name"] or Path(path).name: {"size": o["bytes"], ALGORITHM: o[ALGORITHM]} for o in data["objects"]}
+        if data.get("algorithm") != ALGORITHM or not isinstance(data["files"], dict):
             raise ValueError(f"algorithm {data.get('algorithm')!r}")
+        return data["files"]
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise IntegrityError(f"{where} is not a readable manifest ({type(e).__name__})") from None
-    return files
 
 
 def verify(path: str | Path, names: Optional[list[str]] = None) -> bool:
-    """Check the files of a checkpoint file or directory against its manifest (only `names`, if
-    given). True: all match; False: there is no manifest (written before vlp kept them).
-    IntegrityError naming the first file that is missing, of another size or other content.
-    A file's sidecar lists that one file: it is checked under the name it has now."""
+    """Check a file or folder against its manifest (only `names`, if given). True: all match;
+    False: there is no manifest. IntegrityError naming the first file that is missing, of
+    another size or other content."""
     path = Path(path)
     files = read_manifest(path)
     if files is None:
@@ -114,10 +103,9 @@ def verify(path: str | Path, names: Optional[list[str]] = None) -> bool:
         files = {path.name: next(iter(files.values()))}
     folder = path if path.is_dir() else path.parent
     for name in names if names is not None else sorted(files):
-        expected = files.get(name)
+        expected, file = files.get(name), folder / name
         if expected is None:
-            raise IntegrityError(f"{folder / name} is not in the manifest {manifest_path(path)}")
-        file = folder / name
+            raise IntegrityError(f"{file} is not in the manifest {manifest_path(path)}")
         if not file.is_file():
             raise IntegrityError(f"{file} is missing (its manifest lists it)")
         size = file.stat().st_size
@@ -126,6 +114,23 @@ def verify(path: str | Path, names: Optional[list[str]] = None) -> bool:
         if file_digest(file) != expected.get(ALGORITHM):
             raise IntegrityError(f"{file} does not match its {ALGORITHM} checksum "
                                  "(damaged or changed since it was written)")
+    return True
+
+
+def seal(state: dict) -> dict:
+    """`state` with its checksum inside, under SEAL_KEY."""
+    return {**state, SEAL_KEY: {"format": SEAL_FORMAT, ALGORITHM: state_digest(state)}}
+
+
+def sealed(state, where) -> bool:
+    """True when `state` carries a seal that matches, False when it has none; IntegrityError
+    naming `where` when it does not match."""
+    mark = state.get(SEAL_KEY) if isinstance(state, dict) else None
+    if not isinstance(mark, dict):
+        return False
+    if state_digest({k: v for k, v in state.items() if k != SEAL_KEY}) != mark.get(ALGORITHM):
+        raise IntegrityError(f"checkpoint {where} does not match its {ALGORITHM} checksum "
+                             "(damaged or changed since it was written)")
     return True
 
 
@@ -157,8 +162,8 @@ def _feed(h, obj) -> None:
 
 def check_weights_file(path: str | Path, what: str) -> None:
     """For readers of weights files (model.pretrained, tower weights): a file with a manifest
-    (a vlp export or checkpoint) must match it; IntegrityError '<what> <file> does not match ...'.
-    A file without one (someone else's weights) passes."""
+    (a vlp export) must match it; IntegrityError '<what> <file> does not match ...'. A file
+    without one (someone else's weights) passes."""
     try:
         verify(path)
     except IntegrityError as e:

@@ -1,14 +1,14 @@
-"""Atomic checkpoints, keep-last-k, `resume: latest`, and safe loading.
+"""One checkpoint's bytes: the two formats, how each is read and checked before use.
 
-A checkpoint is one `torch.save` file of plain tensors and containers, so it is read back with
-`torch.load(weights_only=True)`: nothing from a file is unpickled as an arbitrary object.
-It is written to a temporary name in the same folder, fsynced, then renamed: a crash while
-writing leaves the previous checkpoint intact and never a half-written file under a final name.
-A manifest of SHA-256 checksums is written last (vlp.integrity: `step_N.pt.manifest.json`, or
-`manifest.json` inside a DCP directory) and checked before torch.load or DCP read a byte: a
-damaged or changed checkpoint is refused by name (resume falls back past it). A `.pt` without
-its manifest (from before manifests, or copied alone) loads with one warning that it is
-unverified; a DCP directory written with MARK_KEY whose manifest is missing is refused.
+    step_N.pt      one torch.save: "model", "optimizer", every registered part's key, sealed
+    step_N/        DCP (train.parallel=fsdp): every rank's shards and .metadata, then manifest.json,
+                   then META_FILE (the parts, sealed), last: the folder is a checkpoint once it is there
+    step_N.ranks/  one file per rank of state sharded by rank (SogCLR's u), beside either
+
+Everything is read with torch.load(weights_only=True) and checked before a tensor is used: a
+damaged checkpoint is a CheckpointError naming the file, one vlp sealed that cannot be verified
+is refused, one from before checksums loads with a warning. Checkpoints of earlier releases are
+read through `upgrade` (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -20,61 +20,67 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
-from typing import Optional
 
 import torch
 
-from vlp.util import atomic_write, first_line
 from vlp import integrity
-from vlp.distributed import barrier, gather_object, get_rank, is_distributed
+from vlp.distributed import get_rank, is_distributed
+from vlp.integrity import SEAL_KEY, CheckpointError
+from vlp.util import first_line
 
-CKPT_RE = re.compile(r"^step_(\d+)(\.pt)?$")  # step_N.pt file (replicated) or step_N/ DCP directory (sharded)
-META_FILE = "meta.pt"  # a DCP checkpoint's non-tensor state (step, RNG, config, ...), written by rank 0
-MARK_KEY = "integrity"  # in every checkpoint vlp writes with a manifest: its manifest must exist
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be written or used; the message is one line for the user."""
-
-
-STATE_KEYS = ("model", "optimizer", "scheduler", "step", "epoch", "batch_in_epoch", "world_size", "rng", "config")
-CHECKSUMS = "vlp-checksums/1"  # MARK_KEY's value in a .pt that carries its own: {"format", "sha256"}
-# atomic_write's temp names (the checkpoint's and, before checksums inside, its manifest's); the last group is the PID
-TEMP_PATTERN = r"\.(step_\d+\.pt(?:\.manifest\.json)?)\.tmp-(\d+)"
+CKPT_RE = re.compile(r"^step_(\d+)(\.pt)?$")  # step_N.pt file (replicated) or step_N/ DCP folder (sharded)
+META_FILE = "meta.pt"  # a DCP checkpoint's parts (counters, RNG, config, ...): written last, by rank 0
+REQUIRED = ("scheduler", "train", "data", "world_size", "rng", "config")  # besides model and optimizer
+__all__ = ["CheckpointError"]  # raised here; defined in vlp.integrity with IntegrityError
 
 
-def atomic_save(obj, path: str | Path) -> None:
-    """Write `obj` to `path` through a fsynced temp file and a rename. A dict gets its checksum
-    inside, under MARK_KEY (integrity.state_digest of the rest), so it verifies alone, also when
-    copied or renamed. A failed write (disk full, quota, I/O error) removes the temp file and
-    raises CheckpointError: every earlier checkpoint stays as it was."""
-    path = Path(path)
-    if isinstance(obj, dict):
-        obj = {**obj, MARK_KEY: {"format": CHECKSUMS, integrity.ALGORITHM: integrity.state_digest(obj)}}
-    try:  # the same step saved by an earlier release: its sidecar would not fit the new bytes
-        integrity.manifest_path(path).unlink(missing_ok=True)
-        atomic_write(path, lambda f: torch.save(obj, f), fsync=True)
-    except (OSError, RuntimeError) as e:  # torch wraps a failed write in a RuntimeError
-        raise write_failed(path, e) from None
+def ranks_name(name: str) -> str:
+    """The per-rank folder beside checkpoint `name`: step_N.pt or step_N -> step_N.ranks."""
+    return name.removesuffix(".pt") + ".ranks"
 
 
-def write_failed(path: Path, error: BaseException) -> CheckpointError:
-    """The one line for a save that failed: the OS's words, or 'no space left' when the disk
-    is full (torch's zip writer and DCP hide the OSError: 'unexpected pos 704 vs 598')."""
+def rank_file(rank: int, world: int) -> str:
+    return f"rank{rank:05d}-of-{world:05d}.pt"
+
+
+# ---------------------------------------------------------------- writing
+def save_file(obj, path: Path) -> None:
+    """torch.save `obj` (a dict sealed with its checksum) to the local path `path`, fsynced; on
+    an error the file is removed and the error raised."""
+    try:
+        with open(path, "wb") as f:
+            torch.save(integrity.seal(obj) if isinstance(obj, dict) else obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+
+
+def write_shards(state: dict, stage: Path) -> dict[str, dict]:
+    """This rank's DCP shard files (and on the coordinator .metadata) written into `stage`;
+    {file name: integrity.entry}. Collective: every rank passes its own shards."""
+    import torch.distributed.checkpoint as dcp  # heavy: only FSDP runs and DCP readers need it
+
+    dcp.save(state, checkpoint_id=stage, no_dist=not is_distributed())
+    return {f.name: integrity.entry(f) for f in sorted(stage.iterdir()) if f.is_file()}
+
+
+def write_failed(shown: str, error: BaseException, local: Path) -> CheckpointError:
+    """The one line for a save that failed: the OS's words, or 'no space left' when the local
+    disk is full (torch's zip writer and DCP hide the OSError: 'unexpected pos 704 vs 598')."""
+    if isinstance(error, CheckpointError):
+        return error
     reason = _reason(error)
     try:
-        full = shutil.disk_usage(_existing(path)).free < (1 << 20)
+        while not local.exists() and local != local.parent:
+            local = local.parent
+        full = shutil.disk_usage(local).free < (1 << 20)
     except OSError:
         full = False
-    if full and "space" not in reason:  # torch's words name its zip writer, not the disk
+    if full and "space" not in reason:
         reason = "No space left on device"
-    return CheckpointError(f"cannot write checkpoint {path}: {reason}; earlier checkpoints are unchanged")
-
-
-def _existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
+    return CheckpointError(f"cannot write checkpoint {shown}: {reason}; earlier checkpoints are unchanged")
 
 
 def _reason(error: BaseException) -> str:
@@ -91,18 +97,11 @@ def _reason(error: BaseException) -> str:
     return first_line(error)
 
 
-def load(path: str | Path, manifest: bool = True) -> dict:
-    """torch.load(weights_only) of a checkpoint or export file, verified by the checksums inside
-    it or its manifest (manifest=False: a DCP directory's meta.pt, covered by the directory's)."""
-    state, verified = load_checked(path, manifest)
-    if not verified:
-        unverified(path, state)
-    return state
-
-
+# ---------------------------------------------------------------- reading
 def load_checked(path: str | Path, manifest: bool = True) -> tuple[object, bool]:
     """(state, whether checksums verified it): a sidecar manifest is checked before torch.load
-    reads a byte, the checksums inside after; a mismatch is a CheckpointError naming the file."""
+    reads a byte, the checksum inside after (manifest=False: a DCP folder's META_FILE, covered
+    by the folder's). A mismatch is an IntegrityError naming the file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
@@ -113,43 +112,39 @@ def load_checked(path: str | Path, manifest: bool = True) -> tuple[object, bool]
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated file, wrong format, pickled objects
         raise CheckpointError(f"checkpoint {path} cannot be read safely: {first_line(e)}") from None
-    return state, _check_inside(state, path) or verified
-
-
-def _check_inside(state, path: Path) -> bool:
-    """True when `state` carries checksums (atomic_save) and they match, False when it has none."""
-    mark = state.get(MARK_KEY) if isinstance(state, dict) else None
-    if not isinstance(mark, dict):
-        return False
-    if integrity.state_digest({k: v for k, v in state.items() if k != MARK_KEY}) != mark.get(integrity.ALGORITHM):
-        raise CheckpointError(f"checkpoint {path} does not match its {integrity.ALGORITHM} checksum "
-                              "(damaged or changed since it was written)")
-    return True
+    return state, integrity.sealed(state, path) or verified
 
 
 def _verify(path: Path) -> bool:
-    """integrity.verify as a CheckpointError: True verified, False no manifest."""
     try:
         return integrity.verify(path)
     except integrity.IntegrityError as e:
-        raise CheckpointError(f"checkpoint {e}") from None
+        raise integrity.IntegrityError(f"checkpoint {e}") from None
     except OSError as e:
         raise CheckpointError(f"checkpoint {path} cannot be checked: {_reason(e)}") from None
+
+
+def load(path: str | Path, manifest: bool = True):
+    """A checkpoint or export file, verified (see load_checked), else refused or warned about."""
+    state, verified = load_checked(path, manifest)
+    if not verified:
+        unverified(path, state)
+    return state
 
 
 _warned: set[str] = set()
 
 
-def unverified(path: Path, state) -> None:
-    """For a checkpoint nothing verified. Written by vlp with checksums (MARK_KEY) whose manifest
-    is gone (a DCP directory cut off before its manifest, a .pt of the release before checksums
-    inside copied without its sidecar): refused, never loaded silently. A vlp checkpoint from
-    before checksums: one warning per file. Someone else's weights file: nothing was promised."""
+def unverified(path, state) -> None:
+    """For a file nothing verified. Written by vlp with checksums (SEAL_KEY) whose manifest is
+    gone: refused, never loaded silently. A vlp checkpoint from before checksums: one warning
+    per file. Someone else's weights file: nothing was promised."""
     if not isinstance(state, dict):
         return
-    if state.get(MARK_KEY):
-        raise CheckpointError(f"checkpoint {path} has no manifest ({integrity.manifest_path(path).name}) and "
-                              "cannot be verified: its save did not finish, or it was copied without it")
+    if state.get(SEAL_KEY):
+        raise integrity.IntegrityError(
+            f"checkpoint {path} has no manifest ({integrity.manifest_path(path).name}) and cannot be "
+            "verified: its save did not finish, or it was copied without it")
     if ("config" not in state and "preprocess_cfg" not in state) or str(path) in _warned:
         return
     _warned.add(str(path))
@@ -158,29 +153,40 @@ def unverified(path: Path, state) -> None:
               "loaded unverified", file=sys.stderr, flush=True)
 
 
-def check_state(state, path: str | Path) -> dict:
-    """`state` if it is a complete vlp training checkpoint with finite weights, else
+def upgrade(state: dict) -> dict:
+    """A checkpoint of an earlier release (counters, data position and skip counts at the top
+    level) in the parts' layout; a current one as it is."""
+    if not isinstance(state, dict) or "train" in state or "step" not in state:
+        return state
+    s, world = dict(state), state.get("world_size") or 1
+    skipped = s.pop("skipped_per_rank", None) or [s.get("skipped", {})] + [{}] * (world - 1)
+    rests = s.pop("data_rest", None) or [None] * world
+    shared = {k: s.pop(k, None) for k in ("epoch", "batch_in_epoch", "epoch_pieces", "epoch_batches")}
+    s.pop("skipped", None)
+    s["data"] = [{**shared, "epoch_pieces": shared["epoch_pieces"] if r == 0 else None, "rest": rests[r],
+                  "skipped": skipped[r]} for r in range(world)]
+    cfg = s.get("config") or {}
+    batch = cfg.get("data", {}).get("batch_per_device", 0) * world * cfg.get("train", {}).get("accum_steps", 1)
+    step = s.pop("step")
+    s["train"] = {"step": step, "samples_seen": s.pop("samples_seen", step * batch),
+                  "nonfinite_total": s.pop("nonfinite_total", 0)}
+    if "loss_state" in s:  # a stateful loss's one table, before per-rank files
+        s["loss"] = s.pop("loss_state")
+    return s
+
+
+def check_state(state, path, tensors: bool = True) -> dict:
+    """`state` upgraded, if it is a complete vlp training checkpoint with finite weights; else
     CheckpointError naming what is wrong."""
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} is not a vlp training checkpoint (a {type(state).__name__}, not a dict)")
-    missing = [k for k in STATE_KEYS if k not in state]
+    state = upgrade(state)
+    missing = [k for k in (("model", "optimizer") if tensors else ()) + REQUIRED if k not in state]
     if missing:
         raise CheckpointError(f"checkpoint {path} is not a vlp training checkpoint: missing {', '.join(missing)}")
-    bad = nonfinite_tensors(state["model"])
+    bad = nonfinite_tensors(state["model"]) if tensors else []
     if bad:
         raise CheckpointError(f"checkpoint {path} has non-finite weights in {len(bad)} tensors (e.g. {bad[0]})")
-    return state
-
-
-def load_valid(path: str | Path) -> dict:
-    """Load a training checkpoint and check it (see check_state). For a sharded (DCP) checkpoint
-    directory: its meta dict, checked by `load_sharded_meta` (the tensors load later, per rank)."""
-    if Path(path).is_dir():
-        return load_sharded_meta(path)
-    state, verified = load_checked(path, True)
-    check_state(state, path)
-    if not verified:  # a warning only once it is known to be usable
-        unverified(path, state)
     return state
 
 
@@ -192,223 +198,36 @@ def nonfinite_tensors(weights) -> list[str]:
             if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
 
 
-def latest_valid(ckpt_dir: str | Path, load_fn=load_valid):
-    """Newest checkpoint of `ckpt_dir` that loads and checks: (path, state, rejected), where
-    rejected lists (path, reason) of the newer ones passed over; None when there is no checkpoint.
-    Raises CheckpointError when checkpoints exist but none is valid. `load_fn(path)` loads and
-    checks one (a DCP checkpoint folder brings its own)."""
-    rejected = []
-    for path in reversed(list_checkpoints(ckpt_dir)):
-        try:
-            return path, load_fn(path), rejected
-        except (CheckpointError, FileNotFoundError) as e:
-            rejected.append((path, str(e)))
-    if rejected:
-        raise CheckpointError(f"no valid checkpoint in {ckpt_dir}: {rejected[0][1]}"
-                              + (f" (and {len(rejected) - 1} more)" if len(rejected) > 1 else ""))
-    return None
-
-
-def set_aside(path: str | Path) -> Path:
-    """Rename a bad checkpoint to `<name>.corrupt`: kept for inspection, out of `list_checkpoints`
-    (so neither resumed from, pruned, nor overwritten by the step that is written again)."""
+def load_valid(path: str | Path) -> dict:
+    """A training checkpoint (a .pt, or a DCP folder's meta: its tensors load later, per rank),
+    checked (check_state) and upgraded, its per-rank files present."""
     path = Path(path)
-    target = path.with_name(path.name + ".corrupt")
-    sidecar = integrity.manifest_path(path)
-    if path.is_file() and sidecar.exists():  # a DCP directory's manifest moves with it
-        os.replace(sidecar, integrity.manifest_path(target))
-    os.replace(path, target)
-    return target
-
-
-def remove_stale_temps(ckpt_dir: str | Path) -> list[Path]:
-    """Remove temp files of saves killed before their rename (their PID is dead); return them."""
-    from vlp.util import remove_stale_temps as remove
-
-    return remove(ckpt_dir, TEMP_PATTERN)
-
-
-def changed_settings(saved: dict, current: dict) -> list[str]:
-    """'section.key: saved -> current' for the config keys that shape the saved state (the
-    model's parameters and which of them train): resuming across a change cannot load it.
-    Which keys: vlp.train.resume.RESUME_RULES (shapes_state)."""
-    from vlp.train.resume import STATE_KEYS
-
-    out = []
-    for key in STATE_KEYS:
-        section, name = key.split(".")
-        old, new = (saved or {}).get(section, {}).get(name), current[section][name]
-        if old != new:
-            out.append(f"{key}={old!r} in the checkpoint, {new!r} now")
-    return out
-
-
-def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
-    """Step checkpoints in `ckpt_dir`, oldest first: `step_N.pt` files and `step_N/` DCP dirs
-    (not the temp names of saves in progress, nor ones set aside as `.corrupt`)."""
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir()
-             if (m := CKPT_RE.match(p.name)) and (p.is_dir() if m.group(2) is None else p.is_file())]
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(ckpt_dir: str | Path) -> Optional[Path]:
-    ckpts = list_checkpoints(ckpt_dir)
-    return ckpts[-1] if ckpts else None
-
-
-def prune(ckpt_dir: str | Path, keep_last: int) -> None:
-    for old in list_checkpoints(ckpt_dir)[:-keep_last] if keep_last > 0 else []:
-        if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink(missing_ok=True)
-            integrity.manifest_path(old).unlink(missing_ok=True)
-        shutil.rmtree(rank_dir(old), ignore_errors=True)
-
-
-# ---------------------------------------------------------------- per-rank files
-# State that is sharded by rank and grows with the data set (SogCLR's u: O(N / world) per rank)
-# is not gathered into one file: each rank writes its own into step_N.ranks/ beside the
-# checkpoint, before the checkpoint itself becomes visible.
-def rank_dir(path: str | Path) -> Path:
-    """step_N.ranks/ beside step_N.pt or step_N/."""
-    path = Path(path)
-    return path.with_name(path.name.removesuffix(".pt") + ".ranks")
-
-
-def rank_file(folder: str | Path, rank: int, world: int) -> Path:
-    return Path(folder) / f"rank{rank:05d}-of-{world:05d}.pt"
-
-
-def save_rank_files(folder: str | Path, obj, rank: int, world: int) -> None:
-    """Collective: every rank writes `obj` into .<folder>.tmp/, then rank 0 renames it to `folder`
-    (replacing one of an earlier save of the same step): the folder is complete once visible."""
-    folder = Path(folder)
-    tmp = folder.with_name(f".{folder.name}.tmp")
-    if rank == 0:
-        for stale in folder.parent.glob(".step_*.ranks.tmp"):  # this save's, or a killed one's
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    try:
-        atomic_save(obj, rank_file(tmp, rank, world))
-        error = None
-    except CheckpointError as e:
-        error = str(e)
-    failed = [e for e in gather_object([error]) if e]  # every rank stops, or none
-    if rank == 0:
-        shutil.rmtree(folder if not failed else tmp, ignore_errors=True)
-        if not failed:
-            os.replace(tmp, folder)
-    if failed:
-        raise CheckpointError(failed[0])
-    barrier()
-
-
-def load_rank_files(path: str | Path, ranks: list[int], world: int):
-    """The per-rank objects of `ranks` (of a `world`-rank save), read one at a time."""
-    for r in ranks:
-        yield load(rank_file(rank_dir(path), r, world))
-
-
-def check_rank_files(path: str | Path, world: int) -> None:
-    """CheckpointError unless the checkpoint's per-rank folder holds all `world` files."""
-    missing = [r for r in range(world) if not rank_file(rank_dir(path), r, world).is_file()]
+    if path.is_dir():
+        for name in (".metadata", META_FILE):
+            if not (path / name).is_file():
+                raise CheckpointError(f"checkpoint {path} is incomplete: no {name}")
+        verified = _verify(path)  # before META_FILE or .metadata is parsed
+        state, _ = load_checked(path / META_FILE, manifest=False)
+        state = check_state(state, path, tensors=False)
+        _check_shard_files(path)
+    else:
+        state, verified = load_checked(path)
+        state = check_state(state, path)
+    if not verified:  # a warning only once it is known to be usable
+        unverified(path, state)
+    world = state.get("rank_files")
+    missing = [r for r in range(world or 0) if not (path.with_name(ranks_name(path.name)) / rank_file(r, world)).is_file()]
     if missing:
-        raise CheckpointError(f"checkpoint {path} is incomplete: {rank_dir(path).name} lacks the files of "
+        raise CheckpointError(f"checkpoint {path} is incomplete: {ranks_name(path.name)} lacks the files of "
                               f"rank(s) {missing[:8]} of {world}")
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(_tuplify(state["python"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _tuplify(x):
-    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
-# ---------------------------------------------------------------- sharded (DCP) checkpoints
-# step_N/ holds one file of tensor shards per rank and DCP's .metadata (torch.distributed.checkpoint),
-# plus META_FILE. It is written as .step_N.tmp/ and renamed by rank 0 once every rank has written:
-# a directory under a final name is always complete. The checkpoint folder must be shared by all
-# ranks (one filesystem), as for any multi-node checkpoint.
-
-
-def save_sharded(state: dict, meta: dict, path: str | Path) -> None:
-    """Write a DCP checkpoint directory atomically. Collective: every rank passes its own shards
-    in `state` (parallel.sharded_state); rank 0's `meta` (plain tensors and containers) goes into
-    META_FILE. A leftover temp dir of a killed save is removed first; a failed save (disk full,
-    quota: DCP raises its CheckpointException, a BaseException, on every rank) removes its temp
-    dir and raises CheckpointError, earlier checkpoints untouched."""
-    import torch.distributed.checkpoint as dcp  # heavy: only FSDP runs and DCP readers need it
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    main = get_rank() == 0
-    if main:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(".step_*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)
-    barrier()
-    error = None
-    try:
-        # returns on every rank once all shards and .metadata are written
-        dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
-        digests = _gather_digests(tmp)  # each rank hashes the files it wrote
-        if main:
-            atomic_save(meta, tmp / META_FILE)
-            integrity.write_manifest(tmp, digests)  # last: .metadata and meta.pt hashed here
-            if path.exists():  # the same step saved again (e.g. the last good state before a stop)
-                shutil.rmtree(path)
-            os.replace(tmp, path)
-    except (OSError, RuntimeError, CheckpointException, CheckpointError) as e:
-        error = str(e if isinstance(e, CheckpointError) else write_failed(path, e))
-    failed = [e for e in gather_object([error]) if e]  # every rank stops, or none (no rank left waiting)
-    if failed:
-        if main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(failed[0])
-
-
-def _gather_digests(folder: Path) -> dict[str, dict]:
-    """{file name: integrity.entry} of the DCP files of every rank (`__<rank>_*.distcp`): each
-    rank hashes its own (O(checkpoint / world) each), rank 0 receives them all."""
-    mine = {f.name: integrity.entry(f) for f in sorted(folder.glob(f"__{get_rank()}_*.distcp"))}
-    return {name: e for part in gather_object([mine]) for name, e in part.items()}
-
-
-def load_sharded_meta(path: str | Path) -> dict:
-    """The meta dict of a DCP checkpoint directory, after checking the directory is complete and
-    (when it has a manifest) every file against its checksum."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    for name in (".metadata", META_FILE):
-        if not (path / name).is_file():
-            raise CheckpointError(f"checkpoint {path} is incomplete: no {name}")
-    verified = _verify(path)  # before meta.pt or .metadata is parsed
-    meta = load(path / META_FILE, manifest=False)
-    if not verified:
-        unverified(path, meta)
-    missing = [k for k in STATE_KEYS if k not in ("model", "optimizer") and k not in meta]
-    if missing:
-        raise CheckpointError(f"checkpoint {path} is not a vlp training checkpoint: missing {', '.join(missing)}")
-    _check_shard_files(path)
-    return meta
+def read_rank_files(path: Path, ranks: list[int], world: int):
+    """The per-rank states of `ranks` (of a `world`-rank save) beside checkpoint `path`, read one
+    at a time."""
+    for r in ranks:
+        yield load(path.with_name(ranks_name(path.name)) / rank_file(r, world))
 
 
 def _check_shard_files(path: Path) -> None:
@@ -416,8 +235,7 @@ def _check_shard_files(path: Path) -> None:
     (a lost or truncated rank file fails here, before any rank starts loading)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    try:
-        # DCP's index is a pickle (its format); it comes from our own save, like the shards it names
+    try:  # DCP's index is a pickle (its format); it comes from our own save, like the shards it names
         storage = FileSystemReader(str(path)).read_metadata().storage_data
     except Exception as e:  # truncated or foreign .metadata
         raise CheckpointError(f"checkpoint {path} has an unreadable .metadata: {first_line(e)}") from None
@@ -433,7 +251,7 @@ def _check_shard_files(path: Path) -> None:
 
 def load_sharded(state: dict, path: str | Path) -> None:
     """Fill `state` (parallel.sharded_state of this run's model and optimizer) in place from a DCP
-    directory. DCP reshards: the saved world size and parallelism need not match this run's.
+    folder. DCP reshards: the saved world size and parallelism need not match this run's.
     Collective when a process group exists."""
     import torch.distributed.checkpoint as dcp
 
@@ -446,11 +264,11 @@ def load_sharded(state: dict, path: str | Path) -> None:
 
 
 def load_sharded_full(path: str | Path) -> dict:
-    """A DCP checkpoint directory read whole by one process, shaped like a .pt checkpoint without
-    the optimizer: its meta plus the full model weights under open_clip's names (`vlp eval`)."""
+    """A DCP folder read whole by one process, shaped like a .pt checkpoint without the
+    optimizer: its meta plus the full model weights under open_clip's names (`vlp eval`)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    meta = load_sharded_meta(path)
+    meta = load_valid(path)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is ")
@@ -459,3 +277,32 @@ def load_sharded_full(path: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {path} cannot be read: {first_line(e)}") from None
     return {**meta, "model": {k.removeprefix("clip."): v for k, v in model.items()}}
 
+
+# ---------------------------------------------------------------- the random state, a part
+class RNG:
+    """This process's random state (torch, Python, CUDA) as a per-rank part: loaded from its
+    rank's saved entry; None (a resume under another layout) seeds `seed + rank` afresh."""
+
+    def __init__(self, seed: int = 0, rank: int = 0):
+        self.seed, self.rank = seed, rank
+
+    def state_dict(self) -> dict:
+        state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, states: list) -> None:
+        state = states[self.rank]
+        if state is None:
+            from accelerate.utils import set_seed  # accelerate's: torch, numpy, Python and CUDA at once
+
+            return set_seed(self.seed + self.rank)
+        torch.set_rng_state(state["torch"])
+        random.setstate(_tuplify(state["python"]))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _tuplify(x):
+    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x

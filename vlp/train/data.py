@@ -3,13 +3,14 @@
     data = TrainData(cfg, transform, tokenize, rank, world)   # validates the shard spec now
     for micro_batches in data.groups(accum):                  # lists of `accum` Batch, forever
         ...
-    entry = TrainData.merge(gather_object([data.state_dict()]))   # the checkpoint's "data" entry
-    data.load_state_dict(entry, rank, world, position)            # on resume
+    checkpointer.register("data", data, PER_RANK)             # its position, in every checkpoint
 
 The stream (vlp.data.stream) yields dicts that mix the data with bookkeeping (epoch, index
 in it, skip counts, which pieces of the epoch each worker has left). TrainData keeps the
 bookkeeping: the epoch and batch reached, the rest of an epoch begun under another layout
 (vlp.train.resume), and this rank's skip counts; the loop gets only `Batch`es.
+The position is a per-rank part of the checkpoint (vlp.train.checkpointer): `load_state_dict`
+gets every rank's entry and takes its own.
 """
 
 from __future__ import annotations
@@ -21,16 +22,6 @@ import torch
 
 from vlp.data.decode import image_decoder
 from vlp.data.device import PackedImages
-
-@dataclass
-class DataPosition:
-    """Where the data stream continues: ``epoch``, ``batch`` in it, and (split mode, after a
-    layout change) the ``pieces`` that make up the rest of that epoch."""
-
-    epoch: int
-    batch: int
-    pieces: Optional[list] = None
-
 
 @dataclass(frozen=True)
 class Batch:
@@ -179,43 +170,16 @@ class TrainData:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """This rank's position: the epoch and batches of it taken, the epoch's size, the
-        pieces of the epoch this rank has not consumed, and its skip counts."""
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "epoch_pieces": self.pieces,
-                "epoch_batches": self.current.num_batches, "rest": self.current.rest_of_epoch(self.epoch),
-                "skipped": dict(self.skipped)}
+        """This rank's position: the epoch and batches of it taken, the epoch's size, the pieces
+        of the epoch this rank has not consumed, its skip counts; rank 0 also the pieces of an
+        epoch begun under another layout (the same on every rank)."""
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "epoch_batches": self.current.num_batches,
+                "epoch_pieces": self.pieces if self.rank == 0 else None,
+                "rest": self.current.rest_of_epoch(self.epoch), "skipped": dict(self.skipped)}
 
-    @staticmethod
-    def merge(ranks: list[dict]) -> dict:
-        """The checkpoint's data fields from every rank's state_dict (rank order): the shared
-        position once, the per-rank parts as lists (vlp.train.resume reads them after a layout
-        change). The field names are those of every vlp checkpoint so far."""
-        first = ranks[0]
-        return {"epoch": first["epoch"], "batch_in_epoch": first["batch_in_epoch"],
-                "epoch_pieces": first["epoch_pieces"], "epoch_batches": first["epoch_batches"],
-                "data_rest": [r["rest"] for r in ranks],
-                "skipped": first["skipped"], "skipped_per_rank": [r["skipped"] for r in ranks]}
-
-    def load_state_dict(self, saved: dict, rank: int, world: int, moved: Optional[DataPosition] = None) -> None:
-        """Continue from a checkpoint (`merge`'s fields). ``moved``: where the stream goes on
-        after a layout change (vlp.train.resume.position_after_change); None: the same layout."""
-        self.skipped = rank_skipped(saved, rank, world)
-        if moved is None:
-            self.epoch, self.batch_in_epoch, self.pieces = saved["epoch"], saved["batch_in_epoch"], saved.get("epoch_pieces")
-        else:
-            self.epoch, self.batch_in_epoch, self.pieces = moved.epoch, moved.batch, moved.pieces
-
-
-def rank_skipped(state: dict, rank: int, world: int) -> dict[str, int]:
-    """This rank's skip counts from a checkpoint: its own entry when the world size is the same,
-    else all ranks' sum on rank 0 (the global total stays right). Old checkpoints hold rank 0's."""
-    per_rank = state.get("skipped_per_rank")
-    if not per_rank:
-        return dict(state.get("skipped", {})) if rank == 0 else {}
-    if len(per_rank) == world:
-        return dict(per_rank[rank])
-    total: dict[str, int] = {}
-    for counts in per_rank if rank == 0 else []:
-        for kind, n in counts.items():
-            total[kind] = total.get(kind, 0) + n
-    return total
+    def load_state_dict(self, ranks: list[dict]) -> None:
+        """Continue from every rank's saved entry (rank order; vlp.train.resume.relayout writes
+        them for this run's ranks after a layout change)."""
+        mine = ranks[self.rank]
+        self.epoch, self.batch_in_epoch = mine["epoch"], mine["batch_in_epoch"]
+        self.pieces, self.skipped = ranks[0].get("epoch_pieces"), dict(mine.get("skipped") or {})

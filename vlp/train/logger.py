@@ -8,15 +8,17 @@ in a bucket log.jsonl is kept locally and uploaded whole every 30 s, at every ch
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Optional
+
+from vlp.config import save_config
+from vlp.storage import RunFolder
 
 
 class RunLogger:
     def __init__(self, folder, enabled: bool, wandb_project: Optional[str] = None,
                  config: Optional[dict] = None):
-        from vlp.storage import RunFolder
-
         self.folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
         self.enabled = enabled
         self.wandb_project, self.config = wandb_project, config
@@ -28,7 +30,7 @@ class RunLogger:
         if not self.enabled:
             return
         if self._file is None:
-            self._file = self.folder.log_writer("log.jsonl")
+            self._file = LogWriter(self.folder, "log.jsonl")
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -50,8 +52,6 @@ class RunLogger:
 
     def save_config(self, cfg) -> None:
         """config.yaml (main process), creating a local run folder."""
-        from vlp.config import save_config
-
         if not self.folder.remote:
             Path(self.folder.root).mkdir(parents=True, exist_ok=True)
         with self.folder.file("config.yaml") as path:
@@ -92,3 +92,42 @@ def show_step(bar, metrics: dict, samples_per_s: float) -> None:
     bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}",
                     infonce=f"{metrics.get('infonce', float('nan')):.3f}",
                     scale=f"{metrics.get('logit_scale', float('nan')):.1f}", sps=f"{samples_per_s:.0f}", refresh=False)
+
+
+class LogWriter:
+    """An appending text log (``log.jsonl``): locally a file flushed on every line; in a bucket a
+    local copy (started from the object: a resumed run keeps its history) uploaded whole every
+    ``upload_every_s``, on ``flush()`` and on ``close()``."""
+
+    def __init__(self, folder, name: str, upload_every_s: float = 30.0):
+        self.folder, self.name, self.upload_every_s = folder, name, upload_every_s
+        self._last_upload, self._dirty = time.monotonic(), False
+        self._local = folder.cache_dir / "logs" / name if folder.remote else folder.local_dir("") / name
+        self._local.parent.mkdir(parents=True, exist_ok=True)
+        if folder.remote:
+            try:
+                self._local.write_bytes(folder.read_bytes(name))
+            except FileNotFoundError:
+                self._local.write_bytes(b"")
+        self._file = open(self._local, "a")
+
+    def write(self, line: str) -> None:
+        """Append one line (a newline is added when missing)."""
+        self._file.write(line if line.endswith("\n") else line + "\n")
+        self._file.flush()
+        self._dirty = True
+        if self.folder.remote and time.monotonic() - self._last_upload >= self.upload_every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Upload the whole log now (a no-op locally)."""
+        self._file.flush()
+        if self.folder.remote and self._dirty:
+            self.folder.put(self._local, self.name, keep=True)
+            self._dirty = False
+        self._last_upload = time.monotonic()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self.flush()
+            self._file.close()

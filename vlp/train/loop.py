@@ -5,9 +5,10 @@
     train() -> train_step(micro_batches) -> compute_gradients -> the loss over the gathered batch
 
 The parts: `TrainData` (the stream and its position, vlp.train.data), the parallel strategy
-(DDP or FSDP2: wrap, no_sync, gradient finish, checkpoint format, full model;
-vlp.train.strategy), the `CheckpointManager` (save, prune, fallback, vlp.train.manager), the
-loss from the registry (vlp.losses.registry), the `Evaluator` and the `RunLogger`.
+(DDP or FSDP2: wrap, no_sync, gradient finish, full model; vlp.train.strategy), the loss from
+the registry (vlp.losses.registry), the `Evaluator` and the `RunLogger`. Each part that owns
+state registers it with the `Checkpointer` (vlp.train.checkpointer), which saves and resumes
+them without calling back into the loop.
 
 One optimizer step sees `accum_steps` micro-batches per rank; the contrastive batch is
 per_device × world × accum (every micro-batch's anchors meet every other's features, see
@@ -19,8 +20,8 @@ which equals the gradient of the global mean loss.
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -34,22 +35,43 @@ from vlp.distributed import (all_reduce, barrier, exit_with_launcher, gather_obj
                              positive_offset)
 from vlp.losses.registry import get_spec
 from vlp.models.model import DualEncoder, build_model
-from vlp.train import checkpoint as ckpt
 from vlp.train import parallel, preempt, resume, runlock
 from vlp.losses.diagnostics import DeviceScalars
 from vlp.train.data import Batch, TrainData
 from vlp.train.evaluator import Evaluator
 from vlp.train.feature_cache import training_features
 from vlp.train.logger import RunLogger, check_wandb, show_step
-from vlp.train.manager import CheckpointManager
+from vlp.train.checkpoint import RNG
+from vlp.train.checkpointer import PER_RANK, RANK_FILES, Checkpointer
 from vlp.train.memory import StepMemory
-from vlp.train.optim import build_optimizer, build_scheduler, param_groups
+from vlp.train.optim import build_optimizer, build_scheduler, follow_config, param_groups
 from vlp.train.step import contrastive_backward
-from vlp.train.strategy import make_strategy
+from vlp.train.strategy import Tensors, make_strategy
+
+
+@dataclass
+class Counters:
+    """The loop's counters, a checkpoint part: optimizer steps taken, samples seen (global,
+    counted: true across layout changes), steps skipped for a non-finite loss."""
+
+    step: int = 0
+    samples_seen: int = 0
+    nonfinite_total: int = 0
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        vars(self).update(state)
+
+
+def _counter(name: str) -> property:
+    return property(lambda self: getattr(self.counters, name), lambda self, v: setattr(self.counters, name, v))
 
 
 class Trainer:
     data_class = TrainData  # the data part (a subclass may record or replace the stream)
+    step, samples_seen, nonfinite_total = _counter("step"), _counter("samples_seen"), _counter("nonfinite_total")
 
     def __init__(self, cfg: Config, accelerator: Optional[Accelerator] = None):
         self.cfg = cfg
@@ -70,8 +92,8 @@ class Trainer:
         self.world, self.accum = acc.num_processes, cfg.train.accum_steps
         self.global_batch = cfg.data.batch_per_device * self.world * self.accum
         self.total_steps = cfg.train.samples // self.global_batch
-        self.step, self.samples_seen = 0, 0  # samples_seen: global, true across layout changes
-        self.nonfinite_in_row = self.nonfinite_total = 0
+        self.counters = Counters()
+        self.nonfinite_in_row = 0
         self.peak_step_bytes: Optional[int] = None  # of this process's second step (measured_step)
         self.train_mode_set = False  # train_step has called model.train() (see there)
         if self.total_steps < 1:
@@ -101,8 +123,25 @@ class Trainer:
         # Accelerate would step it once per process.
         self.scheduler = build_scheduler(self.torch_optimizer, cfg.optim, lambda: (
             self.samples_seen // self.global_batch, cfg.train.samples // self.global_batch))
-        self.checkpoints = CheckpointManager(self.folder, cfg.train.keep_last, self.strategy, self.print)
+        self.checkpoints = self.checkpointer(cfg, acc)
         self.logger = RunLogger(self.folder, is_main(), cfg.train.wandb_project, cfg.to_dict())
+
+    def checkpointer(self, cfg: Config, acc: Accelerator) -> Checkpointer:
+        """The checkpointer of train.output_dir/checkpoints, with every part that owns state, in
+        the order they load: model and optimizer (the strategy's format), LR schedule, counters,
+        the loss's per-sample state, the AMP scaler, each rank's data position and RNG."""
+        facts = {"config": cfg.to_dict(), "world_size": self.world, "preprocess": dict(self.unwrapped.preprocess)}
+        checkpoints = Checkpointer(self.folder.sub("checkpoints"), Tensors(self.strategy, self.model, self.optimizer),
+                                   cfg.train.keep_last, facts, self.print)
+        checkpoints.register("scheduler", self.scheduler)
+        checkpoints.register("train", self.counters)
+        if self.loss_spec.stateful:  # per-sample state sharded by rank (SogCLR's u): one file per rank
+            checkpoints.register("loss", self.loss, RANK_FILES)
+        if acc.scaler is not None:
+            checkpoints.register("scaler", acc.scaler)
+        checkpoints.register("data", self.data, PER_RANK)
+        checkpoints.register("rng", RNG(cfg.train.seed, acc.process_index), PER_RANK)
+        return checkpoints
 
     @property
     def unwrapped(self) -> DualEncoder:
@@ -188,68 +227,18 @@ class Trainer:
         return {**dict(zip(metrics.names, values)), **metrics.host}
 
     # ------------------------------------------------------------------ state
-    def meta_state(self) -> dict:
-        """Everything but the model and optimizer tensors (counters, per-rank RNG, the data
-        position, config, LR schedule): beside the weights in a .pt, or meta.pt in a DCP
-        directory. A collective: what differs by rank is gathered in one call."""
-        ranks = gather_object([{"rng": ckpt.rng_state(), "data": self.data.state_dict()}])
-        state = {"scheduler": self.scheduler.state_dict(), "step": self.step, "samples_seen": self.samples_seen,
-                 "world_size": self.world, "nonfinite_total": self.nonfinite_total,
-                 "rng": [r["rng"] for r in ranks], "config": self.cfg.to_dict(),
-                 "preprocess": dict(self.unwrapped.preprocess),  # the tower's image preprocessing, for vlp eval
-                 **self.data.merge([r["data"] for r in ranks])}
-        if self.accelerator.scaler is not None:
-            state["scaler"] = self.accelerator.scaler.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict, path: str = "the checkpoint") -> None:
-        changed = resume.check_resume(state, self.cfg, self.world, str(path))  # refuses by name
-        self.strategy.load_checkpoint(state, path, self.model, self.optimizer)
-        self.scheduler.load_state_dict(state["scheduler"])
-        if self.loss_spec.stateful:
-            self.load_loss_state(state, path)
-        if "scaler" in state and self.accelerator.scaler is not None:
-            self.accelerator.scaler.load_state_dict(state["scaler"])
-        self.step = state["step"]
-        self.samples_seen = state.get("samples_seen", self.step * self.global_batch)
-        self.nonfinite_total = state.get("nonfinite_total", 0)
-        rank = self.accelerator.process_index
-        moved = resume.position_after_change(state, self.cfg, self.world) if changed else None
-        self.data.load_state_dict(state, rank, self.world, moved)
-        if changed:  # train.resume_mode=continue: the same global sample position, new layout
-            set_seed(self.cfg.train.seed + rank)  # fresh per-rank RNG (dropout etc.)
-            what = "; ".join(resume.layout_changes(state, self.cfg, self.world))  # e.g. world size: 2 -> 1
-            self.print(f"[vlp] layout changed since {path}: {what} (train.resume_mode=continue)")
-        else:
-            ckpt.set_rng_state(state["rng"][rank])
-        self.total_steps = self.step + (self.cfg.train.samples - self.samples_seen) // self.global_batch
-        for line in resume.apply_changes(state, self.cfg, self.torch_optimizer, self.scheduler):
-            self.print(line)  # e.g. "optim.lr 1e-3 -> 1e-5 from step 12" (vlp.train.resume.RESUME_RULES)
-
-    def load_loss_state(self, state: dict, path) -> None:
-        """A stateful loss's state: the shards of the saved ranks this rank needs (any saved
-        world size), or the one replicated table of checkpoints before per-rank files."""
-        if "rank_files" in state:
-            saved = state["rank_files"]
-            self.loss.load_state_dict(r["loss"] for r in self.checkpoints.rank_states(
-                path, self.loss.shards_needed(saved), saved))
-        elif "loss_state" in state:
-            self.loss.load_state_dict(state["loss_state"])
-
     def weights_finite(self) -> bool:
         """Whether every parameter is finite, agreed by all ranks (a collective)."""
         return not self._any_rank(torch.stack([(~torch.isfinite(parallel.local(p.detach()))).any()
                                                for p in self.model.parameters()]).any())
 
-    def save_checkpoint(self) -> Optional[Path]:
+    def save_checkpoint(self) -> str:
         """Write this step's checkpoint (collective). Weights with nan/inf are never written:
         FloatingPointError names the checkpoint to use instead."""
         if not self.weights_finite():
             raise FloatingPointError(f"model weights are not finite at step {self.step}: no checkpoint written; "
                                      f"{self.checkpoints.newest_valid()}")
-        # a stateful loss's per-sample state is sharded by rank (SogCLR's u): one file per rank
-        rank_state = {"loss": self.loss.state_dict()} if self.loss_spec.stateful else None
-        path = self.checkpoints.save(self.step, self.model, self.optimizer, self.meta_state(), rank_state)
+        path = self.checkpoints.save(self.step)
         self.logger.flush()  # a bucket's log.jsonl keeps up with its checkpoints
         return path
 
@@ -258,15 +247,24 @@ class Trainer:
         skipped steps leave the weights as they were, so they are saved when finite."""
         head = f"{self.nonfinite_in_row} non-finite losses in a row at step {self.step}"
         if self.weights_finite():
-            path = self.save_checkpoint() or self.checkpoints.path(self.step)
+            path = self.save_checkpoint()
             return (f"{head}; saved the last good weights to {path} (lower optim.lr or set optim.grad_clip, "
                     "then resume with train.resume=latest)")
         return f"{head}; the weights are not finite, nothing saved; {self.checkpoints.newest_valid()}"
 
     def maybe_resume(self) -> None:
-        path = self.checkpoints.resume(self.cfg.train.resume, self.load_state_dict, self.cfg.to_dict())
-        if path is not None:
-            d = self.data
+        """Resume from train.resume (the checkpointer loads every part), then the counters decide
+        the steps left and the optimizer follows changed settings (vlp.train.resume)."""
+        found = self.checkpoints.resume(self.cfg.train.resume, self.cfg)
+        if found is not None:
+            (path, state), d = found, self.data
+            self.total_steps = self.step + (self.cfg.train.samples - self.samples_seen) // self.global_batch
+            follow_config(self.torch_optimizer, self.scheduler, self.cfg.optim)  # not the saved lr, betas, ...
+            changed = resume.layout_changes(state, self.cfg, self.world)  # e.g. world size: 2 -> 1
+            if changed:  # train.resume_mode=continue (else refused in the checkpointer)
+                self.print(f"[vlp] layout changed since {path}: {'; '.join(changed)} (train.resume_mode=continue)")
+            for line in resume.applied_lines(state, self.cfg):
+                self.print(line)  # e.g. "optim.lr 1e-3 -> 1e-5 from step 12" (vlp.train.resume.RESUME_RULES)
             self.print(f"[vlp] resumed from {path} at step {self.step}, {self.samples_seen} samples seen (epoch "
                        f"{d.epoch}, batch {d.batch_in_epoch}{' of its rest under the new layout' if d.pieces else ''})")
 
@@ -318,6 +316,7 @@ class Trainer:
             finally:
                 if lock is not None:
                     lock.release()
+                self.folder.close()  # a bucket's temp folder (stage, downloads) goes
 
     def _train(self) -> dict:
         cfg = self.cfg
@@ -386,7 +385,7 @@ class Trainer:
             if is_main():
                 from vlp.models.model import export_open_clip
 
-                with self.folder.file("open_clip_model.pt", sidecar=True) as path:
+                with self.folder.file("open_clip_model.pt") as path:
                     export_open_clip(final, path)
         last_eval = self.evaluate()
         result = {"step": self.step, "samples_seen": self.samples_seen, "train_time_s": train_time,

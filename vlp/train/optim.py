@@ -119,3 +119,24 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg, position) -> torch.op
         return lr_multiplier(step, total, cfg.warmup_steps, cfg.schedule, cfg.cooldown_steps)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def follow_config(optimizer: torch.optim.Optimizer, scheduler, cfg) -> None:
+    """Make a resumed optimizer and LR schedule follow `cfg` (OptimConfig), not the checkpoint's
+    values: optimizer.load_state_dict restores every group's lr, weight decay, betas, ... and the
+    scheduler's state its base_lrs. Call after both loaded and samples_seen is restored (the LR
+    lambda reads it): the next step uses the new peak lr at the schedule's current point. Groups
+    follow `param_groups`: group 0 has no weight decay, the others cfg.weight_decay."""
+    for i, group in enumerate(optimizer.param_groups):
+        group["initial_lr"] = cfg.lr
+        if i > 0:
+            group["weight_decay"] = cfg.weight_decay
+        for name, value in (("betas", (cfg.beta1, cfg.beta2)), ("eps", cfg.eps), ("momentum", cfg.momentum),
+                            ("eta", cfg.trust_coefficient)):
+            if name in group:
+                group[name] = value
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    lambdas = getattr(scheduler, "lr_lambdas", None) or [lambda _: 1.0] * len(optimizer.param_groups)
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

@@ -1,31 +1,15 @@
-"""Resume on a changed cluster: which changes a checkpoint allows, and where the data goes on.
+"""Resume rules: which config changes a checkpoint allows, and where the data goes on.
 
-The data a step sees is decided by the *layout*: world size, per-device batch, accum_steps,
-num_workers, seed, shuffle buffer and mode (vlp.data.stream: rank r owns a contiguous
-range of the epoch, worker w the batches j = w mod W of it, each read through a seeded shuffle
-buffer). Hence:
-
-* ``train.resume_mode: exact`` (default): the layout must not change. The run then continues
-  bit-identically (CPU, deterministic settings) to an uninterrupted one. A changed layout, seed
-  or loss would alter results silently, so it is refused with one line naming each change and
-  how to allow it.
-* ``train.resume_mode: continue``: the layout (and seed, loss) may change, e.g. after a node is
-  lost. The run goes on from the same global sample position: every rank saved the pieces of
-  the current epoch it had not consumed (``Loader.rest_of_epoch``); concatenated in rank order,
-  they are read as the rest of the epoch under the new layout, so no sample of the epoch is
-  repeated or skipped (a remainder smaller than one global batch is dropped, as ``drop_last``
-  does at every epoch end). Later epochs use the new layout. In resampled mode (sampling with
-  replacement) the position in the epoch is carried over in samples. The LR schedule follows
-  samples seen, so it is continuous across a change of global batch.
-* Never: a changed model, shard list or optimizer (the weights, the optimizer state or the
-  saved shard pieces would not fit), nor a value the checkpoint overrides (pretrained weights,
-  tau): refused by name.
-* Every other key is applied from the resume step on and logged ("optim.lr 0.001 -> 1e-05 from
-  step 12"); ``apply_optim_changes`` makes the optimizer and LR schedule follow the new values
-  (a loaded optimizer state would otherwise keep the saved lr, weight decay and betas).
+The *layout* (world size, per-device batch, accum_steps, num_workers, seed, shuffle buffer, mode,
+loss) decides which samples each step sees. ``train.resume_mode: exact`` (default) refuses a
+changed layout in one line naming each change: the run then continues bit-identically.
+``continue`` allows it and goes on from the same global sample: the ranks' unconsumed pieces of
+the epoch, in rank order, are the rest of the epoch under the new layout (`relayout`). A changed
+model, shard list or optimizer, or a value the checkpoint overrides, is always refused; every
+other key is applied from the resume step on and logged (docs/design.md, "Stream").
 
 Which key is which is ONE table, ``RESUME_RULES``, read from each key's declaration
-(vlp/config_keys.py); checkpoint.changed_settings and vlp compare's harmless keys are views of it.
+(vlp/config_keys.py). The checkpointer calls `fit` before any part loads.
 """
 
 from __future__ import annotations
@@ -34,7 +18,6 @@ from typing import Any, Optional
 
 from vlp.config import KEYS, Config, ConfigError
 from vlp.config_rules import APPLY, LAYOUT, REFUSE, KeyRule
-from vlp.train.data import DataPosition
 
 # ----------------------------------------------------------------------------- the rules table
 RESUME_RULES: dict[str, KeyRule] = {name: k.resume for name, k in KEYS.items()}
@@ -93,41 +76,7 @@ def applied_lines(saved: dict, cfg: Config) -> list[str]:
     """The log lines of the config changes a resume from `saved` applies: '[vlp] resume:
     optim.lr 0.001 -> 1e-05 from step 12'."""
     applied, _ = resume_changes(saved.get("config") or {}, cfg.to_dict())
-    return [f"[vlp] resume: {line} from step {saved.get('step')}" for line in applied]
-
-
-def apply_optim_changes(optimizer, scheduler, cfg: Config) -> None:
-    """Make a resumed optimizer and LR schedule follow `cfg.optim`, not the checkpoint's values
-    (optimizer.load_state_dict restores every group's lr, weight decay, betas, ...; the
-    scheduler's state its base_lrs). Call after loading both and after the trainer's
-    samples_seen is restored (the LR lambda reads it): the step about to run uses the new peak
-    lr at the schedule's current point. Groups follow vlp.train.optim.param_groups: group 0 has no
-    weight decay, the others cfg.optim.weight_decay."""
-    o = cfg.optim
-    for i, group in enumerate(optimizer.param_groups):
-        group["initial_lr"] = o.lr
-        if i > 0:
-            group["weight_decay"] = o.weight_decay
-        if "betas" in group:
-            group["betas"] = (o.beta1, o.beta2)
-        if "eps" in group:
-            group["eps"] = o.eps
-        if "momentum" in group:
-            group["momentum"] = o.momentum
-        if "eta" in group:
-            group["eta"] = o.trust_coefficient
-    scheduler.base_lrs = [o.lr] * len(optimizer.param_groups)
-    lambdas = getattr(scheduler, "lr_lambdas", None) or [lambda _: 1.0] * len(optimizer.param_groups)
-    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, lambdas):
-        group["lr"] = base * factor(scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
-
-
-def apply_changes(saved: dict, cfg: Config, optimizer, scheduler) -> list[str]:
-    """The one call after a resume has loaded everything: apply the optimizer's new settings
-    (apply_optim_changes) and return the log lines of every applied change (applied_lines)."""
-    apply_optim_changes(optimizer, scheduler, cfg)
-    return applied_lines(saved, cfg)
+    return [f"[vlp] resume: {line} from step {saved['train']['step']}" for line in applied]
 
 
 def layout_changes(saved: dict, cfg: Config, world_size: Optional[int],
@@ -157,7 +106,7 @@ def check_resume(saved: dict, cfg: Config, world_size: int, path: str) -> bool:
                           "or start a new run)")
     changed = layout_changes(saved, cfg, world_size)
     if changed and cfg.train.resume_mode == "exact":
-        seen = saved.get("samples_seen", 0)
+        seen = saved.get("train", {}).get("samples_seen", 0)
         raise ConfigError(
             f"resume: {'; '.join(changed)} since {path}; exact resume needs the same data layout: "
             f"set train.resume_mode=continue to go on from sample {seen} under the new layout "
@@ -165,21 +114,46 @@ def check_resume(saved: dict, cfg: Config, world_size: int, path: str) -> bool:
     return bool(changed)
 
 
-def position_after_change(saved: dict, cfg: Config, world_size: int) -> DataPosition:
-    """Where the stream goes on when the layout changed (resume_mode=continue)."""
-    epoch, batch = saved["epoch"], saved["batch_in_epoch"]
-    if batch >= saved.get("epoch_batches", batch + 1):  # the epoch was complete
-        return DataPosition(epoch + 1, 0)
-    old_cfg = saved["config"]
-    if old_cfg["data"]["mode"] == "resampled":  # with replacement: carry the position in samples
-        done = batch * old_cfg["data"]["batch_per_device"] * saved["world_size"]
-        return DataPosition(epoch, done // (cfg.data.batch_per_device * world_size))
-    rest = saved.get("data_rest")
-    if not rest:
+def changed_settings(saved: dict, current: dict) -> list[str]:
+    """'key=old in the checkpoint, new now' for the keys that shape the saved state (the model's
+    parameters and which of them train): a resume across such a change cannot load it."""
+    return [f"{key}={_dotted(saved or {}, key)!r} in the checkpoint, {_dotted(current, key)!r} now"
+            for key in STATE_KEYS if _dotted(saved or {}, key) != _dotted(current, key)]
+
+
+def fit(saved: dict, cfg: Config, world_size: int, where: str) -> dict:
+    """The saved state as this run loads it: a change the resume mode does not allow is refused
+    (ConfigError, `check_resume`); after a layout change (resume_mode=continue) every rank gets
+    its data entry from `relayout` and a fresh RNG (None: seeded seed + rank)."""
+    if not check_resume(saved, cfg, world_size, where):
+        return saved
+    return {**saved, "data": relayout(saved, cfg, world_size), "rng": [None] * world_size}
+
+
+def relayout(saved: dict, cfg: Config, world_size: int) -> list[dict]:
+    """The data entries of this run's ranks after a layout change: the same global position
+    (split mode: the rest of the epoch as pieces every rank's rest adds up to, read under the new
+    layout; resampled: the position in samples), and the skip counts summed on rank 0."""
+    data, old_cfg = saved["data"], saved["config"]
+    epoch, batch, pieces = data[0]["epoch"], data[0]["batch_in_epoch"], None
+    if batch >= (data[0].get("epoch_batches") or batch + 1):  # the epoch was complete
+        epoch, batch = epoch + 1, 0
+    elif old_cfg["data"]["mode"] == "resampled":  # with replacement: carry the position in samples
+        batch = batch * old_cfg["data"]["batch_per_device"] * len(data) // (cfg.data.batch_per_device * world_size)
+    elif any(d.get("rest") is None for d in data):
         raise ConfigError("resume: this checkpoint does not record the rest of its epoch (written "
                           "before vlp saved it); resume it with the old layout")
-    pieces = [tuple(piece) for rank_pieces in rest for piece in rank_pieces]
-    left = sum(end - begin for _, begin, end in pieces)
-    if left < cfg.data.batch_per_device * world_size:  # less than one batch per rank
-        return DataPosition(epoch + 1, 0)
-    return DataPosition(epoch, 0, pieces)
+    else:
+        pieces = [tuple(piece) for d in data for piece in d["rest"]]
+        batch = 0
+        if sum(end - begin for _, begin, end in pieces) < cfg.data.batch_per_device * world_size:
+            epoch, pieces = epoch + 1, None  # less than one batch per rank
+    skipped = [d.get("skipped") or {} for d in data]
+    if len(skipped) != world_size:
+        total: dict[str, int] = {}
+        for counts in skipped:
+            for kind, n in counts.items():
+                total[kind] = total.get(kind, 0) + n
+        skipped = [dict(sorted(total.items()))] + [{}] * (world_size - 1)
+    return [{"epoch": epoch, "batch_in_epoch": batch, "epoch_pieces": pieces if r == 0 else None,
+             "skipped": skipped[r]} for r in range(world_size)]

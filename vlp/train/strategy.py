@@ -4,26 +4,23 @@
     model, optimizer = strategy.prepare(model, make_optimizer)   # make_optimizer(model) -> torch optimizer
     with strategy.no_sync(model): ...                            # a non-last accumulation micro-step
     strategy.backward(loss); strategy.finish_grads(model, clip)  # then optimizer.step()
-    path = strategy.write_checkpoint(ckpt_dir, step, model, optimizer, meta)
-    strategy.load_checkpoint(state, path, model, optimizer)      # either format into either mode
+    tensors = Tensors(strategy, model, optimizer)                # the checkpointer's weights part
     full = strategy.full_model(model, build)                     # main process: a plain model
 
 `Replicated` (train.parallel=ddp): Accelerate's DDP replicas; a checkpoint is one step_N.pt of
 full tensors written by the main process. `Sharded` (train.parallel=fsdp): FSDP2 applied by
-vlp.train.parallel; a checkpoint is a DCP directory each rank writes its shards into. Both load
+vlp.train.parallel; a checkpoint is a DCP folder each rank writes its shards into. Both load
 both formats (DCP reshards to any layout).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
 from vlp.config import ConfigError
 from vlp.distributed import is_main
-from vlp.train import checkpoint as ckpt
 from vlp.train import parallel
 from vlp.train.optim import optimizer_param_names
 
@@ -58,23 +55,10 @@ class Replicated:
         if max_norm:
             self.acc.clip_grad_norm_(model.parameters(), max_norm)
 
-    def write_checkpoint(self, ckpt_dir: Path, step: int, model, optimizer, meta: dict) -> Optional[Path]:
-        """step_N.pt of full tensors plus `meta`, written by the main process (None elsewhere)."""
-        if not is_main():
-            return None
-        path = ckpt_dir / f"step_{step:08d}.pt"
-        state = {"model": self.unwrap(model).clip.state_dict(), "optimizer": optimizer.state_dict(), **meta}
-        ckpt.atomic_save(state, path)
-        return path
-
-    def load_checkpoint(self, state: dict, path, model, optimizer) -> None:
-        """Model and optimizer state from a .pt (`state` holds the tensors) or a DCP directory
-        (`state` is its meta; the tensors are read from `path`, resharded to this layout)."""
-        if "model" not in state:
-            load_dcp(path, self.unwrap(model), self.torch_optimizer)
-        else:
-            self.unwrap(model).clip.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
+    def load_full(self, model, optimizer, state: dict) -> None:
+        """Model and optimizer state from full tensors ({"model", "optimizer"} of a .pt)."""
+        self.unwrap(model).clip.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
 
     def full_model(self, model, build: Callable):
         """The model to evaluate or export on the main process: the replica itself."""
@@ -111,18 +95,8 @@ class Sharded(Replicated):
         if max_norm:
             parallel.clip_grad_norm_(model.parameters(), max_norm)
 
-    def write_checkpoint(self, ckpt_dir: Path, step: int, model, optimizer, meta: dict) -> Path:
-        """A DCP directory: every rank writes its own shards, rank 0 the meta and the rename."""
-        path = ckpt_dir / f"step_{step:08d}"
-        ckpt.save_sharded(parallel.sharded_state(model, self.torch_optimizer), meta, path)
-        return path
-
-    def load_checkpoint(self, state: dict, path, model, optimizer) -> None:
-        """A DCP directory resharded to this layout, or a replicated .pt that every rank reads
-        whole, keeping its own shards. A collective."""
-        if "model" not in state:
-            load_dcp(path, self.unwrap(model), self.torch_optimizer)
-            return
+    def load_full(self, model, optimizer, state: dict) -> None:
+        """A replicated .pt that every rank reads whole, keeping its own shards. A collective."""
         weights = {f"clip.{k}": v for k, v in state["model"].items()}
         optim = parallel.name_keyed_optimizer_state(state["optimizer"], optimizer_param_names(model))
         parallel.set_full_state(model, self.torch_optimizer, weights, optim)
@@ -139,11 +113,26 @@ class Sharded(Replicated):
         return fresh.to(self.acc.device).eval()
 
 
-def load_dcp(path, model, torch_optimizer) -> None:
-    """Fill model and optimizer from a DCP directory (any saved layout)."""
-    target = parallel.sharded_state(model, torch_optimizer)
-    ckpt.load_sharded(target, path)
-    parallel.set_sharded_state(model, torch_optimizer, target)
+class Tensors:
+    """The model and optimizer as the checkpointer's weights part (vlp.train.checkpointer): full
+    tensors for a .pt (the main process's) or DCP shards (each rank's own), loaded from either."""
+
+    def __init__(self, strategy: Replicated, model, optimizer):
+        self.strategy, self.model, self.optimizer = strategy, model, optimizer
+        self.sharded = strategy.sharded
+
+    def state_dict(self) -> dict:
+        return {"model": self.strategy.unwrap(self.model).clip.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.strategy.load_full(self.model, self.optimizer, state)
+
+    def sharded_state(self) -> dict:
+        """The target of a DCP save or load (a collective under FSDP)."""
+        return parallel.sharded_state(self.strategy.unwrap(self.model), self.strategy.torch_optimizer)
+
+    def load_sharded(self, state: dict) -> None:
+        parallel.set_sharded_state(self.strategy.unwrap(self.model), self.strategy.torch_optimizer, state)
 
 
 def make_strategy(cfg, accelerator) -> Replicated:
