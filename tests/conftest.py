@@ -5,6 +5,7 @@ import os
 import resource
 
 import pytest
+from xdist.scheduler import LoadGroupScheduling
 
 from tiers import SLOW_LIST, SLOW_S, base_id, groups, markers, plain_id, read_list
 
@@ -60,6 +61,31 @@ def pytest_runtest_makereport(item, call):
     report.user_properties.append(("cpu_s", round(now - _CPU[0], 3)))
     _CPU[0] = now
     return report
+
+
+class _GroupScheduling(LoadGroupScheduling):
+    """pytest-xdist's loadgroup, except that a test whose worker crashed is reported as failed
+    once and not run again: loadgroup puts the crashed test back in the queue with the rest of
+    its group, so the next worker runs it and crashes too, and the run hangs (pytest-xdist 3.8)."""
+
+    def remove_node(self, node):
+        workload = self.assigned_work.pop(node)
+        pending = [nodeid for unit in workload.values() for nodeid, done in unit.items() if not done]
+        if not pending:
+            return None
+        crashed = pending[0]  # tests run in the order they were sent: the first not done was running
+        for unit in workload.values():
+            unit.pop(crashed, None)
+        self.workqueue.update((scope, unit) for scope, unit in workload.items() if not all(unit.values()))
+        for other in self.assigned_work:
+            self._reschedule(other)
+        return crashed
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadgroup":
+        return _GroupScheduling(config, log)
+    return None
 
 
 def _worker(config) -> bool:
