@@ -1,10 +1,13 @@
-"""Project-wide fixtures (tiny real shards shared by trainer/CLI tests) and the test tiers
-(tests/tiers.py decides them, the hooks here apply them and report slow unlisted tests)."""
+"""Project-wide fixtures (tiny real shards shared by trainer/CLI tests), the test tiers
+(tests/tiers.py decides them, the hooks here apply them and report slow unlisted tests) and the
+pytest-xdist groups (tests that must share one worker: tests/tiers.py ``group``)."""
 import os
+import resource
 
 import pytest
+from xdist.scheduler import LoadGroupScheduling
 
-from tiers import SLOW_LIST, SLOW_S, base_id, markers, read_list
+from tiers import SLOW_LIST, SLOW_S, base_id, groups, markers, plain_id, read_list
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -24,29 +27,89 @@ def tiny_shards(tmp_path_factory):
     }
 
 
-_SLOW: set[str] = set()  # node ids this session marked slow
-_TOOK: dict[str, float] = {}  # node id -> seconds (setup + call + teardown)
+_TOOK: dict[str, float] = {}  # node id -> seconds (setup + call + teardown), tests not in the slow tier
+_CONFIG: list = []  # this session's config (pytest_configure)
+_CPU = [0.0]  # this process's CPU seconds (its own and its waited-for children's) at the last mark
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's -m deselection and xdist's group suffixes
 def pytest_collection_modifyitems(config, items):
     listed = read_list(SLOW_LIST)
+    grouped = groups(items)
     for item in items:
-        found = markers(item, listed)
-        for name in sorted(found):
+        for name in sorted(markers(item, listed)):
             item.add_marker(name)
-        if "slow" in found:
-            _SLOW.add(item.nodeid)
+        if item.nodeid in grouped:
+            item.add_marker(pytest.mark.xdist_group(grouped[item.nodeid]))
 
+
+def _cpu_now() -> float:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _CPU[0] = _cpu_now()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report carries the CPU seconds it took (in the process that ran it, so also
+    from an xdist worker): ('cpu_s', seconds) in report.user_properties."""
+    report = yield
+    now = _cpu_now()
+    report.user_properties.append(("cpu_s", round(now - _CPU[0], 3)))
+    _CPU[0] = now
+    return report
+
+
+class _GroupScheduling(LoadGroupScheduling):
+    """pytest-xdist's loadgroup, except that a test whose worker crashed is reported as failed
+    once and not run again: loadgroup puts the crashed test back in the queue with the rest of
+    its group, so the next worker runs it and crashes too, and the run hangs (pytest-xdist 3.8)."""
+
+    def remove_node(self, node):
+        workload = self.assigned_work.pop(node)
+        pending = [nodeid for unit in workload.values() for nodeid, done in unit.items() if not done]
+        if not pending:
+            return None
+        crashed = pending[0]  # tests run in the order they were sent: the first not done was running
+        for unit in workload.values():
+            unit.pop(crashed, None)
+        self.workqueue.update((scope, unit) for scope, unit in workload.items() if not all(unit.values()))
+        for other in self.assigned_work:
+            self._reschedule(other)
+        return crashed
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadgroup":
+        return _GroupScheduling(config, log)
+    return None
+
+
+def _worker(config) -> bool:
+    return hasattr(config, "workerinput")  # an xdist worker: its controller reports and writes
+
+
+def pytest_configure(config):
+    _CONFIG[:] = [config]
 
 
 def pytest_runtest_logreport(report):
-    """Sums each test's phases. VLP_TEST_DURATIONS=FILE also appends 'seconds<TAB>phase<TAB>node id'
-    as each phase ends, so a run cut short still leaves its figures."""
-    _TOOK[report.nodeid] = _TOOK.get(report.nodeid, 0.0) + report.duration
+    """Sums each test's phases. VLP_TEST_DURATIONS=FILE also appends
+    'seconds<TAB>phase<TAB>node id<TAB>CPU seconds' as each phase ends (in the controller only
+    under xdist, node ids without the xdist group suffix), so a run cut short still leaves its figures."""
+    if _CONFIG and _worker(_CONFIG[0]):
+        return
+    nodeid = plain_id(report.nodeid)
+    if "slow" not in report.keywords:
+        _TOOK[nodeid] = _TOOK.get(nodeid, 0.0) + report.duration
     path = os.environ.get("VLP_TEST_DURATIONS")
     if path:
+        cpu = dict(report.user_properties).get("cpu_s", float("nan"))
         with open(path, "a") as f:
-            f.write(f"{report.duration:.3f}\t{report.when}\t{report.nodeid}\n")
+            f.write(f"{report.duration:.3f}\t{report.when}\t{nodeid}\t{cpu:.3f}\n")
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -54,8 +117,7 @@ def pytest_terminal_summary(terminalreporter):
     not in the slow tier."""
     fast: dict[str, float] = {}
     for nodeid, seconds in _TOOK.items():
-        if nodeid not in _SLOW:
-            fast[base_id(nodeid)] = fast.get(base_id(nodeid), 0.0) + seconds
+        fast[base_id(nodeid)] = fast.get(base_id(nodeid), 0.0) + seconds
     late = sorted(n for n, s in fast.items() if s > SLOW_S)
     if late:
         terminalreporter.write_line(

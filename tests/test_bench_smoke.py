@@ -8,7 +8,6 @@ APIs and reports the figures BENCHMARKS.md quotes.
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -16,13 +15,13 @@ from vlp_testing import REPO, run_env
 
 FIGURE = re.compile(r"^FIGURE (.+?) = (\S+)", re.M)
 
-CASES = {  # longest first: they start first
+CASES = {  # longest first: they start first (one test each; pytest-xdist spreads them over its workers)
     "scaling.py": ["--quick"],
     "train_throughput.py": ["--quick"],
     "quality.py": ["--quick"],
     "loss_cost.py": ["--quick"],
     "data_loading.py": ["--quick"],
-    "soak.py": ["--quick"],  # a fixed 30 s of streaming (+ imports)
+    "soak.py": ["--minutes", "0.25", "--every", "5", "--warmup", "10"],  # --quick's samples, over 15 s instead of 30
     "remote_loading.py": ["--quick"],
     "gpu_bench.py": ["--cpu", "--tiny"],
     "step_cost.py": ["--quick"],
@@ -68,41 +67,38 @@ EXPECTED = {
 }
 
 
-@pytest.fixture(scope="module")
-def quick_runs(tmp_path_factory):
-    """Run every script's quick mode, 4 at a time (their wall time is mostly process start-up,
-    imports and waiting on child processes, so on 2 cores the module takes ~60-90 s instead of
-    ~2 min); {script: (rc, stdout, stderr)}."""
-    out_dir = tmp_path_factory.mktemp("gpu_bench")
+BUDGET_S = 600  # one script's limit (alone, idle: 10-40 s; ~4x that under a load of 8)
+
+
+@pytest.fixture
+def bench_data():
+    """The data the scripts share, built by the first test (the scripts build it themselves when
+    missing, unguarded against each other): the OpenMoji shards and the quick runs' 128 synthetic
+    JPEGs. Under a file lock, as pytest-xdist's workers run these tests side by side; the next
+    tests find them built (a check of two files)."""
+    from filelock import FileLock
+
+    from bench._common import jpeg_shards
     from vlp.data.embedded import prepare_shards
 
-    prepare_shards(REPO / ".cache" / "shards" / "openmoji")  # once, before 4 scripts race for it
-    pending = list(CASES)
-    running: dict[str, subprocess.Popen] = {}
-    done: dict[str, tuple[int, str, str]] = {}
-    deadline = time.monotonic() + 400
-    while pending or running:
-        while pending and len(running) < 4:
-            script = pending.pop(0)
-            extra = ["--out", str(out_dir)] if script == "gpu_bench.py" else []
-            running[script] = subprocess.Popen(
-                [sys.executable, str(REPO / "bench" / script), *CASES[script], *extra], cwd=REPO,
-                env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for script, proc in list(running.items()):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                if proc.poll() is None:
-                    proc.kill()
-                stdout, stderr = proc.communicate()
-                done[script] = (proc.returncode, stdout, stderr)
-                del running[script]
-        time.sleep(0.2)
-    return done
+    (REPO / ".cache").mkdir(exist_ok=True)
+    with FileLock(REPO / ".cache" / "bench_smoke.lock"):
+        prepare_shards(REPO / ".cache" / "shards" / "openmoji")
+        jpeg_shards(REPO / ".cache" / "bench", 128, per_shard=32)  # data_loading / remote_loading --quick
 
 
 @pytest.mark.parametrize("script", list(CASES))
-def test_bench_quick(script, quick_runs):
-    rc, stdout, stderr = quick_runs[script]
-    assert rc == 0, (stdout + stderr)[-3000:]
+def test_bench_quick(script, bench_data, tmp_path):
+    """One script's quick mode as its own process (the tests spread over xdist's workers)."""
+    extra = ["--out", str(tmp_path)] if script == "gpu_bench.py" else []
+    cmd = [sys.executable, str(REPO / "bench" / script), *CASES[script], *extra]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=BUDGET_S)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+        pytest.fail(f"bench/{script} did not finish in {BUDGET_S} s; its output so far:\n{out[-3000:]}")
+    stdout = proc.stdout
+    assert proc.returncode == 0, f"bench/{script} exited {proc.returncode}:\n{(stdout + proc.stderr)[-3000:]}"
     figures = dict(FIGURE.findall(stdout))
     missing = [name for name in EXPECTED[script] if name not in figures]
     assert not missing, f"{script} did not print {missing}:\n{stdout[-3000:]}"

@@ -184,7 +184,7 @@ def test_bad_config_file_is_one_line_before_any_work(capsys, tmp_path, text, nee
 # ----------------------------------------------------------------------------- unreadable shards
 @pytest.mark.parametrize("content, reason", [
     (b"", "empty file (0 bytes)"),
-    (gzip.compress(b"x" * 2000), "gzip-compressed"),
+    (gzip.compress(b"x" * 2000, mtime=0), "gzip-compressed"),
     (b"<html>not found</html>" * 40, "not a tar archive"),
 ])
 def test_unreadable_shard_is_named_with_its_reason(capsys, tmp_path, tiny_shards, content, reason):

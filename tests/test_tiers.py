@@ -60,6 +60,16 @@ def _through_a_closure():
     return run
 
 
+def _imports_inside():
+    import subprocess as sp
+    return sp.run(["true"])
+
+
+def _imports_a_helper_inside():
+    from object_store import start_s3
+    return start_s3()
+
+
 def _plain(x):
     return sorted(x)
 
@@ -69,6 +79,8 @@ def _plain(x):
     (_serves, {"server"}),
     (_through_a_table, {"server", "multiproc"}),  # start_gcs runs fake-gcs-server as a process
     (_through_a_closure(), {"multiproc"}),
+    (_imports_inside, {"multiproc"}),
+    (_imports_a_helper_inside, {"server"}),
     (_plain, set()),
 ])
 def test_markers_follow_what_a_test_reaches(fn, expected):

@@ -9,7 +9,10 @@ refer to, followed through tests/ (not into vlp/):
 The inner loop is ``pytest -m "not slow"``; a new test gets its markers without anyone remembering,
 and a new in-process test that is slow is named at the end of every run until it is listed.
 """
+import dis
 import functools
+import importlib
+import importlib.util
 import inspect
 import sys
 import types
@@ -22,6 +25,8 @@ TIERS = ("slow", "multiproc", "server")
 PROCESS_MODULES = ("subprocess", "multiprocessing", "torch.multiprocessing", "concurrent.futures.process")
 SERVER_MODULES = ("http.server", "socketserver")
 SERVER_HELPERS = {("object_store", "start_s3"), ("object_store", "start_gcs"), ("object_store", "DropProxy")}
+PORT_FLAG = "--main_process_port"  # `accelerate launch` on a port the test picks (often from its pid)
+PORT_GROUP = "accelerate-ports"  # the xdist group of every file with such a launch: one after another
 
 
 def _ours(obj) -> bool:
@@ -58,11 +63,14 @@ def _neighbours(fn) -> tuple[frozenset, tuple]:
     scope = fn.__globals__
     cells = [c.cell_contents for c in (fn.__closure__ or ()) if _filled(c)]
     for code in _codes(fn.__code__):
+        if PORT_FLAG in code.co_consts:
+            names.add(PORT_FLAG)
         wanted = set(code.co_names)
         objs = [scope.get(n) for n in wanted] + cells
         objs += [v for o in objs if isinstance(o, (dict, list, tuple, set))  # STARTERS = {"s3": start_s3}
                  for v in (o.values() if isinstance(o, dict) else o)]
-        objs += [vars(m).get(n) for m in objs if isinstance(m, types.ModuleType) for n in wanted]  # no lazy imports
+        objs += _imported(code, names)  # `import m` / `from m import x` inside the function
+        objs += [vars(m).get(n) for m in objs if isinstance(m, types.ModuleType) for n in wanted]
         for obj in objs:
             if isinstance(obj, types.ModuleType):
                 names.add(obj.__name__)
@@ -71,6 +79,37 @@ def _neighbours(fn) -> tuple[frozenset, tuple]:
                 if _ours(obj):
                     inner.append(obj)
     return frozenset(names), tuple(inner)
+
+
+def _module(name: str):
+    """An imported module by name; a test-side one is imported here; None for any other not yet
+    imported (its name is still recorded)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    origin = getattr(spec, "origin", None)
+    if origin and Path(origin).resolve().is_relative_to(TESTS):
+        return importlib.import_module(name)
+    return None
+
+
+def _imported(code: types.CodeType, names: set) -> list:
+    """The modules and objects a function imports in its own body (names records them even when
+    they cannot be resolved here)."""
+    out, module, source = [], None, ""
+    for ins in dis.get_instructions(code):
+        if ins.opname == "IMPORT_NAME":
+            source = ins.argval
+            names.add(source)
+            module = _module(source)
+            out.append(module)
+        elif ins.opname == "IMPORT_FROM":
+            names.add(f"{source}.{ins.argval}")
+            out.append(getattr(module, ins.argval, None) if module is not None else None)
+    return out
 
 
 def _filled(cell) -> bool:
@@ -114,6 +153,48 @@ def fixture_functions(item) -> list:
     if defs is None:
         return []
     return [d[-1].func for name in item.fixturenames if (d := defs.name2fixturedefs.get(name))]
+
+
+def _builds_once(item) -> bool:
+    """It uses a module-, class- or session-scoped fixture of its own file (not a conftest's)."""
+    defs = getattr(item, "_fixtureinfo", None)
+    for name in item.fixturenames if defs is not None else ():
+        fixture = (defs.name2fixturedefs.get(name) or [None])[-1]
+        if fixture is not None and fixture.scope != "function" and _ours(fixture.func) \
+                and Path(fixture.func.__code__.co_filename).name != "conftest.py":
+            return True
+    return False
+
+
+def _launches_on_its_port(item) -> bool:
+    return PORT_FLAG in reached([getattr(item, "obj", None), *fixture_functions(item)])
+
+
+def groups(items) -> dict[str, str]:
+    """{node id: xdist group} for the tests that must share one pytest-xdist worker: those that
+    launch `accelerate` on a port of their own choosing go into PORT_GROUP (ports drawn from a pid
+    can meet across workers), those using a module-, class- or session-scoped fixture of their own
+    file into a group named after the file (the fixture is built once, by one worker: the SLURM
+    cluster, 2-rank results); a file whose port launches use such a fixture goes into PORT_GROUP
+    whole. Tests not named run wherever a worker is free."""
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    out = {}
+    for path, tests in files.items():
+        port = [t for t in tests if _launches_on_its_port(t)]
+        shared = [t for t in tests if _builds_once(t)]
+        if any(_builds_once(t) for t in port):
+            shared, port = [], tests
+        out.update((t.nodeid, path) for t in shared)
+        out.update((t.nodeid, PORT_GROUP) for t in port)
+    return out
+
+
+def plain_id(nodeid: str) -> str:
+    """The node id without the '@group' suffix pytest-xdist's loadgroup gives grouped tests."""
+    head, at, tail = nodeid.rpartition("@")
+    return head if at and "]" not in tail and "::" not in tail else nodeid
 
 
 def base_id(nodeid: str) -> str:
