@@ -42,6 +42,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from vlp.data.boxes import BoxDraws, crop_box, probe
 from vlp.data.device import FILTERS, JPEG, OUTPUTS, PIXELS, DeviceImages, PackedImages
 from vlp.data.rgb import decode_rgb, to_rgb
 
@@ -61,6 +62,9 @@ class PlainDecoder:
         self.transform, self.decode_size = transform, decode_size
         self.split = split_tail(transform) if output != "float" else None
         self.output = "uint8" if self.split else "float"  # the resize stays here (any transform)
+
+    def use_seed(self, seed: int) -> None:
+        """Nothing: the transform draws from torch's generator, which the stream seeds."""
 
     def decode(self, data: bytes):
         """Everything that can fail on bad bytes (the caller replaces such samples)."""
@@ -89,6 +93,22 @@ class CropFirst:
         self.output = "float" if self.split is None else output
         if self.output in ("region", "jpeg") and not self._resample_on_device_ok():
             self.output = "uint8"
+        # the boxes replay torch's generator (vlp.data.boxes) when nothing after the crop draws
+        self.replay = all(_draws_nothing(t) for t in rest)
+        self.draws: Optional[BoxDraws] = None
+
+    def use_seed(self, seed: int) -> None:
+        """The stream seeded torch's generator with ``seed`` (vlp.data.worker): draw the next
+        boxes from its replay, the same boxes without torch ops; or from torch itself where the
+        replay is off (a transform step after the crop draws too, or ``probe`` failed)."""
+        form = probe(tuple(self.crop.scale), tuple(self.crop.ratio)) if self.replay else None
+        self.draws = BoxDraws(seed, form, self.crop.scale, self.crop.ratio) if form else None
+
+    def box(self, width: int, height: int, image) -> tuple[int, int, int, int]:
+        """get_params' box for an image of width x height (from the replay, or torch's)."""
+        if self.draws is not None:
+            return crop_box(self.draws, width, height)
+        return self.crop.get_params(image, self.crop.scale, self.crop.ratio)
 
     def _resample_on_device_ok(self) -> bool:
         """The device resamples with PIL's filter (bicubic/bilinear) and converts nothing: the
@@ -111,10 +131,10 @@ class CropFirst:
         image = Image.open(io.BytesIO(data))
         if image.format != "JPEG":
             return to_rgb(image)
-        state = torch.random.get_rng_state()
+        state = torch.random.get_rng_state() if self.draws is None else self.draws.pos
         try:
             # get_params reads only .size (the header's), so the box equals the plain path's
-            i, j, h, w = self.crop.get_params(image, self.crop.scale, self.crop.ratio)
+            i, j, h, w = self.box(*image.size, image)
             # the device decodes it; a JPEG not ending in EOI (cut short) is decoded here, so a
             # corrupt one is replaced in the stream as on the CPU path
             if self.output == "jpeg" and image.mode in NVJPEG_MODES and data.rstrip(b"\0").endswith(b"\xff\xd9"):
@@ -124,9 +144,13 @@ class CropFirst:
                 width, height = image.size
                 drafted = image.draft("RGB", (width // s, height // s))  # PIL then picks s exactly
                 s = 1 if drafted is None else round(width / drafted[1][2])
-            return image.convert("RGB"), s, (i, j, h, w)
+            image.load()  # the decode (an RGB JPEG is already RGB: no convert copy)
+            return image if image.mode == "RGB" else image.convert("RGB"), s, (i, j, h, w)
         except Exception:
-            torch.random.set_rng_state(state)
+            if self.draws is None:
+                torch.random.set_rng_state(state)
+            else:
+                self.draws.pos = state
             raise
 
     def finish(self, decoded):
@@ -136,10 +160,10 @@ class CropFirst:
             _, data, (i, j, h, w) = decoded
             return JPEG, data, (i, j, h, w), (0.0, 0.0, float(w), float(h))
         if not isinstance(decoded, tuple):  # non-JPEG: the whole transform, as on the plain path
-            if region:  # the box drawn as RandomResizedCrop draws it; the resize on the device
-                i, j, h, w = self.crop.get_params(decoded, self.crop.scale, self.crop.ratio)
+            i, j, h, w = self.box(*decoded.size, decoded)  # as RandomResizedCrop draws it
+            if region:  # the resize on the device
                 return PIXELS, np.asarray(decoded.crop((j, i, j + w, i + h))), None, (0.0, 0.0, float(w), float(h))
-            image = self.crop(decoded)
+            image = self._resized_crop(decoded, 1, i, j, h, w)  # RandomResizedCrop's own call
         elif region:
             image, box = self._region(*decoded)
             return PIXELS, np.asarray(image), None, box
@@ -214,6 +238,14 @@ def split_tail(transform) -> Optional[tuple[list, tuple, tuple]]:
     if not isinstance(to_tensor, ToTensor) or type(norm) is not Normalize or norm.inplace:
         return None
     return list(steps[:-2]), tuple(norm.mean), tuple(norm.std)
+
+
+# steps that draw no randomness (torchvision's and open_clip's names)
+DETERMINISTIC = ("ToTensor", "PILToTensor", "MaybeToTensor", "Normalize", "ConvertImageDtype")
+
+
+def _draws_nothing(step) -> bool:
+    return type(step).__name__ in DETERMINISTIC or _is_rgb_conversion(step)
 
 
 def _is_rgb_conversion(step) -> bool:

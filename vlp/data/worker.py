@@ -186,7 +186,9 @@ class WorkerStream:
             # independent of num_workers and exact after a resume that skipped batches.
             with torch.random.fork_rng(devices=[]):  # the CPU generator only (torch.manual_seed would
                 # also queue CUDA seeding, formatting a traceback each batch): the same CPU draws
-                torch.default_generator.manual_seed(seeded_rng(p.seed, self.epoch, p.rank, j, "augment").getrandbits(63))
+                seed = seeded_rng(p.seed, self.epoch, p.rank, j, "augment").getrandbits(63)
+                torch.default_generator.manual_seed(seed)
+                self.decoder.use_seed(seed)  # the crop boxes: the same draws, replayed (vlp.data.boxes)
                 decoded = self.decode_all(chunk, samples)
             yield self.collate(j, decoded)
         if self.pad:
