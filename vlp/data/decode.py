@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from vlp.data.boxes import BoxDraws, crop_box, probe
-from vlp.data.device import FILTERS, JPEG, OUTPUTS, PIXELS, DeviceImages, PackedImages
+from vlp.data.device import FILTERS, JPEG, OUTPUTS, PIXELS, DeviceImages, PackedImages, host_buffer
 from vlp.data.rgb import decode_rgb, to_rgb
 
 DCT_SCALES = (8, 4, 2, 1)  # the reductions libjpeg's DCT scaling offers through PIL's draft()
@@ -162,11 +162,11 @@ class CropFirst:
         if not isinstance(decoded, tuple):  # non-JPEG: the whole transform, as on the plain path
             i, j, h, w = self.box(*decoded.size, decoded)  # as RandomResizedCrop draws it
             if region:  # the resize on the device
-                return PIXELS, np.asarray(decoded.crop((j, i, j + w, i + h))), None, (0.0, 0.0, float(w), float(h))
+                return PIXELS, np.asarray(decoded)[i:i + h, j:j + w], None, (0.0, 0.0, float(w), float(h))
             image = self._resized_crop(decoded, 1, i, j, h, w)  # RandomResizedCrop's own call
         elif region:
-            image, box = self._region(*decoded)
-            return PIXELS, np.asarray(image), None, box
+            pixels, box = self._region(*decoded)
+            return PIXELS, pixels, None, box
         else:
             image, s, (i, j, h, w) = decoded
             image = self._resized_crop(image, s, i, j, h, w)
@@ -176,12 +176,13 @@ class CropFirst:
 
     @staticmethod
     def _region(image, s: int, box: tuple[int, int, int, int]):
-        """(the integer region of the reduced image covering the box, the box in it)."""
+        """(the integer region of the reduced image covering the box, as a view of its pixels,
+        the box in it)."""
         i, j, h, w = box
         x0, y0, x1, y1 = j / s, i / s, (j + w) / s, (i + h) / s
         left, top = math.floor(x0), math.floor(y0)
         right, bottom = min(math.ceil(x1), image.width), min(math.ceil(y1), image.height)
-        return image.crop((left, top, right, bottom)), (x0 - left, y0 - top, x1 - left, y1 - top)
+        return np.asarray(image)[top:bottom, left:right], (x0 - left, y0 - top, x1 - left, y1 - top)
 
     def _resized_crop(self, image, s: int, i: int, j: int, h: int, w: int):
         from torchvision.transforms import functional as F
@@ -270,9 +271,11 @@ def as_uint8(image) -> np.ndarray:
 
 def collate_images(images: list):
     """A batch of one decoder's ``finish`` outputs: float (b, 3, H, W), uint8 (b, H, W, 3) or
-    PackedImages (region/jpeg)."""
+    PackedImages (region/jpeg); written once, into shared memory in a loader worker."""
     if isinstance(images[0], torch.Tensor):
-        return torch.stack(images)
+        return torch.stack(images, out=host_buffer((len(images), *images[0].shape), images[0].dtype))
     if isinstance(images[0], np.ndarray):
-        return torch.from_numpy(np.stack(images))
+        out = host_buffer((len(images), *images[0].shape))
+        np.stack(images, out=out.numpy())
+        return out
     return PackedImages.pack(images)

@@ -64,21 +64,26 @@ class PackedImages:
 
     @classmethod
     def pack(cls, samples: list[tuple]) -> "PackedImages":
-        """From a worker's samples: (PIXELS, uint8 (h, w, 3) array, None, box) or
-        (JPEG, bytes, (top, left, height, width), box)."""
+        """From a worker's samples: (PIXELS, uint8 (h, w, 3) array (a view is fine), None, box)
+        or (JPEG, bytes, (top, left, height, width), box). Each sample is copied once, into
+        the batch's buffer (shared memory in a loader worker: ``host_buffer``)."""
         meta = np.zeros((len(samples), 6), dtype=np.int64)
         crops = np.zeros((len(samples), 4), dtype=np.int64)
-        parts: dict[int, list] = {PIXELS: [], JPEG: []}
         sizes = {PIXELS: 0, JPEG: 0}
         for i, (kind, payload, crop, _) in enumerate(samples):
-            flat = np.frombuffer(payload, dtype=np.uint8) if kind == JPEG else np.ascontiguousarray(payload).reshape(-1)
             h, w = (0, 0) if kind == JPEG else payload.shape[:2]
-            meta[i] = (kind, sizes[kind], flat.size, h, w, 0)
+            length = len(payload) if kind == JPEG else h * w * 3
+            meta[i] = (kind, sizes[kind], length, h, w, 0)
             crops[i] = crop if kind == JPEG else (0, 0, h, w)
-            parts[kind].append(flat)
-            sizes[kind] += flat.size
-        buf = {k: torch.from_numpy(np.concatenate(v)) if v else torch.empty(0, dtype=torch.uint8)
-               for k, v in parts.items()}
+            sizes[kind] += length
+        buf = {kind: host_buffer((size,)) for kind, size in sizes.items()}
+        views = {kind: b.numpy() for kind, b in buf.items()}
+        for (kind, offset, length, h, w, _), (_, payload, _, _) in zip(meta.tolist(), samples):
+            dst = views[kind][offset:offset + length]
+            if kind == JPEG:
+                dst[:] = np.frombuffer(payload, dtype=np.uint8)
+            else:
+                dst.reshape(h, w, 3)[:] = payload
         boxes = torch.tensor([s[3] for s in samples], dtype=torch.float64).reshape(-1, 4)
         return cls(buf[PIXELS], buf[JPEG], meta, crops, boxes)
 
@@ -88,6 +93,17 @@ class PackedImages:
     def to(self, device, non_blocking: bool = False) -> "PackedImages":
         return replace(self, pixels=self.pixels.to(device, non_blocking=non_blocking),
                        boxes=self.boxes.to(device, non_blocking=non_blocking))
+
+
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """An uninitialised host tensor for a batch. In a DataLoader worker it lives in shared
+    memory, where the batch goes anyway (torch's default_collate does the same): the worker
+    writes each sample once, and sending the batch copies nothing."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    elem = torch.empty(0, dtype=dtype)
+    storage = elem._typed_storage()._new_shared(int(np.prod(shape)), device=elem.device)
+    return elem.new(storage).view(shape)
 
 
 # ----------------------------------------------------------------------------- PIL's resampling
