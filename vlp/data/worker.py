@@ -15,6 +15,7 @@ import torch
 
 from vlp.data.decode import collate_images, image_decoder
 from vlp.data.layout import Plan, piece_bounds, merge_pieces, seeded_rng, segments, seq_parts
+from vlp.data.tokens import fast_tokenizer
 from vlp.data.tars import IMAGE_EXTS, TEXT_EXTS, check_sample, image_decodes, read_shard
 
 
@@ -24,7 +25,7 @@ class WorkerStream:
     def __init__(self, plan: Plan, epoch: int, worker: int, start_batch: int, transform,
                  tokenize, decode_size, image_output: str = "float", pad: bool = False):
         self.plan, self.epoch, self.worker, self.start = plan, epoch, worker, start_batch
-        self.transform, self.tokenize, self.decode_size = transform, tokenize, decode_size
+        self.transform, self.tokenize, self.decode_size = transform, fast_tokenizer(tokenize), decode_size
         # crop-first JPEG fast path; no transform: images are only checked (image_decodes), never
         # decoded, for batches of cached features (same samples, replacements and skips)
         self.decoder = None if transform is None else image_decoder(transform, decode_size, image_output)
