@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from vlp.data.decode import collate_images, image_decoder
-from vlp.data.layout import Plan, piece_bounds, merge_pieces, seeded_rng, segments, seq_parts
+from vlp.data.layout import Plan, index_runs, piece_bounds, seeded_rng, segments, seq_parts
 from vlp.data.tokens import fast_tokenizer
 from vlp.data.tars import IMAGE_EXTS, TEXT_EXTS, check_sample, image_decodes, read_shard
 
@@ -89,8 +89,7 @@ class WorkerStream:
             at = lo + self.starts[k] + (0 if index is None else index - begin)
         else:
             at = hi
-        waiting = sorted((s, i, i + 1) for *_, (s, i) in self.pending)
-        return merge_pieces(waiting + seq_parts(at, hi, self.plan.n))
+        return index_runs([sample[-1] for sample in self.pending]) + seq_parts(at, hi, self.plan.n)
 
     def split(self, pieces) -> Iterator[tuple]:
         """Shuffled passes over this worker's range; a pass after the first only happens
