@@ -43,7 +43,8 @@ import numpy as np
 import torch
 
 from vlp.data.boxes import BoxDraws, crop_box, probe
-from vlp.data.device import FILTERS, JPEG, OUTPUTS, PIXELS, DeviceImages, PackedImages, host_buffer
+from vlp.data.device import FILTERS, JPEG, OUTPUTS, PIXELS, DeviceImages, PackedImages
+from vlp.data.pool import host_buffer
 from vlp.data.rgb import decode_rgb, to_rgb
 
 DCT_SCALES = (8, 4, 2, 1)  # the reductions libjpeg's DCT scaling offers through PIL's draft()
@@ -269,13 +270,13 @@ def as_uint8(image) -> np.ndarray:
     return array
 
 
-def collate_images(images: list):
+def collate_images(images: list, alloc: Callable = host_buffer):
     """A batch of one decoder's ``finish`` outputs: float (b, 3, H, W), uint8 (b, H, W, 3) or
-    PackedImages (region/jpeg); written once, into shared memory in a loader worker."""
+    PackedImages (region/jpeg); written once, into ``alloc(shape, dtype)`` (vlp.data.pool)."""
     if isinstance(images[0], torch.Tensor):
-        return torch.stack(images, out=host_buffer((len(images), *images[0].shape), images[0].dtype))
+        return torch.stack(images, out=alloc((len(images), *images[0].shape), images[0].dtype))
     if isinstance(images[0], np.ndarray):
-        out = host_buffer((len(images), *images[0].shape))
+        out = alloc((len(images), *images[0].shape))
         np.stack(images, out=out.numpy())
         return out
-    return PackedImages.pack(images)
+    return PackedImages.pack(images, alloc)

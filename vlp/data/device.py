@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from vlp.data.pool import host_buffer
 from vlp.data.rgb import to_rgb
 
 PIXELS, JPEG = 0, 1  # PackedImages.meta[:, 0]: a region of uint8 pixels (h, w, 3), or JPEG bytes
@@ -63,10 +64,10 @@ class PackedImages:
         return len(self.meta)
 
     @classmethod
-    def pack(cls, samples: list[tuple]) -> "PackedImages":
+    def pack(cls, samples: list[tuple], alloc: Callable = host_buffer) -> "PackedImages":
         """From a worker's samples: (PIXELS, uint8 (h, w, 3) array (a view is fine), None, box)
         or (JPEG, bytes, (top, left, height, width), box). Each sample is copied once, into
-        the batch's buffer (shared memory in a loader worker: ``host_buffer``)."""
+        the batch's buffers from ``alloc(shape)`` (vlp.data.pool: shared memory in a worker)."""
         meta = np.zeros((len(samples), 6), dtype=np.int64)
         crops = np.zeros((len(samples), 4), dtype=np.int64)
         sizes = {PIXELS: 0, JPEG: 0}
@@ -76,7 +77,7 @@ class PackedImages:
             meta[i] = (kind, sizes[kind], length, h, w, 0)
             crops[i] = crop if kind == JPEG else (0, 0, h, w)
             sizes[kind] += length
-        buf = {kind: host_buffer((size,)) for kind, size in sizes.items()}
+        buf = {kind: alloc((size,)) for kind, size in sizes.items()}
         views = {kind: b.numpy() for kind, b in buf.items()}
         for (kind, offset, length, h, w, _), (_, payload, _, _) in zip(meta.tolist(), samples):
             dst = views[kind][offset:offset + length]
@@ -93,17 +94,6 @@ class PackedImages:
     def to(self, device, non_blocking: bool = False) -> "PackedImages":
         return replace(self, pixels=self.pixels.to(device, non_blocking=non_blocking),
                        boxes=self.boxes.to(device, non_blocking=non_blocking))
-
-
-def host_buffer(shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """An uninitialised host tensor for a batch. In a DataLoader worker it lives in shared
-    memory, where the batch goes anyway (torch's default_collate does the same): the worker
-    writes each sample once, and sending the batch copies nothing."""
-    if torch.utils.data.get_worker_info() is None:
-        return torch.empty(shape, dtype=dtype)
-    elem = torch.empty(0, dtype=dtype)
-    storage = elem._typed_storage()._new_shared(int(np.prod(shape)), device=elem.device)
-    return elem.new(storage).view(shape)
 
 
 # ----------------------------------------------------------------------------- PIL's resampling
