@@ -152,10 +152,10 @@ def probe(scale: tuple[float, float], ratio: tuple[float, float]) -> Optional[st
     """The float32 form ('fma' or 'plain') whose replay gives torch's uniforms, get_params'
     boxes and torch's generator where get_params leaves it, for these scale and ratio; None
     when neither does (then the decoder calls get_params)."""
-    from PIL import Image
     from torchvision.transforms import RandomResizedCrop
 
-    images = [Image.new("L", size) for size in _PROBE_SIZES] * 20
+    # get_params reads only an image's size: 0-stride tensors of these sizes
+    images = [torch.empty(1, 1, 1).expand(1, h, w) for w, h in _PROBE_SIZES] * 20
     ranges = [tuple(scale), log_ratio(tuple(ratio))]
     for form in FORMS:
         same = True
@@ -172,7 +172,7 @@ def probe(scale: tuple[float, float], ratio: tuple[float, float]) -> Optional[st
             got = [float(uniforms(raw[k:k + 1], *ranges[k % 2], form)[0]) for k in range(400)]
             draws = BoxDraws(seed, form, scale, ratio)
             draws.pos = 400
-            got += [crop_box(draws, *im.size) for im in images] + [draws.randint(1000)]
+            got += [crop_box(draws, im.shape[2], im.shape[1]) for im in images] + [draws.randint(1000)]
             got += torch.exp(torch.tensor(got[1:400:2])).tolist()  # a block at once, as BoxDraws
             same = same and got == want
         if same:
