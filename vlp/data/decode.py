@@ -6,7 +6,8 @@ the whole JPEG at full resolution to keep ~1/5 of its pixels after the resize is
 loader worker's time. ``CropFirst`` reverses the order: it reads the image size from the
 JPEG header (PIL opens lazily), draws the crop box with the transform's own
 ``RandomResizedCrop.get_params`` on that (W, H) (the same torch RNG draws as the plain
-transform: the boxes are identical for the same RNG state), then decodes at the smallest
+transform: the boxes are identical for the same RNG state; in a stream, after ``use_seed``,
+the draws are replayed in Python, vlp.data.boxes: the same boxes), then decodes at the smallest
 libjpeg DCT scale 1/s (s in 1, 2, 4, 8) at which the box still covers at least the output
 size on both sides, and resamples the box (mapped to fractional coordinates of the reduced
 image) to the output size with the same PIL filter. So only the pixels inside the box are
