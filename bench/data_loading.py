@@ -1,7 +1,7 @@
 """Images/s of ONE data-loader worker: vlp's stream vs open_clip_train's get_wds_dataset.
 
     OMP_NUM_THREADS=1 python bench/data_loading.py           # 2000 x 512 px JPEGs, 5 rounds (~6 min)
-    OMP_NUM_THREADS=1 python bench/data_loading.py --quick   # 128 JPEGs, 1 round (< 20 s)
+    OMP_NUM_THREADS=1 python bench/data_loading.py --quick   # 256 JPEGs, 1 round (< 40 s)
 
 Same synthetic JPEG shards (smooth random gradients + noise, 512 px, quality 90; written once
 under .cache/bench/), same transform object (open_clip.image_transform(224, is_train=True):
@@ -23,15 +23,18 @@ Systems, alternated each round (A B C D, then rotated):
                 WebLoader, 1 worker)
 
 Printed beside them, as the limit: the decode-only rate of the same JPEGs in this process, one
-thread (process CPU time): `decode_dct` the worker's decode (header, box, DCT-scaled decode,
-RGB), `decode_full` PIL's full decode.
+thread (process CPU time), measured right after each vlp run (the same load): `decode_dct` the
+worker's decode (header, box, DCT-scaled decode, RGB), `decode_full` PIL's full decode; and
+`data_ratio_cpu vlp/decode_dct`, per round (the load-robust figure: how close the worker gets
+to decoding alone).
 
 A run times batches [skip, skip + n) after the first `skip` batches (worker start and the
 shuffle-buffer fill excluded), so the figure is the worker's steady production rate (the
-main process only receives). Also reported: images per worker-CPU-second (psutil user+system
-time of the worker process over the same window; insensitive to other processes taking the
-core, the worker prefetching 2 batches ahead blurs the window edges by < 2/n). Ratios are per
-round, median over rounds.
+main process only receives). Images per worker-CPU-second: psutil user+system time of the
+worker process, read when it has filled its prefetch queue and waits (before the first timed
+batch and after the last), so the window holds exactly the work of the n batches, whatever
+else takes the core; it still grows with load (a shared core's caches), so compare figures of
+one run. Ratios are per round, median over rounds.
 """
 
 from __future__ import annotations
@@ -69,12 +72,28 @@ def _children_cpu() -> dict[int, float]:
     return out
 
 
+def settled_cpu(quiet: float = 0.3, timeout: float = 20.0) -> dict[int, float]:
+    """The worker's CPU seconds once they stop growing for ``quiet`` s: it has filled its
+    prefetch queue and waits for the main process, so a window between two such readings holds
+    exactly the work of the batches taken in it."""
+    last, changed = _children_cpu(), time.perf_counter()
+    start = changed
+    while time.perf_counter() - start < timeout:
+        time.sleep(0.05)
+        now = _children_cpu()
+        if now != last:
+            last, changed = now, time.perf_counter()
+        elif time.perf_counter() - changed >= quiet:
+            break
+    return last
+
+
 def time_batches(iterable, skip: int, n: int, batch: int = BATCH) -> tuple[float, float]:
     """(images/s wall, images per worker-CPU-second) over batches [skip, skip + n)."""
     it = iter(iterable)
     for _ in range(skip):
         next(it)
-    cpu0 = _children_cpu()
+    cpu0 = settled_cpu()
     t0 = time.perf_counter()
     got = 0
     for _ in range(n):
@@ -82,7 +101,7 @@ def time_batches(iterable, skip: int, n: int, batch: int = BATCH) -> tuple[float
         images = images["image"] if isinstance(images, dict) else images[0]
         got += len(images)
     dt = time.perf_counter() - t0
-    cpu1 = _children_cpu()
+    cpu1 = settled_cpu()
     cpu = sum(cpu1[p] - cpu0[p] for p in cpu1 if p in cpu0)
     del it
     gc.collect()
@@ -113,14 +132,7 @@ def open_clip_rate(spec, transform, tokenizer, skip, n, num_samples, buffer=1000
     return rate
 
 
-def decode_only(spec: str, transform, limit: int) -> dict[str, float]:
-    """Images per CPU-second of decoding alone, one thread, the same JPEGs: the worker's decode
-    (CropFirst.decode: header, box, DCT-scaled decode) and PIL's full decode."""
-    import io
-
-    from PIL import Image
-
-    from vlp.data.decode import CropFirst
+def jpeg_blobs(spec: str, limit: int) -> list[bytes]:
     from vlp.data.shard_list import expand_sources
     from vlp.data.tars import read_shard
 
@@ -130,8 +142,20 @@ def decode_only(spec: str, transform, limit: int) -> dict[str, float]:
             blobs += [members[e] for e in ("jpg", "jpeg") if e in members]
         if len(blobs) >= limit:
             break
-    blobs = blobs[:limit]
+    return blobs[:limit]
+
+
+def decode_only(blobs: list[bytes], transform) -> dict[str, float]:
+    """Images per CPU-second of decoding alone, one thread, the same JPEGs: the worker's decode
+    (CropFirst.decode: header, box, DCT-scaled decode) and PIL's full decode."""
+    import io
+
+    from PIL import Image
+
+    from vlp.data.decode import CropFirst
+
     crop_first = CropFirst.of(transform)
+    crop_first.use_seed(0)  # boxes as a worker draws them
     out = {}
     for name, fn in (("decode_dct", crop_first.decode),
                      ("decode_full", lambda b: Image.open(io.BytesIO(b)).convert("RGB"))):
@@ -152,7 +176,7 @@ def main(argv=None) -> None:
     ap.add_argument("--cache", default=str(REPO / ".cache" / "bench"))
     args = ap.parse_args(argv)
     if args.quick:
-        args.samples, args.rounds, args.skip, args.buffer = 128, 1, 1, 32
+        args.samples, args.rounds, args.skip, args.buffer = 256, 1, 1, 32
     pin_threads()
     import open_clip
 
@@ -187,8 +211,17 @@ def main(argv=None) -> None:
 
     print("# decoders: " + ", ".join(f"{name} {image_decoder(transform, None, out).output}" for name, out in
                                      (("vlp", "region"), ("vlp_uint8", "uint8"), ("vlp_float", "float"))), flush=True)
+    blobs = jpeg_blobs(spec, min(args.samples, 400))
+    limits: dict[str, list[float]] = {"decode_dct": [], "decode_full": []}
+
+    def vlp_then_limits(run=fns["vlp"]):  # the limit right after each vlp run: the same load
+        out = run()
+        for key, rate in decode_only(blobs, transform).items():
+            limits[key].append(rate)
+        return out
+
+    fns["vlp"] = vlp_then_limits
     rates = alternate(fns, args.rounds)
-    limits = decode_only(spec, transform, min(args.samples, 1000))
     print("\n## per round, images/s (wall); ratio = vlp / open_clip")
     for r in range(args.rounds):
         print(f"  round {r + 1}: " + "  ".join(f"{name} {rates[name][r]:.1f}" for name in SYSTEMS)
@@ -199,9 +232,11 @@ def main(argv=None) -> None:
         print(f"  {name:14s} wall {spread(xs)}   per CPU-s {spread(per_cpu[name])}")
         figure(f"data_images_per_s {name}", median(xs), "img/s")
         figure(f"data_images_per_cpu_s {name}", median(per_cpu[name]), "img/CPU-s")
-    for name, rate in limits.items():
-        print(f"  {name:14s} (the limit: decoding alone, one thread)   per CPU-s {rate:.1f}")
-        figure(f"data_images_per_cpu_s {name}", rate, "img/CPU-s", "decode only, the same JPEGs")
+    for name, xs in limits.items():
+        print(f"  {name:14s} (the limit: decoding alone, one thread, after each vlp run)   per CPU-s {spread(xs)}")
+        figure(f"data_images_per_cpu_s {name}", median(xs), "img/CPU-s", "decode only, the same JPEGs")
+    r = paired_ratio(per_cpu["vlp"], limits["decode_dct"])
+    figure("data_ratio_cpu vlp/decode_dct", median(r), "x", f"[{min(r):.3f}..{max(r):.3f}] per CPU-s, same round")
     for num in SYSTEMS[:-1]:
         r = paired_ratio(rates[num], rates["open_clip"])
         figure(f"data_ratio {num}/open_clip", median(r), "x", f"[{min(r):.3f}..{max(r):.3f}] wall")

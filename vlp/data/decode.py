@@ -6,7 +6,8 @@ the whole JPEG at full resolution to keep ~1/5 of its pixels after the resize is
 loader worker's time. ``CropFirst`` reverses the order: it reads the image size from the
 JPEG header (PIL opens lazily), draws the crop box with the transform's own
 ``RandomResizedCrop.get_params`` on that (W, H) (the same torch RNG draws as the plain
-transform: the boxes are identical for the same RNG state), then decodes at the smallest
+transform: the boxes are identical for the same RNG state; in a stream, after ``use_seed``,
+the draws are replayed in Python, vlp.data.boxes: the same boxes), then decodes at the smallest
 libjpeg DCT scale 1/s (s in 1, 2, 4, 8) at which the box still covers at least the output
 size on both sides, and resamples the box (mapped to fractional coordinates of the reduced
 image) to the output size with the same PIL filter. So only the pixels inside the box are
@@ -42,7 +43,9 @@ from typing import Optional
 import numpy as np
 import torch
 
+from vlp.data.boxes import BoxDraws, crop_box, probe
 from vlp.data.device import FILTERS, JPEG, OUTPUTS, PIXELS, DeviceImages, PackedImages
+from vlp.data.pool import host_buffer
 from vlp.data.rgb import decode_rgb, to_rgb
 
 DCT_SCALES = (8, 4, 2, 1)  # the reductions libjpeg's DCT scaling offers through PIL's draft()
@@ -61,6 +64,9 @@ class PlainDecoder:
         self.transform, self.decode_size = transform, decode_size
         self.split = split_tail(transform) if output != "float" else None
         self.output = "uint8" if self.split else "float"  # the resize stays here (any transform)
+
+    def use_seed(self, seed: int) -> None:
+        """Nothing: the transform draws from torch's generator, which the stream seeds."""
 
     def decode(self, data: bytes):
         """Everything that can fail on bad bytes (the caller replaces such samples)."""
@@ -89,6 +95,22 @@ class CropFirst:
         self.output = "float" if self.split is None else output
         if self.output in ("region", "jpeg") and not self._resample_on_device_ok():
             self.output = "uint8"
+        # the boxes replay torch's generator (vlp.data.boxes) when nothing after the crop draws
+        self.replay = all(_draws_nothing(t) for t in rest)
+        self.draws: Optional[BoxDraws] = None
+
+    def use_seed(self, seed: int) -> None:
+        """The stream seeded torch's generator with ``seed`` (vlp.data.worker): draw the next
+        boxes from its replay, the same boxes without torch ops; or from torch itself where the
+        replay is off (a transform step after the crop draws too, or ``probe`` failed)."""
+        form = probe(tuple(self.crop.scale), tuple(self.crop.ratio)) if self.replay else None
+        self.draws = BoxDraws(seed, form, self.crop.scale, self.crop.ratio) if form else None
+
+    def box(self, width: int, height: int, image) -> tuple[int, int, int, int]:
+        """get_params' box for an image of width x height (from the replay, or torch's)."""
+        if self.draws is not None:
+            return crop_box(self.draws, width, height)
+        return self.crop.get_params(image, self.crop.scale, self.crop.ratio)
 
     def _resample_on_device_ok(self) -> bool:
         """The device resamples with PIL's filter (bicubic/bilinear) and converts nothing: the
@@ -111,10 +133,10 @@ class CropFirst:
         image = Image.open(io.BytesIO(data))
         if image.format != "JPEG":
             return to_rgb(image)
-        state = torch.random.get_rng_state()
+        state = torch.random.get_rng_state() if self.draws is None else self.draws.pos
         try:
             # get_params reads only .size (the header's), so the box equals the plain path's
-            i, j, h, w = self.crop.get_params(image, self.crop.scale, self.crop.ratio)
+            i, j, h, w = self.box(*image.size, image)
             # the device decodes it; a JPEG not ending in EOI (cut short) is decoded here, so a
             # corrupt one is replaced in the stream as on the CPU path
             if self.output == "jpeg" and image.mode in NVJPEG_MODES and data.rstrip(b"\0").endswith(b"\xff\xd9"):
@@ -124,9 +146,13 @@ class CropFirst:
                 width, height = image.size
                 drafted = image.draft("RGB", (width // s, height // s))  # PIL then picks s exactly
                 s = 1 if drafted is None else round(width / drafted[1][2])
-            return image.convert("RGB"), s, (i, j, h, w)
+            image.load()  # the decode (an RGB JPEG is already RGB: no convert copy)
+            return image if image.mode == "RGB" else image.convert("RGB"), s, (i, j, h, w)
         except Exception:
-            torch.random.set_rng_state(state)
+            if self.draws is None:
+                torch.random.set_rng_state(state)
+            else:
+                self.draws.pos = state
             raise
 
     def finish(self, decoded):
@@ -136,13 +162,13 @@ class CropFirst:
             _, data, (i, j, h, w) = decoded
             return JPEG, data, (i, j, h, w), (0.0, 0.0, float(w), float(h))
         if not isinstance(decoded, tuple):  # non-JPEG: the whole transform, as on the plain path
-            if region:  # the box drawn as RandomResizedCrop draws it; the resize on the device
-                i, j, h, w = self.crop.get_params(decoded, self.crop.scale, self.crop.ratio)
-                return PIXELS, np.asarray(decoded.crop((j, i, j + w, i + h))), None, (0.0, 0.0, float(w), float(h))
-            image = self.crop(decoded)
+            i, j, h, w = self.box(*decoded.size, decoded)  # as RandomResizedCrop draws it
+            if region:  # the resize on the device
+                return PIXELS, np.asarray(decoded)[i:i + h, j:j + w], None, (0.0, 0.0, float(w), float(h))
+            image = self._resized_crop(decoded, 1, i, j, h, w)  # RandomResizedCrop's own call
         elif region:
-            image, box = self._region(*decoded)
-            return PIXELS, np.asarray(image), None, box
+            pixels, box = self._region(*decoded)
+            return PIXELS, pixels, None, box
         else:
             image, s, (i, j, h, w) = decoded
             image = self._resized_crop(image, s, i, j, h, w)
@@ -152,12 +178,13 @@ class CropFirst:
 
     @staticmethod
     def _region(image, s: int, box: tuple[int, int, int, int]):
-        """(the integer region of the reduced image covering the box, the box in it)."""
+        """(the integer region of the reduced image covering the box, as a view of its pixels,
+        the box in it)."""
         i, j, h, w = box
         x0, y0, x1, y1 = j / s, i / s, (j + w) / s, (i + h) / s
         left, top = math.floor(x0), math.floor(y0)
         right, bottom = min(math.ceil(x1), image.width), min(math.ceil(y1), image.height)
-        return image.crop((left, top, right, bottom)), (x0 - left, y0 - top, x1 - left, y1 - top)
+        return np.asarray(image)[top:bottom, left:right], (x0 - left, y0 - top, x1 - left, y1 - top)
 
     def _resized_crop(self, image, s: int, i: int, j: int, h: int, w: int):
         from torchvision.transforms import functional as F
@@ -216,6 +243,14 @@ def split_tail(transform) -> Optional[tuple[list, tuple, tuple]]:
     return list(steps[:-2]), tuple(norm.mean), tuple(norm.std)
 
 
+# steps that draw no randomness (torchvision's and open_clip's names)
+DETERMINISTIC = ("ToTensor", "PILToTensor", "MaybeToTensor", "Normalize", "ConvertImageDtype")
+
+
+def _draws_nothing(step) -> bool:
+    return type(step).__name__ in DETERMINISTIC or _is_rgb_conversion(step)
+
+
 def _is_rgb_conversion(step) -> bool:
     """open_clip's MaybeConvertMode('RGB') or _convert_to_rgb: nothing to do on RGB pixels."""
     return (type(step).__name__ == "MaybeConvertMode" and getattr(step, "mode", None) == "RGB") or \
@@ -236,11 +271,13 @@ def as_uint8(image) -> np.ndarray:
     return array
 
 
-def collate_images(images: list):
+def collate_images(images: list, alloc: Callable = host_buffer):
     """A batch of one decoder's ``finish`` outputs: float (b, 3, H, W), uint8 (b, H, W, 3) or
-    PackedImages (region/jpeg)."""
+    PackedImages (region/jpeg); written once, into ``alloc(shape, dtype)`` (vlp.data.pool)."""
     if isinstance(images[0], torch.Tensor):
-        return torch.stack(images)
+        return torch.stack(images, out=alloc((len(images), *images[0].shape), images[0].dtype))
     if isinstance(images[0], np.ndarray):
-        return torch.from_numpy(np.stack(images))
-    return PackedImages.pack(images)
+        out = alloc((len(images), *images[0].shape))
+        np.stack(images, out=out.numpy())
+        return out
+    return PackedImages.pack(images, alloc)

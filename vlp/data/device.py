@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from vlp.data.pool import host_buffer
 from vlp.data.rgb import to_rgb
 
 PIXELS, JPEG = 0, 1  # PackedImages.meta[:, 0]: a region of uint8 pixels (h, w, 3), or JPEG bytes
@@ -63,22 +64,27 @@ class PackedImages:
         return len(self.meta)
 
     @classmethod
-    def pack(cls, samples: list[tuple]) -> "PackedImages":
-        """From a worker's samples: (PIXELS, uint8 (h, w, 3) array, None, box) or
-        (JPEG, bytes, (top, left, height, width), box)."""
+    def pack(cls, samples: list[tuple], alloc: Callable = host_buffer) -> "PackedImages":
+        """From a worker's samples: (PIXELS, uint8 (h, w, 3) array (a view is fine), None, box)
+        or (JPEG, bytes, (top, left, height, width), box). Each sample is copied once, into
+        the batch's buffers from ``alloc(shape)`` (vlp.data.pool: shared memory in a worker)."""
         meta = np.zeros((len(samples), 6), dtype=np.int64)
         crops = np.zeros((len(samples), 4), dtype=np.int64)
-        parts: dict[int, list] = {PIXELS: [], JPEG: []}
         sizes = {PIXELS: 0, JPEG: 0}
         for i, (kind, payload, crop, _) in enumerate(samples):
-            flat = np.frombuffer(payload, dtype=np.uint8) if kind == JPEG else np.ascontiguousarray(payload).reshape(-1)
             h, w = (0, 0) if kind == JPEG else payload.shape[:2]
-            meta[i] = (kind, sizes[kind], flat.size, h, w, 0)
+            length = len(payload) if kind == JPEG else h * w * 3
+            meta[i] = (kind, sizes[kind], length, h, w, 0)
             crops[i] = crop if kind == JPEG else (0, 0, h, w)
-            parts[kind].append(flat)
-            sizes[kind] += flat.size
-        buf = {k: torch.from_numpy(np.concatenate(v)) if v else torch.empty(0, dtype=torch.uint8)
-               for k, v in parts.items()}
+            sizes[kind] += length
+        buf = {kind: alloc((size,)) for kind, size in sizes.items()}
+        views = {kind: b.numpy() for kind, b in buf.items()}
+        for (kind, offset, length, h, w, _), (_, payload, _, _) in zip(meta.tolist(), samples):
+            dst = views[kind][offset:offset + length]
+            if kind == JPEG:
+                dst[:] = np.frombuffer(payload, dtype=np.uint8)
+            else:
+                dst.reshape(h, w, 3)[:] = payload
         boxes = torch.tensor([s[3] for s in samples], dtype=torch.float64).reshape(-1, 4)
         return cls(buf[PIXELS], buf[JPEG], meta, crops, boxes)
 

@@ -154,6 +154,20 @@ def merge_pieces(pieces) -> list[tuple[int, int, int]]:
     return out
 
 
+def index_runs(where: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Samples (shard, index) -> the pieces (shard, begin, end) of their runs of consecutive
+    indices, sorted: merge_pieces(sorted((s, i, i + 1) ...)) without a tuple per sample."""
+    if not where:
+        return []
+    codes = np.fromiter((shard << 40 | index for shard, index in where), dtype=np.int64, count=len(where))
+    codes.sort()
+    breaks = np.flatnonzero(np.diff(codes) != 1) + 1
+    begins = codes[np.concatenate(([0], breaks))]
+    ends = codes[np.concatenate((breaks - 1, [len(codes) - 1]))] + 1
+    mask = (1 << 40) - 1
+    return list(zip((begins >> 40).tolist(), (begins & mask).tolist(), (ends & mask).tolist()))
+
+
 class Plan:
     """Everything a worker needs; picklable; no I/O in __init__ besides sizes.json."""
 

@@ -13,6 +13,7 @@ import sys
 import tarfile
 from collections import Counter
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 from vlp.data.shard_io import Retry, ShardReadError, open_shard
 
@@ -108,14 +109,86 @@ def _next_member(tar: tarfile.TarFile) -> tuple[tarfile.TarInfo | None, bool]:
         return None, True
 
 
+class Member(NamedTuple):
+    """A regular file's header read by ``_plain_header`` (``tarinfo`` None) or by tarfile."""
+
+    name: str
+    size: int
+    offset_data: int
+    tarinfo: tarfile.TarInfo | None = None
+
+    def isfile(self) -> bool:
+        return self.tarinfo is None or self.tarinfo.isfile()
+
+
+def _plain_header(tar: tarfile.TarFile) -> Member | None:
+    """The member at ``tar.offset`` when its header is a plain ustar/GNU header of a regular file
+    or a directory, read as tarfile reads it (name with the ustar prefix, octal size, checksum)
+    without building a TarInfo; ``tar.offset`` then moves past it. None for anything else (the
+    end, a short or bad block, pax or GNU long-name headers, base-256 sizes, other types), and
+    after a global pax header: tarfile then reads it, from the same offset."""
+    if tar.pax_headers:
+        return None
+    tar.fileobj.seek(tar.offset)
+    buf = tar.fileobj.read(tarfile.BLOCKSIZE)
+    kind = buf[156:157]
+    if len(buf) != tarfile.BLOCKSIZE or buf[257:262] != b"ustar" or kind not in (b"0", b"\0", b"5") \
+            or buf[124] & 0x80:
+        return None
+    try:
+        checksum = int(buf[148:156].split(b"\0", 1)[0].strip() or b"0", 8)
+        size = int(buf[124:136].split(b"\0", 1)[0].strip() or b"0", 8)
+    except ValueError:
+        return None
+    if checksum != 256 + sum(buf[:148]) + sum(buf[156:]):  # the checksum field counts as spaces
+        return None
+    name = buf[:100].split(b"\0", 1)[0]
+    prefix = buf[345:500].split(b"\0", 1)[0] if buf[257:265] == tarfile.POSIX_MAGIC else b""
+    name = (prefix + b"/" + name if prefix else name).decode(tar.encoding, tar.errors)
+    offset_data = tar.offset + tarfile.BLOCKSIZE
+    if kind == b"5" or name.endswith("/"):  # a directory: no data follows (as in tarfile)
+        tar.offset = offset_data
+        return Member(name.rstrip("/"), 0, offset_data, tarinfo=_DIRECTORY)
+    tar.offset = offset_data + -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+    return Member(name, size, offset_data)
+
+
+_DIRECTORY = tarfile.TarInfo()
+_DIRECTORY.type = tarfile.DIRTYPE
+
+
+def _read_member(tar: tarfile.TarFile, member: Member) -> bytes:
+    if member.tarinfo is not None:
+        return tar.extractfile(member.tarinfo).read()
+    tar.fileobj.seek(member.offset_data)
+    data = tar.fileobj.read(member.size)
+    if len(data) != member.size:
+        raise tarfile.ReadError("unexpected end of data")  # as tarfile's reader says it
+    return data
+
+
+def _next(tar: tarfile.TarFile, plain: bool) -> tuple[Member | None, bool, bool]:
+    """``_next_member`` through ``_plain_header`` while ``plain`` (no header refused yet; the
+    first member is tarfile's, read when the tar was opened), and whether to stay plain."""
+    if plain and tar.firstmember is None:
+        member = _plain_header(tar)
+        if member is not None:
+            return member, False, True
+        plain = False  # tarfile reads this header and every one after it
+    info, truncated = _next_member(tar)
+    return (None if info is None else Member(info.name, info.size, info.offset_data, info)), truncated, plain
+
+
 def _samples(tar: tarfile.TarFile, start: int, stop: int | None, skipped: Counter,
              want: Callable[[int], bool] | None, seen_exts: set | None,
              exts: tuple[str, ...] | None) -> Iterator[tuple[int, str, dict]]:
-    """read_shard's member loop over an open tar (see there)."""
+    """read_shard's member loop over an open tar (see there). Plain headers are read by
+    ``_plain_header`` (tarfile's Python header parsing is most of a shard's read cost); from the
+    first header it does not take on, tarfile reads every header."""
     index, key, members = -1, None, {}
-    keep = False
+    keep, plain = False, True
     while True:
-        info, truncated = _next_member(tar)
+        info, truncated, plain = _next(tar, plain)
         if info is None:
             if keep and not truncated:
                 yield index, key, members
@@ -137,7 +210,7 @@ def _samples(tar: tarfile.TarFile, start: int, stop: int | None, skipped: Counte
             keep = index >= start and (want is None or want(index))
         if keep and (exts is None or ext in exts):
             try:
-                members[ext] = tar.extractfile(info).read()
+                members[ext] = _read_member(tar, info)
             except ShardReadError:
                 raise
             except (OSError, tarfile.TarError, EOFError):

@@ -14,17 +14,20 @@ import numpy as np
 import torch
 
 from vlp.data.decode import collate_images, image_decoder
-from vlp.data.layout import Plan, piece_bounds, merge_pieces, seeded_rng, segments, seq_parts
+from vlp.data.layout import Plan, index_runs, piece_bounds, seeded_rng, segments, seq_parts
+from vlp.data.pool import BufferPool, Leased, Leases, host_buffer
 from vlp.data.tars import IMAGE_EXTS, TEXT_EXTS, check_sample, image_decodes, read_shard
+from vlp.data.tokens import fast_tokenizer
 
 
 class WorkerStream:
     """One (rank, worker)'s batches for one epoch. Collates, tokenizes, counts skips."""
 
     def __init__(self, plan: Plan, epoch: int, worker: int, start_batch: int, transform,
-                 tokenize, decode_size, image_output: str = "float", pad: bool = False):
+                 tokenize, decode_size, image_output: str = "float", pad: bool = False,
+                 pool: BufferPool | None = None):
         self.plan, self.epoch, self.worker, self.start = plan, epoch, worker, start_batch
-        self.transform, self.tokenize, self.decode_size = transform, tokenize, decode_size
+        self.transform, self.tokenize, self.decode_size = transform, fast_tokenizer(tokenize), decode_size
         # crop-first JPEG fast path; no transform: images are only checked (image_decodes), never
         # decoded, for batches of cached features (same samples, replacements and skips)
         self.decoder = None if transform is None else image_decoder(transform, decode_size, image_output)
@@ -32,6 +35,7 @@ class WorkerStream:
         # items, so that every worker yields the same count per epoch and DataLoader's
         # round-robin over workers stays in batch order across chained epochs.
         self.pad = pad
+        self.pool = pool  # in a DataLoader worker: the batch memory it reuses (vlp.data.pool)
         self.skipped: Counter[str] = Counter()
         # bad-shard lines travel with their counts, printed when the batch is taken (Loader):
         # a warning and the count in the run's totals always agree
@@ -88,8 +92,7 @@ class WorkerStream:
             at = lo + self.starts[k] + (0 if index is None else index - begin)
         else:
             at = hi
-        waiting = sorted((s, i, i + 1) for *_, (s, i) in self.pending)
-        return merge_pieces(waiting + seq_parts(at, hi, self.plan.n))
+        return index_runs([sample[-1] for sample in self.pending]) + seq_parts(at, hi, self.plan.n)
 
     def split(self, pieces) -> Iterator[tuple]:
         """Shuffled passes over this worker's range; a pass after the first only happens
@@ -186,7 +189,9 @@ class WorkerStream:
             # independent of num_workers and exact after a resume that skipped batches.
             with torch.random.fork_rng(devices=[]):  # the CPU generator only (torch.manual_seed would
                 # also queue CUDA seeding, formatting a traceback each batch): the same CPU draws
-                torch.default_generator.manual_seed(seeded_rng(p.seed, self.epoch, p.rank, j, "augment").getrandbits(63))
+                seed = seeded_rng(p.seed, self.epoch, p.rank, j, "augment").getrandbits(63)
+                torch.default_generator.manual_seed(seed)
+                self.decoder.use_seed(seed)  # the crop boxes: the same draws, replayed (vlp.data.boxes)
                 decoded = self.decode_all(chunk, samples)
             yield self.collate(j, decoded)
         if self.pad:
@@ -283,7 +288,10 @@ class WorkerStream:
     def collate(self, index: int, decoded: list) -> dict:
         keys = [k for k, *_ in decoded]
         # no transform: an empty (b, 0) image tensor (the batch's features come from elsewhere)
-        images = collate_images([s[1] for s in decoded]) if self.decoder is not None else torch.empty(len(decoded), 0)
+        images = collate_images([s[1] for s in decoded], self.pool.alloc if self.pool else host_buffer) \
+            if self.decoder is not None else torch.empty(len(decoded), 0)
+        lent = self.pool.lent() if self.pool else []
+        images = Leased(images, lent) if lent else images  # the main process unpickles the images
         text = self.tokenize([s[2] for s in decoded])
         ids = {}
         if all(len(s) == 4 for s in decoded):  # per-sample state (SogCLR) is keyed by this id
@@ -297,22 +305,24 @@ class EpochDataset(torch.utils.data.IterableDataset):
     """One epoch of a worker's batches, or (chain=True) every epoch from ``epoch`` on."""
 
     def __init__(self, plan, epoch, start_batch, transform, tokenize, decode_size, image_output="float",
-                 chain=False):
+                 chain=False, leases: Leases | None = None):
         super().__init__()
         self.plan, self.epoch, self.start, self.chain = plan, epoch, start_batch, chain
         self.args = (transform, tokenize, decode_size, image_output)
+        self.leases = leases  # the main process's flags of the workers' batch memory
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker = 0 if info is None else info.id
+        pool = BufferPool(self.leases, worker) if info is not None and self.leases is not None else None
         if not self.chain:
-            return iter(WorkerStream(self.plan, self.epoch, worker, self.start, *self.args))
-        return self._chained(worker)
+            return iter(WorkerStream(self.plan, self.epoch, worker, self.start, *self.args, pool=pool))
+        return self._chained(worker, pool)
 
-    def _chained(self, worker: int) -> Iterator[dict]:
+    def _chained(self, worker: int, pool: BufferPool | None) -> Iterator[dict]:
         epoch, start = self.epoch, self.start
         while True:
-            yield from WorkerStream(self.plan, epoch, worker, start, *self.args, pad=True)
+            yield from WorkerStream(self.plan, epoch, worker, start, *self.args, pad=True, pool=pool)
             epoch, start = epoch + 1, 0
 
 
