@@ -153,7 +153,8 @@ def test_second_vlp_compare_on_a_locked_grid_folder_is_one_line(tmp_path, tiny_s
         before = sorted(p.name for p in out.iterdir())
         args = ["-m", "vlp", "compare", "-c", str(REPO / "configs/compare_small_batch.yaml"),
                 f"data.train_shards={tiny_shards['train']}", f"data.eval_shards={tiny_shards['eval']}",
-                f"grid.out_dir={out}", "grid.sweep=null", "grid.regimes=null", "grid.accum_price=null", "grid.workers=1", "grid.batch_per_device=[8]",
+                f"grid.out_dir={out}", "grid.sweep=null", "grid.regimes=null", "grid.accum_price=null", "grid.datasets=null",
+                "grid.sweep_bounds=null", "grid.workers=1", "grid.batch_per_device=[8]",
                 "grid.losses=[infonce]", "grid.seeds=[0]",
                 "train.samples=32"]
         res = subprocess.run([sys.executable, *args], cwd=REPO, env=run_env(), capture_output=True, text=True,

@@ -260,6 +260,7 @@ PEER_FAILURE_WORDS = ("gloo", "NCCL", "Connection reset by peer", "Connection cl
 
 def main(argv: list[str] | None = None) -> int:
     from vlp.util import cap
+    from vlp.distributed import end_process_group
     from vlp.train.preempt import Preempted, exit_status, mark_lost_peers
 
     try:
@@ -268,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:  # saved; the scheduler requeues on this status (launch/slurm.sbatch)
         if e.is_main:  # one line for the job, not one per rank
             print(f"vlp: {e}", file=sys.stderr)
+        end_process_group()  # every rank stopped after the same step: leave the group cleanly
         return exit_status()
     except USER_ERRORS as e:
         if os.environ.get("VLP_DEBUG"):

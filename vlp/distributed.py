@@ -181,6 +181,14 @@ def positive_offset(local_batch: int, global_batch: int | None = None) -> int:
     return get_rank() * local_batch
 
 
+def end_process_group() -> None:
+    """Destroy the default process group, if any, before the process exits: a rank that leaves with
+    gloo's threads still attached can abort in their destructors (std::terminate, SIGABRT), which
+    a launcher reports as a failure."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def launched_world(env=None) -> int:
     """The world size a launcher (torchrun, ``accelerate launch``) started this process in: its
     WORLD_SIZE, 1 without a launcher."""

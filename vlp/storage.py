@@ -82,6 +82,7 @@ class RunFolder:
         self.root = root.rstrip("/")
         self._own_cache, self._cache = cache_dir is None, Path(cache_dir) if cache_dir else None
         self._thread: Optional[threading.Thread] = None
+        self._publishing: Optional[Path] = None  # the local path of the put in flight
         self._error: Optional[BaseException] = None
         self._parent: Optional[RunFolder] = None
 
@@ -181,6 +182,8 @@ class RunFolder:
         parent, _, base = name.rpartition("/")
         temp = f".{base}.tmp-{os.getpid()}" + (f"-{tag}" if tag else "")
         path = (self.cache_dir / "stage" / parent if self.remote else Path(self._key(parent))) / temp
+        if self._publishing == path:  # the same name again: its previous copy is still being put
+            self.wait()
         if path.is_dir():  # a file is truncated by its writer
             remove_local(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -212,6 +215,7 @@ class RunFolder:
             except BaseException as e:  # noqa: BLE001 (raised in the caller's thread by wait())
                 self._error = e
 
+        self._publishing = Path(local)
         self._thread = threading.Thread(target=run, name=f"vlp-publish-{name}", daemon=True)
         self._thread.start()
 
@@ -219,7 +223,7 @@ class RunFolder:
         """Block until the background upload is done; raise its error (one line) if it failed."""
         if self._thread is not None:
             self._thread.join()
-            self._thread = None
+            self._thread, self._publishing = None, None
         if self._error is not None:
             error, self._error = self._error, None
             raise StorageError(f"uploading a checkpoint to {self.url} failed: {_cause(error)}") from error
