@@ -204,10 +204,13 @@ def _parse_study(raw: dict, spec: GridSpec) -> None:
         raise ConfigError(f"config: grid.select_metric must be one of {list(EVAL_KEYS)}, got {spec.select_metric!r}")
     if spec.test_shards is not None and (not isinstance(spec.test_shards, str) or not spec.test_shards):
         raise ConfigError(f"config: grid.test_shards must be a shard spec, got {spec.test_shards!r}")
-    spec.regimes = _parse_regimes(raw.get("regimes"), bool(sweep))
-    spec.accum_price = _parse_price(raw.get("accum_price"), spec, bool(sweep))
-    spec.datasets = _parse_datasets(raw.get("datasets"), spec, bool(sweep))
-    spec.sweep_bounds = _parse_bounds(raw.get("sweep_bounds"), bool(sweep))
+    for key in ("regimes", "accum_price", "datasets", "sweep_bounds"):
+        if raw.get(key) and not sweep:
+            raise ConfigError(f"config: grid.{key} needs a tuned study (grid.sweep)")
+    spec.regimes = _parse_regimes(raw.get("regimes"))
+    spec.accum_price = _parse_price(raw.get("accum_price"), spec)
+    spec.datasets = _parse_datasets(raw.get("datasets"), spec)
+    spec.sweep_bounds = _parse_bounds(raw.get("sweep_bounds"))
     _check_in_bounds(spec)
     points = raw.get("budget_points", 1)
     if not isinstance(points, int) or isinstance(points, bool) or not 1 <= points <= 64:
@@ -215,12 +218,10 @@ def _parse_study(raw: dict, spec: GridSpec) -> None:
     spec.budget_points = points
 
 
-def _parse_regimes(raw: Any, study: bool) -> dict[str, dict]:
+def _parse_regimes(raw: Any) -> dict[str, dict]:
     """grid.regimes -> {name: {"set": {dotted: value}, "sweep": per-optimizer or flat map or None}}."""
     if not raw:
         return {}
-    if not study:
-        raise ConfigError("config: grid.regimes needs a tuned study (grid.sweep)")
     if not isinstance(raw, dict):
         raise ConfigError(f"config: grid.regimes must map names to settings, got {raw!r}")
     out = {}
@@ -255,12 +256,10 @@ def _parse_regimes(raw: Any, study: bool) -> dict[str, dict]:
     return out
 
 
-def _parse_price(raw: Any, spec: GridSpec, study: bool) -> dict[str, Any]:
+def _parse_price(raw: Any, spec: GridSpec) -> dict[str, Any]:
     """grid.accum_price -> {batch_per_device, accum_steps, samples, seeds}, checked against the grid."""
     if not raw:
         return {}
-    if not study:
-        raise ConfigError("config: grid.accum_price needs a tuned study (grid.sweep)")
     known = {"batch_per_device", "accum_steps", "samples", "seeds"}
     if not isinstance(raw, dict) or set(raw) - known or not {"batch_per_device", "accum_steps", "samples"} <= set(raw):
         raise ConfigError(f"config: grid.accum_price must give batch_per_device, accum_steps, samples (and "
@@ -278,13 +277,11 @@ def _parse_price(raw: Any, spec: GridSpec, study: bool) -> dict[str, Any]:
     return {"batch_per_device": b, "accum_steps": k, "samples": raw["samples"], "seeds": seeds}
 
 
-def _parse_datasets(raw: Any, spec: GridSpec, study: bool) -> dict[str, dict]:
+def _parse_datasets(raw: Any, spec: GridSpec) -> dict[str, dict]:
     """grid.datasets (a list of packaged data set names, or {name: {batch_per_device, regimes}})
     -> {name: {"batch_per_device": subset or None, "regimes": subset or None}}."""
     if not raw:
         return {}
-    if not study:
-        raise ConfigError("config: grid.datasets needs a tuned study (grid.sweep)")
     table = {name: {} for name in raw} if isinstance(raw, list) else raw
     if not isinstance(table, dict) or len(table) != (len(raw) if isinstance(raw, list) else len(table)):
         raise ConfigError(f"config: grid.datasets must be a list of distinct names or a mapping, got {raw!r}")
@@ -308,12 +305,10 @@ def _parse_datasets(raw: Any, spec: GridSpec, study: bool) -> dict[str, dict]:
     return out
 
 
-def _parse_bounds(raw: Any, study: bool) -> dict[str, list]:
+def _parse_bounds(raw: Any) -> dict[str, list]:
     """grid.sweep_bounds -> {dotted key: [low, high]}, 0 < low < high."""
     if not raw:
         return {}
-    if not study:
-        raise ConfigError("config: grid.sweep_bounds needs a tuned study (grid.sweep)")
     if not isinstance(raw, dict):
         raise ConfigError(f"config: grid.sweep_bounds must map a swept key to [low, high], got {raw!r}")
     for key, pair in raw.items():
