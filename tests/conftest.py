@@ -41,6 +41,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(name)
         if item.nodeid in grouped:
             item.add_marker(pytest.mark.xdist_group(grouped[item.nodeid]))
+    if _worker(config):  # the slow tier first, so that the run ends on short tests on both workers
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def _cpu_now() -> float:

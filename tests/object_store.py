@@ -33,6 +33,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vlp_testing import free_port
+
 START_TIMEOUT_S = 20.0
 
 # credentials and endpoints that keep every client on loopback
@@ -44,12 +46,6 @@ _COMMON_ENV = {
     "GCE_METADATA_HOST": "127.0.0.1:9", "GCE_METADATA_IP": "127.0.0.1:9",
     "GOOGLE_CLOUD_PROJECT": "test", "GOOGLE_APPLICATION_CREDENTIALS": "",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

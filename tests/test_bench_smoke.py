@@ -3,11 +3,18 @@
 No timing assertions (the numbers are meaningless at these sizes and on a shared machine);
 only that each benchmark still runs end to end against the current vlp and open_clip_train
 APIs and reports the figures BENCHMARKS.md quotes.
+
+One script runs as `python bench/SCRIPT` (the command line a person types); the others run in a
+few batches, each one process that imports torch, open_clip and vlp once and forks a child per
+script (tests/bench_batch.py): each script is still its own process with its own argv, minus the
+~6 CPU seconds of imports it would pay alone.
 """
 
+import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +22,7 @@ from vlp_testing import REPO, run_env
 
 FIGURE = re.compile(r"^FIGURE (.+?) = (\S+)", re.M)
 
-CASES = {  # longest first: they start first (one test each; pytest-xdist spreads them over its workers)
+CASES = {
     "scaling.py": ["--quick"],
     "train_throughput.py": ["--quick"],
     "quality.py": ["--quick"],
@@ -31,6 +38,13 @@ CASES = {  # longest first: they start first (one test each; pytest-xdist spread
     "checksum_cost.py": ["--quick"],
     "feature_cache.py": ["--quick"],
     "many_ranks.py": ["--quick", "--only", "collectives"],  # ~13 s; the 2-rank train part takes ~95 s
+}
+CLI = "scaling.py"  # run as `python bench/scaling.py --quick`: its CPU is in its children (vlp runs), not its imports
+BATCHES = {  # the rest: about 50 CPU seconds a batch once batched (2026-12-02); the CLI one and these start first
+    "quality+features+step+checksum": ["quality.py", "feature_cache.py", "step_cost.py", "checksum_cost.py"],
+    "soak+fsdp+augment+loss": ["soak.py", "fsdp_cost.py", "augment_equivalence.py", "loss_cost.py"],
+    "data+train+remote+ranks+gpu+eval": ["data_loading.py", "train_throughput.py", "remote_loading.py",
+                                         "many_ranks.py", "gpu_bench.py", "eval_cost.py"],
 }
 
 EXPECTED = {
@@ -87,20 +101,53 @@ def bench_data():
         jpeg_shards(REPO / ".cache" / "bench", 128, per_shard=32)  # data_loading / remote_loading --quick
 
 
-@pytest.mark.parametrize("script", list(CASES))
-def test_bench_quick(script, bench_data, tmp_path):
-    """One script's quick mode as its own process (the tests spread over xdist's workers)."""
-    extra = ["--out", str(tmp_path)] if script == "gpu_bench.py" else []
-    cmd = [sys.executable, str(REPO / "bench" / script), *CASES[script], *extra]
+def _argv(script: str, tmp_path) -> list[str]:
+    return [*CASES[script], *(["--out", str(tmp_path / "gpu")] if script == "gpu_bench.py" else [])]
+
+
+def _problems(script: str, code, stdout: str, stderr: str) -> list[str]:
+    """What is wrong with one script's run: its exit, a figure it did not print or that is not a number."""
+    if code == "timeout":
+        return [f"bench/{script} did not finish in {BUDGET_S} s; its output so far:\n{(stdout + stderr)[-3000:]}"]
+    if code != 0:
+        return [f"bench/{script} exited {code}:\n{(stdout + stderr)[-3000:]}"]
+    figures = dict(FIGURE.findall(stdout))
+    missing = [name for name in EXPECTED[script] if name not in figures]
+    if missing:
+        return [f"{script} did not print {missing}:\n{stdout[-3000:]}"]
+    for name in EXPECTED[script]:
+        float(figures[name])  # a number (nan allowed: CPU memory/MFU)
+    return []
+
+
+def test_every_script_runs_once():
+    assert sorted([CLI, *sum(BATCHES.values(), [])]) == sorted(CASES) == sorted(EXPECTED)
+
+
+def test_bench_quick_on_the_command_line(bench_data, tmp_path):
+    """One script as a person runs it: its own Python, `python bench/SCRIPT ARGS`."""
+    cmd = [sys.executable, str(REPO / "bench" / CLI), *_argv(CLI, tmp_path)]
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=BUDGET_S)
     except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
-        pytest.fail(f"bench/{script} did not finish in {BUDGET_S} s; its output so far:\n{out[-3000:]}")
-    stdout = proc.stdout
-    assert proc.returncode == 0, f"bench/{script} exited {proc.returncode}:\n{(stdout + proc.stderr)[-3000:]}"
-    figures = dict(FIGURE.findall(stdout))
-    missing = [name for name in EXPECTED[script] if name not in figures]
-    assert not missing, f"{script} did not print {missing}:\n{stdout[-3000:]}"
-    for name in EXPECTED[script]:
-        float(figures[name])  # a number (nan allowed: CPU memory/MFU)
+        out, err = ((x or b"").decode(errors="replace") for x in (e.stdout, e.stderr))
+        pytest.fail(_problems(CLI, "timeout", out, err)[0])
+    assert not (problems := _problems(CLI, proc.returncode, proc.stdout, proc.stderr)), problems[0]
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_bench_quick(batch, bench_data, tmp_path):
+    """The batch's scripts, each its own forked process (tests/bench_batch.py); every script's
+    exit and figures are checked, and every failure is reported."""
+    scripts = BATCHES[batch]
+    logs = [tmp_path / script for script in scripts]  # LOG.out, LOG.err
+    jobs = [[str(REPO / "bench" / s), _argv(s, tmp_path), str(log), BUDGET_S] for s, log in zip(scripts, logs)]
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "bench_batch.py"), str(tmp_path / "jobs.json")],
+                          cwd=REPO, env=run_env(), capture_output=True, text=True,
+                          timeout=BUDGET_S * len(scripts) + 120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    codes = json.loads(proc.stdout.strip().splitlines()[-1])
+    problems = sum((_problems(s, code, *(Path(f"{log}.{x}").read_text(errors="replace") for x in ("out", "err")))
+                    for s, code, log in zip(scripts, codes, logs)), [])
+    assert not problems, "\n\n".join(problems)

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from object_store import free_port, start_gcs, start_s3
-from vlp_testing import PYTHON, REPO, overrides, run_env
+from object_store import start_gcs, start_s3
+from vlp_testing import PYTHON, REPO, accelerate_cmd, free_port, overrides, run_env, run_launch
 
 TINY = ["model.name=vlp-micro", "data.batch_per_device=16", "optim.lr=2e-3", "optim.warmup_steps=2",
         "train.log_every=1", "data.shuffle_buffer=64"]
@@ -230,17 +230,16 @@ def test_gs_run_folder_trains_prunes_and_resumes(tiny_shards, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- FSDP, 2 processes
 def _launch(store, shards, out, *extra, wait=True):
-    from test_fsdp import ACCELERATE, COMMON
+    from test_fsdp import COMMON
 
-    cmd = [ACCELERATE, "launch", "--config_file", "launch/cpu_2proc.yaml", "--main_process_port",
-           str(29500 + (os.getpid() + 11) % 1000), "-m", "vlp", "train", "-c", "configs/demo.yaml",
-           *overrides(f"data.train_shards={shards['train']}", f"train.output_dir={out}", *COMMON,
-                      "train.parallel=fsdp", "loss.name=sogclr", "train.samples=96", *extra)]
+    cmd = accelerate_cmd("-m", "vlp", "train", "-c", "configs/demo.yaml",
+                         *overrides(f"data.train_shards={shards['train']}", f"train.output_dir={out}", *COMMON,
+                                    "train.parallel=fsdp", "loss.name=sogclr", "train.samples=96", *extra))
     env = run_env() | store.env | {"ACCELERATE_USE_CPU": "1"}
     if not wait:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return run_launch(cmd, cwd=REPO, env=env, timeout=300)
 
 
 def test_fsdp_in_a_bucket_resumes_after_sigkill_bit_identical(s3, tiny_shards, capsys):

@@ -17,12 +17,12 @@ import uuid
 
 import pytest
 
-from object_store import free_port, start_gcs, start_s3
+from object_store import start_gcs, start_s3
 from vlp.integrity import IntegrityError, entry, manifest_bytes
 from vlp.storage import RunFolder, StorageError, check_writable
 from vlp.train.checkpoint import META_FILE, CheckpointError, load_valid
 from vlp.train.checkpointer import clean, fetch, list_checkpoints, prune, set_aside
-from vlp_testing import PYTHON, REPO, run_env
+from vlp_testing import PYTHON, REPO, free_port, run_env
 
 STARTERS = {"s3": start_s3, "gs": start_gcs}
 

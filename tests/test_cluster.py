@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -14,17 +13,10 @@ import pytest
 import torch
 
 from vlp.cli import peer_failure
-from vlp_testing import PYTHON, REPO, overrides, run_env
+from vlp_testing import ACCELERATE, PYTHON, REPO, free_port, overrides, run_env, run_launch
 
-ACCELERATE = shutil.which("accelerate", path=str(Path(os.sys.executable).parent)) or "accelerate"
 COMMON = ["model.name=vlp-micro", "data.batch_per_device=8", "optim.lr=1e-3", "optim.warmup_steps=2",
           "train.log_every=1", "data.shuffle_buffer=32", "data.eval_shards=null"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train_args(shards, out, *extra):
@@ -36,12 +28,12 @@ def _launch(args, machines=1, rank=0, port=None, wait=True, env=None):
     """`accelerate launch` of 2 CPU processes in total, on 1 machine or as one of 2 machines."""
     cmd = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", str(machines),
            "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
-           "--main_process_port", str(port or _port()), "--rdzv_backend", "static", *args]
+           "--main_process_port", str(port or free_port()), "--rdzv_backend", "static", *args]
     env = run_env() | {"ACCELERATE_USE_CPU": "1"} | (env or {})
     if not wait:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    return run_launch(cmd, cwd=REPO, env=env, timeout=400)
 
 
 def _weights(out):
@@ -82,7 +74,7 @@ def single(tiny_shards, tmp_path_factory):
 
 
 def test_two_machines_on_loopback_equal_one_two_process_launch(tiny_shards, single, tmp_path):
-    port = _port()
+    port = free_port()
     args = _train_args(tiny_shards, tmp_path, "train.samples=256")
     nodes = [_launch(args, machines=2, rank=r, port=port, wait=False) for r in (0, 1)]
     outs = [node.communicate(timeout=400) for node in nodes]
@@ -121,7 +113,7 @@ def test_a_dead_or_frozen_node_ends_the_other_within_the_timeout(tiny_shards, tm
     """killed: node 1's launcher and rank get SIGKILL (the connection breaks at once);
     frozen: node 1's rank gets SIGSTOP (only the collective timeout can end node 0)."""
     timeout_s = 20
-    port = _port()
+    port = free_port()
     args = _train_args(tiny_shards, tmp_path, "train.samples=100000", f"train.dist_timeout_s={timeout_s}")
     nodes = [_launch(args, machines=2, rank=r, port=port, wait=False) for r in (0, 1)]
     frozen = []

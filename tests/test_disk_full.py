@@ -3,17 +3,14 @@ train.output_dir holds one vlp-micro checkpoint (~20 MB with AdamW state) but no
 of step 8 fails with one `vlp:` line and a non-zero exit, removes its temp files (the disk is
 free again), and step 4 stays intact and resumes in place. Plain (.pt, 1 process) and FSDP (DCP,
 2 CPU processes). Mounting a tmpfs needs root (the test containers run as root)."""
-import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from vlp_testing import REPO, run_env
+from vlp_testing import REPO, accelerate_cmd, run_env, run_launch
 
-ACCELERATE = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
 COMMON = ["model.name=vlp-micro", "data.batch_per_device=8", "data.num_workers=0", "data.shuffle_buffer=32",
           "optim.warmup_steps=2", "train.log_every=2", "data.eval_shards=null", "train.keep_last=3"]
 
@@ -32,13 +29,10 @@ def small_disk(tmp_path):
 def _train(shards, out, procs, *extra):
     args = ["-m", "vlp", "train", "-c", "configs/demo.yaml", f"data.train_shards={shards['train']}",
             f"train.output_dir={out}", *COMMON, *extra]
+    env = run_env() | {"ACCELERATE_USE_CPU": "1"}
     if procs == 1:
-        cmd = [sys.executable, *args]
-    else:
-        cmd = [ACCELERATE, "launch", "--config_file", "launch/cpu_2proc.yaml", "--main_process_port",
-               str(29500 + (os.getpid() + 31) % 1000), *args, "train.parallel=fsdp"]
-    return subprocess.run(cmd, cwd=REPO, env=run_env() | {"ACCELERATE_USE_CPU": "1"}, capture_output=True,
-                          text=True, timeout=400)
+        return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    return run_launch(accelerate_cmd(*args, "train.parallel=fsdp"), cwd=REPO, env=env, timeout=400)
 
 
 @pytest.mark.parametrize("procs", [1, 2], ids=["plain", "fsdp"])

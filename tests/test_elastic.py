@@ -9,22 +9,15 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 from vlp.distributed import cpu_when_launched_without_gpu, launched_world
-from vlp_testing import REPO, overrides, run_env
+from vlp_testing import REPO, free_port, overrides, run_env
 
 TORCHRUN = shutil.which("torchrun", path=str(Path(os.sys.executable).parent)) or "torchrun"
 SAMPLES = 480  # 160 pairs per epoch
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _records(out: Path) -> list[dict]:
@@ -55,7 +48,7 @@ def _agent(cmd, host: bool, log: Path) -> subprocess.Popen:
 def test_a_killed_node_leaves_the_survivor_to_reform_at_world_1_and_finish(tiny_shards, tmp_path):
     out = tmp_path / "run"
     cmd = ["--nnodes=1:2", "--nproc-per-node=1", "--max-restarts=3", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{_port()}", "--rdzv-id=vlp-elastic", "--monitor-interval=0.5",
+           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=vlp-elastic", "--monitor-interval=0.5",
            "-m", "vlp", "train", "-c", "configs/demo.yaml", *overrides(
                f"data.train_shards={tiny_shards['train']}", f"train.output_dir={out}", "model.name=vlp-micro",
                "data.batch_per_device=8", "optim.warmup_steps=2", "train.log_every=1", "data.shuffle_buffer=32",

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from _dist_utils import run_distributed
-from vlp_testing import REPO, overrides, run_env
+from vlp_testing import REPO, accelerate_cmd, overrides, run_env, run_launch
 
-ACCELERATE = shutil.which("accelerate", path=str(Path(os.sys.executable).parent)) or "accelerate"
 COMMON = ["model.name=vlp-micro", "data.batch_per_device=8", "data.num_workers=0", "optim.lr=1e-3",
           "optim.warmup_steps=2", "train.log_every=1", "data.shuffle_buffer=32", "train.samples=192",
           "train.keep_last=20", "train.checkpoint_every=4"]
@@ -144,15 +143,14 @@ def test_fsdp_bf16_policy_trains_like_fp32(runs):
 
 
 def _launch(shards, out, *extra, wait=True):
-    cmd = [ACCELERATE, "launch", "--config_file", "launch/cpu_2proc.yaml", "--main_process_port",
-           str(29500 + (os.getpid() + 7) % 1000), "-m", "vlp", "train", "-c", "configs/demo.yaml",
-           *overrides(f"data.train_shards={shards['train']}", f"train.output_dir={out}", *COMMON,
-                      "train.parallel=fsdp", *extra)]
+    cmd = accelerate_cmd("-m", "vlp", "train", "-c", "configs/demo.yaml",
+                         *overrides(f"data.train_shards={shards['train']}", f"train.output_dir={out}", *COMMON,
+                                    "train.parallel=fsdp", *extra))
     env = run_env() | {"ACCELERATE_USE_CPU": "1"}
     if not wait:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return run_launch(cmd, cwd=REPO, env=env, timeout=300)
 
 
 def test_fsdp_sigkill_and_resume_is_bit_identical(runs, tiny_shards, tmp_path):

@@ -496,20 +496,17 @@ def test_two_ranks_skip_counts_are_summed_in_result_and_log(tmp_path):
     """2 processes (accelerate launch, gloo): both ranks meet corrupt images; result.json and the
     log hold the sum of both ranks' counts, not rank 0's alone."""
     from vlp.data.sources.openmoji import load_pairs
-    from vlp_testing import run_env
+    from vlp_testing import accelerate_cmd, run_env, run_launch
 
     pairs = load_pairs("train", image_size=32)[:80]
     samples = [(p.key, {"png": b"garbage" if i % 5 == 2 else p.image, "txt": p.caption.encode()})
                for i, p in enumerate(pairs)]
     for s in range(2):
         write_tar(tmp_path / f"mix-{s}.tar", samples[40 * s:40 * (s + 1)])
-    accelerate = Path(os.sys.executable).parent / "accelerate"
     out = tmp_path / "run"
-    cmd = [str(accelerate), "launch", "--config_file", "launch/cpu_2proc.yaml", "--main_process_port",
-           str(30500 + os.getpid() % 1000), "-m", "vlp",
-           *[str(a) for a in train(tmp_path / "mix-{0..1}.tar", out, "data.batch_per_device=8", "train.samples=64")]]
-    proc = subprocess.run(cmd, cwd=REPO, env=run_env() | {"ACCELERATE_USE_CPU": "1"}, capture_output=True,
-                          text=True, timeout=300)
+    cmd = accelerate_cmd("-m", "vlp", *[str(a) for a in train(tmp_path / "mix-{0..1}.tar", out, "data.batch_per_device=8",
+                                                                 "train.samples=64")])
+    proc = run_launch(cmd, cwd=REPO, env=run_env() | {"ACCELERATE_USE_CPU": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     per_rank = torch.load(out / "checkpoints" / "step_00000004.pt", weights_only=True)["data"]
     per_rank = [d["skipped"] for d in per_rank]

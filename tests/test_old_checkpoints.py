@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlp_testing import REPO, run_env
+from vlp_testing import REPO, accelerate_cmd, run_env, run_launch
 
 OLD_RELEASE = "965021a"  # the last commit with vlp/trainer.py
 COMMON = ["model.name=vlp-micro", "data.batch_per_device=8", "data.num_workers=0", "data.shuffle_buffer=32",
@@ -35,14 +35,12 @@ def old_code(tmp_path_factory) -> Path:
 def _old_train(old: Path, shards, out: Path, *extra, procs: int = 1):
     args = ["-m", "vlp", "train", "-c", str(old / "configs/demo.yaml"), f"data.train_shards={shards['train']}",
             f"data.eval_shards={shards['eval']}", f"train.output_dir={out}", *COMMON, *extra]
-    if procs == 1:
-        cmd = [str(Path(__import__("sys").executable)), *args]
-    else:
-        accelerate = Path(__import__("sys").executable).parent / "accelerate"
-        cmd = [str(accelerate), "launch", "--config_file", str(old / "launch/cpu_2proc.yaml"),
-               "--main_process_port", str(29900 + __import__("os").getpid() % 90), *args]
     env = run_env() | {"PYTHONPATH": str(old), "ACCELERATE_USE_CPU": "1"}
-    proc = subprocess.run(cmd, cwd=old, env=env, capture_output=True, text=True, timeout=600)
+    if procs == 1:
+        proc = subprocess.run([str(Path(__import__("sys").executable)), *args], cwd=old, env=env,
+                              capture_output=True, text=True, timeout=600)
+    else:
+        proc = run_launch(accelerate_cmd(*args, config=old / "launch/cpu_2proc.yaml"), cwd=old, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the old code really ran: no manifests, the old module layout
     assert not list(out.glob("checkpoints/*manifest*")), sorted(p.name for p in (out / "checkpoints").iterdir())

@@ -4,15 +4,13 @@ checkpoint; a 2-rank checkpoint resumes exactly on 2 ranks and, in resume_mode=c
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 
 import pytest
 import torch
 
-from test_two_process import ACCELERATE, _launch
-from vlp_testing import REPO, run_env
+from test_two_process import _launch
+from vlp_testing import REPO, accelerate_cmd, run_env, run_launch
 from vlp.config import load_config
 from vlp.losses.sogclr import SogCLRLoss
 from vlp.train.loop import Trainer
@@ -67,14 +65,12 @@ def test_two_rank_u_per_rank_files_exact_resume_and_changed_worlds(tiny_shards, 
     three = tmp_path / "three"
     shutil.copytree(full, three)
     (three / "open_clip_model.pt").unlink()
-    cmd = [ACCELERATE, "launch", "--config_file", "launch/cpu_2proc.yaml", "--num_processes", "3",
-           "--main_process_port", str(29700 + os.getpid() % 200), "-m", "vlp", "train", "-c", "configs/demo.yaml",
-           f"data.train_shards={tiny_shards['train']}", "data.eval_shards=", f"train.output_dir={three}",
-           "model.name=vlp-micro", "data.batch_per_device=8", "data.num_workers=0", "data.shuffle_buffer=32",
-           *SOG[:3], "train.samples=400", "train.checkpoint_every=2", "train.resume=latest",
-           "train.resume_mode=continue", "train.keep_last=0"]
-    p3 = subprocess.run(cmd, cwd=REPO, env=run_env() | {"ACCELERATE_USE_CPU": "1"}, capture_output=True,
-                        text=True, timeout=600)
+    cmd = accelerate_cmd("--num_processes", "3", "-m", "vlp", "train", "-c", "configs/demo.yaml",
+                         f"data.train_shards={tiny_shards['train']}", "data.eval_shards=", f"train.output_dir={three}",
+                         "model.name=vlp-micro", "data.batch_per_device=8", "data.num_workers=0", "data.shuffle_buffer=32",
+                         *SOG[:3], "train.samples=400", "train.checkpoint_every=2", "train.resume=latest",
+                         "train.resume_mode=continue", "train.keep_last=0")
+    p3 = run_launch(cmd, cwd=REPO, env=run_env() | {"ACCELERATE_USE_CPU": "1"}, timeout=600)
     assert p3.returncode == 0 and "resumed from" in p3.stdout, p3.stderr[-4000:]
     last = sorted(p for p in (three / "checkpoints").iterdir() if p.name.endswith(".ranks"))[-1]
     assert sorted(x.name for x in last.iterdir() if x.suffix == ".pt") == [f"rank{r:05d}-of-00003.pt" for r in range(3)]

@@ -3,11 +3,12 @@ markers (through fixtures, helpers and tables of helpers), and the tier rule hol
 collected item of this session."""
 import ast
 import http.server
+import re
 import subprocess
 
 import pytest
 
-from tiers import SLOW_LIST, TESTS, TIERS, kinds, reached, read_list
+from tiers import SLOW_LIST, TESTS, TIERS, groups, kinds, reached, read_list
 from object_store import start_gcs, start_s3
 
 
@@ -93,3 +94,19 @@ def test_the_tier_rule_holds_for_every_item_of_this_session(request):
         assert "multiproc" not in names or "slow" in names, item.nodeid
     here = {m.name for m in request.node.iter_markers()} & set(TIERS)
     assert here == set()  # this file only defines its stand-ins: it is in the fast tier
+
+
+def test_groups_are_the_files_of_module_fixtures_only(request):
+    """Each xdist group is one file (its tests share a fixture built once); no group of launches:
+    two workers' `accelerate launch` runs can run side by side (the next test's ports)."""
+    got = groups(request.session.items)
+    assert all(group == nodeid.split("::", 1)[0] for nodeid, group in got.items()), got
+
+
+def test_no_test_derives_a_port_from_its_pid():
+    """Every port a test hands a launcher or server is the kernel's pick (vlp_testing.free_port):
+    a port derived from the pytest pid can meet another worker's (or another session's)."""
+    found = [f"{path.relative_to(TESTS)}:{n}" for path in sorted(TESTS.rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(r"getpid\(\)\s*[%+]", line)]  # "29500 + pid % 1000" and its variants
+    assert found == []

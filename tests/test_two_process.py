@@ -4,35 +4,31 @@ sees the same global batches (2 ranks x b == 1 rank x 2b: vlp/distributed.py's g
 argument, end to end)."""
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from vlp_testing import REPO, run_env
+from vlp_testing import REPO, accelerate_cmd, run_env, run_launch
 from vlp.config import load_config
 from vlp.train.data import TrainData
 from vlp.train.loop import Trainer
 
-ACCELERATE = shutil.which("accelerate", path=str(Path(os.sys.executable).parent)) or "accelerate"
 COMMON = ["model.name=vlp-micro", "data.batch_per_device=8", "data.num_workers=2", "optim.lr=1e-3",
           "optim.warmup_steps=2", "train.log_every=1", "data.shuffle_buffer=32", "train.samples=256"]
 
 
 def _launch(shards, out, *extra, wait=True):
-    cmd = [ACCELERATE, "launch", "--config_file", "launch/cpu_2proc.yaml", "--main_process_port",
-           str(29500 + os.getpid() % 1000), "-m", "vlp", "train", "-c", "configs/demo.yaml",
-           f"data.train_shards={shards['train']}", f"data.eval_shards={shards['eval']}",
-           f"train.output_dir={out}", *COMMON, *extra]
+    cmd = accelerate_cmd("-m", "vlp", "train", "-c", "configs/demo.yaml",
+                         f"data.train_shards={shards['train']}", f"data.eval_shards={shards['eval']}",
+                         f"train.output_dir={out}", *COMMON, *extra)
     env = run_env() | {"ACCELERATE_USE_CPU": "1"}
     if not wait:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    return run_launch(cmd, cwd=REPO, env=env, timeout=400)
 
 
 class _TwoRankStream:

@@ -25,8 +25,6 @@ TIERS = ("slow", "multiproc", "server")
 PROCESS_MODULES = ("subprocess", "multiprocessing", "torch.multiprocessing", "concurrent.futures.process")
 SERVER_MODULES = ("http.server", "socketserver")
 SERVER_HELPERS = {("object_store", "start_s3"), ("object_store", "start_gcs"), ("object_store", "DropProxy")}
-PORT_FLAG = "--main_process_port"  # `accelerate launch` on a port the test picks (often from its pid)
-PORT_GROUP = "accelerate-ports"  # the xdist group of every file with such a launch: one after another
 
 
 def _ours(obj) -> bool:
@@ -63,8 +61,6 @@ def _neighbours(fn) -> tuple[frozenset, tuple]:
     scope = fn.__globals__
     cells = [c.cell_contents for c in (fn.__closure__ or ()) if _filled(c)]
     for code in _codes(fn.__code__):
-        if PORT_FLAG in code.co_consts:
-            names.add(PORT_FLAG)
         wanted = set(code.co_names)
         objs = [scope.get(n) for n in wanted] + cells
         objs += [v for o in objs if isinstance(o, (dict, list, tuple, set))  # STARTERS = {"s3": start_s3}
@@ -166,29 +162,13 @@ def _builds_once(item) -> bool:
     return False
 
 
-def _launches_on_its_port(item) -> bool:
-    return PORT_FLAG in reached([getattr(item, "obj", None), *fixture_functions(item)])
-
-
 def groups(items) -> dict[str, str]:
-    """{node id: xdist group} for the tests that must share one pytest-xdist worker: those that
-    launch `accelerate` on a port of their own choosing go into PORT_GROUP (ports drawn from a pid
-    can meet across workers), those using a module-, class- or session-scoped fixture of their own
-    file into a group named after the file (the fixture is built once, by one worker: the SLURM
-    cluster, 2-rank results); a file whose port launches use such a fixture goes into PORT_GROUP
-    whole. Tests not named run wherever a worker is free."""
-    files: dict[str, list] = {}
-    for item in items:
-        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-    out = {}
-    for path, tests in files.items():
-        port = [t for t in tests if _launches_on_its_port(t)]
-        shared = [t for t in tests if _builds_once(t)]
-        if any(_builds_once(t) for t in port):
-            shared, port = [], tests
-        out.update((t.nodeid, path) for t in shared)
-        out.update((t.nodeid, PORT_GROUP) for t in port)
-    return out
+    """{node id: xdist group} for the tests that must share one pytest-xdist worker: those using a
+    module-, class- or session-scoped fixture of their own file go into a group named after the
+    file (the fixture is built once, by one worker: the SLURM cluster, 2-rank results). Tests not
+    named run wherever a worker is free; `accelerate launch` runs among them take their ports from
+    vlp_testing.free_port (the kernel's pick), so two workers' launches do not meet on one port."""
+    return {item.nodeid: item.nodeid.split("::", 1)[0] for item in items if _builds_once(item)}
 
 
 def plain_id(nodeid: str) -> str:

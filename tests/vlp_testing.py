@@ -1,12 +1,45 @@
 """Helpers shared by the top-level tests (a unique module name: conftest.py files collide)."""
 import io
 import os
+import shutil
+import socket
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+ACCELERATE = shutil.which("accelerate", path=str(Path(PYTHON).parent)) or "accelerate"
+PORT_FLAG = "--main_process_port"
+PORT_TAKEN = ("EADDRINUSE", "address already in use")  # torch's TCPStore, when the port is held
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing holds now, the kernel's pick (bind port 0, read it,
+    close): unlike a port derived from the pytest pid, two xdist workers (or two pytest sessions
+    on one machine) do not draw the same one. Another process can still take it before the caller
+    binds it; run_launch() then tries once more."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerate_cmd(*args: str, config: str | Path = "launch/cpu_2proc.yaml") -> list[str]:
+    """`accelerate launch --config_file CONFIG --main_process_port PORT ARGS...` on a free port."""
+    return [ACCELERATE, "launch", "--config_file", str(config), PORT_FLAG, str(free_port()), *args]
+
+
+def run_launch(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run of an `accelerate launch` command, output captured as text. When its port
+    was taken between free_port() and the launcher's bind (the launcher's TCPStore fails before
+    any rank starts, so nothing was written), the same command once more on a new port."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
+    if proc.returncode != 0 and any(s in proc.stderr for s in PORT_TAKEN):
+        at = cmd.index(PORT_FLAG) + 1
+        cmd = [*cmd[:at], str(free_port()), *cmd[at + 1:]]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
+    return proc
 
 
 def overrides(*items: str) -> list[str]:
