@@ -37,9 +37,9 @@ PIPE = "pipe:"
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
-def is_url(spec: str) -> bool:
+def is_url(spec) -> bool:
     """An fsspec URL ('s3://b/k', 'file:///d/x.tar', 'https://h/x.tar')."""
-    return bool(_SCHEME.match(spec))
+    return bool(_SCHEME.match(str(spec)))
 
 
 def is_remote(spec: str) -> bool:
