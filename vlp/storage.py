@@ -1,11 +1,10 @@
 """Run folders: one shim over fsspec for a local folder and a bucket (``s3://``, ``gs://``), so
 the checkpointer, the logger and the study make the same calls for both (docs/checkpoints.md).
 
-They differ in three facts, kept here and nowhere else: where a writer puts real files
-(``stage``, ``local_dir``, ``file``: beside the target locally; for a bucket in this process's
-temp folder $TMPDIR/vlp-run-PID-*, removed by ``close`` or, after a kill, at the next start), how
-an object appears whole (``put``: a rename, or one PUT: an object store has no rename and no
-append), and how a file is created only if absent (``create``: O_EXCL, or a conditional PUT).
+They differ in three facts, kept here: where a writer puts real files (``stage``, ``file``: beside
+the target, or in this process's temp folder $TMPDIR/vlp-run-PID-*), how an object appears whole
+(``put``: a rename, or one PUT: a store has no rename), and how a file is created only if absent
+(``create``: O_EXCL, or a conditional PUT).
 """
 
 from __future__ import annotations
@@ -37,22 +36,15 @@ class StorageError(ConfigError):
     """A run folder that cannot be used; the message is one line naming the URL and the cause."""
 
 
-def remove_dead_caches(root: Optional[Path] = None) -> list[Path]:
+def remove_dead_caches() -> list[Path]:
     """Remove the temp folders (``CACHE_PREFIX``PID-*) of processes that no longer run."""
     removed = []
-    for path in Path(root or tempfile.gettempdir()).glob(f"{CACHE_PREFIX}*-*"):
+    for path in Path(tempfile.gettempdir()).glob(f"{CACHE_PREFIX}*-*"):
         pid = path.name[len(CACHE_PREFIX):].split("-", 1)[0]
         if path.is_dir() and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
-
-
-def _files_under(local: Path) -> list[tuple[str, Path]]:
-    """(relative name, path) of a file, or of every file under a folder, sorted."""
-    if local.is_file():
-        return [("", local)]
-    return sorted((p.relative_to(local).as_posix(), p) for p in local.rglob("*") if p.is_file())
 
 
 def remove_local(path: Path) -> None:
@@ -64,9 +56,8 @@ def remove_local(path: Path) -> None:
 
 
 class RunFolder:
-    """A run's folder at a local path or URL. Names are relative paths inside it ('log.jsonl',
-    'checkpoints/step_00000007.pt'). ``cache_dir``: where a bucket folder stages and downloads
-    (default: a temp folder removed by ``close``); ``storage_options``: for fsspec."""
+    """A run's folder at a local path or URL; names are relative paths inside it. ``cache_dir``:
+    where a bucket folder stages and downloads (default: a temp folder removed by ``close``)."""
 
     def __init__(self, url_or_path, cache_dir: Optional[str] = None, **storage_options):
         import fsspec
@@ -109,9 +100,8 @@ class RunFolder:
         self._cache.mkdir(parents=True, exist_ok=True)
         return self._cache
 
-    # ------------------------------------------------------------------ objects
     def write_bytes(self, name: str, data: bytes) -> None:
-        """Replace ``name`` with ``data``, readers seeing the old or the new: one PUT, or temp + rename."""
+        """Replace ``name``, readers seeing the old or the new bytes: one PUT, or temp + rename."""
         if self.remote:
             self.fs.pipe_file(self._key(name), data)
         else:
@@ -138,7 +128,6 @@ class RunFolder:
         return True
 
     def read_bytes(self, name: str) -> bytes:
-        """The bytes of ``name``; FileNotFoundError naming its URL when it does not exist."""
         try:
             return self.fs.cat_file(self._key(name))
         except (FileNotFoundError, IsADirectoryError):
@@ -151,7 +140,7 @@ class RunFolder:
         return self.fs.exists(self._key(name))
 
     def listdir(self, name: str = "") -> list[str]:
-        """Names of the entries directly under ``name``, sorted; [] when there is none."""
+        """Names of the entries directly under ``name``, sorted."""
         key = self._key(name)
         try:
             entries = self.fs.ls(key, detail=False, refresh=True)
@@ -172,7 +161,6 @@ class RunFolder:
         self.fs.mv(self._key(name), self._key(new), recursive=True)
         self.fs.invalidate_cache()
 
-    # ------------------------------------------------------------------ local files
     def stage(self, name: str, tag: str = "") -> Path:
         """A fresh local path to write ``name`` to before ``put``: ``.BASE.tmp-PID[-TAG]`` beside
         it (a killed writer's is known by its PID), or in this process's temp folder."""
@@ -189,7 +177,10 @@ class RunFolder:
     def put(self, local, name: str, keep: bool = False) -> None:
         """The file ``local``, or each file under the folder ``local``, as ``name`` (plus its
         relative name), each appearing whole; ``local`` goes unless ``keep``."""
-        for rel, path in _files_under(Path(local)):
+        local = Path(local)
+        files = [("", local)] if local.is_file() else sorted(
+            (p.relative_to(local).as_posix(), p) for p in local.rglob("*") if p.is_file())
+        for rel, path in files:
             key = self._key(f"{name}/{rel}".strip("/") if rel else name)
             if self.remote:
                 self.fs.put_file(str(path), key)
@@ -197,7 +188,7 @@ class RunFolder:
                 Path(key).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, key) if keep else os.replace(path, key)
         if not keep:
-            remove_local(Path(local))
+            remove_local(local)
         self.fs.invalidate_cache()
 
     def publish(self, local, name: str, then: Optional[Callable[[], None]] = None) -> None:
@@ -217,7 +208,7 @@ class RunFolder:
         self._thread.start()
 
     def wait(self) -> None:
-        """Block until the background upload is done; raise its error (one line) if it failed."""
+        """Block until the background upload is done; raise its error in one line."""
         if self._thread is not None:
             self._thread.join()
             self._thread, self._publishing = None, None
@@ -246,7 +237,6 @@ class RunFolder:
         return dest
 
     def drop_downloads(self) -> None:
-        """Remove what ``download`` copied here (locally those were the files themselves)."""
         cache = (self._parent or self)._cache
         if self.remote and cache is not None:
             remove_local(cache / "downloads")
@@ -269,7 +259,6 @@ class RunFolder:
         return path
 
     def sync_dir(self, name: str) -> None:
-        """Upload what ``local_dir(name)`` holds now (a no-op locally)."""
         if self.remote:
             self.put(self.local_dir(name), name, keep=True)
 

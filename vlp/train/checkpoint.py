@@ -1,14 +1,8 @@
-"""One checkpoint's bytes: the two formats, how each is read and checked before use.
-
-    step_N.pt      one torch.save: "model", "optimizer", every registered part's key, sealed
-    step_N/        DCP (train.parallel=fsdp): every rank's shards and .metadata, then manifest.json,
-                   then META_FILE (the parts, sealed), last: the folder is a checkpoint once it is there
-    step_N.ranks/  one file per rank of state sharded by rank (SogCLR's u), beside either
-
-Everything is read with torch.load(weights_only=True) and checked before a tensor is used: a
-damaged checkpoint is a CheckpointError naming the file, one vlp sealed that cannot be verified
-is refused, one from before checksums loads with a warning. Checkpoints of earlier releases are
-read through `upgrade` (docs/checkpoints.md).
+"""One checkpoint's bytes (docs/checkpoints.md): step_N.pt (one torch.save, sealed), step_N/ (DCP:
+every rank's shards and .metadata, then manifest.json, then META_FILE, the parts, last: its commit)
+and step_N.ranks/ (one file per rank). Everything is read with torch.load(weights_only=True) and
+checked before a tensor is used: damage is a CheckpointError naming the file, a sealed file that
+cannot be verified is refused, one from before checksums warned about; `upgrade` reads old layouts.
 """
 
 from __future__ import annotations

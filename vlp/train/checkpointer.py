@@ -1,10 +1,8 @@
-"""The checkpointer: one per run, over one storage path (vlp.storage.RunFolder, a local folder
-or a bucket alike), with the parts that own state registered with it: SHARED (the main
-process's dict), PER_RANK (every rank's, in rank order) or RANK_FILES (one file per rank, read
-back by ``shards_needed(saved_world)``); docs/checkpoints.md. A checkpoint is listed once whole
-(step_N.pt appears by a rename or one PUT; step_N/ once its META_FILE, written last, is there);
-a failed save is one line on every rank and removes what it wrote; what killed saves left goes
-at the next start; resume=latest sets aside what fails.
+"""The checkpointer: one per run, over one RunFolder (local or bucket), with the parts that own
+state registered as SHARED, PER_RANK or RANK_FILES (docs/checkpoints.md). A checkpoint is listed
+once whole (step_N.pt by a rename or one PUT; step_N/ once its META_FILE, written last, is
+there); a failed save is one line on every rank and removes what it wrote; what killed saves
+left goes at the next start; resume=latest sets aside what fails.
 """
 
 from __future__ import annotations

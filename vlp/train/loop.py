@@ -37,7 +37,7 @@ from vlp.losses.registry import get_spec
 from vlp.models.model import DualEncoder, build_model
 from vlp.train import parallel, preempt, resume, runlock
 from vlp.losses.diagnostics import DeviceScalars
-from vlp.train.data import Batch, TrainData
+from vlp.train.data import Batch, TrainData, sum_skipped
 from vlp.train.evaluator import Evaluator
 from vlp.train.feature_cache import training_features
 from vlp.train.logger import RunLogger, check_wandb, show_step
@@ -212,11 +212,7 @@ class Trainer:
         A collective: every rank calls it."""
         if self.world == 1:
             return dict(self.skipped)
-        total: dict[str, int] = {}
-        for counts in gather_object([dict(self.skipped)]):
-            for kind, n in counts.items():
-                total[kind] = total.get(kind, 0) + n
-        return dict(sorted(total.items()))
+        return sum_skipped(gather_object([dict(self.skipped)]))
 
     def global_metrics(self, metrics) -> dict:
         """Average per-rank diagnostics (each a mean over that rank's anchors) into global ones

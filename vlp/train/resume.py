@@ -1,10 +1,8 @@
-"""Resume rules: which config changes a checkpoint allows, and where the data goes on.
-
-The *layout* (world size, per-device batch, accum_steps, seed, shuffle buffer, ...) decides which
-samples each step sees. ``train.resume_mode: exact`` (default) refuses a changed layout, so the run
-continues bit-identically; ``continue`` goes on from the same global sample (`relayout`). A changed
-model, shard list or optimizer is always refused; other keys are applied and logged. Which key is
-which is ONE table, ``RESUME_RULES``, read from each key's declaration (vlp/config_keys.py).
+"""Resume rules: which config changes a checkpoint allows (ONE table, RESUME_RULES, read from
+each key's declaration in vlp/config_keys.py). A changed *layout* (world size, batch, seed, ...)
+is refused under train.resume_mode=exact, so the run continues bit-identically; `continue` goes
+on from the same global sample (vlp.train.data.relayout). A changed model, shard list or
+optimizer is always refused; other keys are applied and logged.
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ from typing import Any, Optional
 
 from vlp.config import KEYS, Config, ConfigError
 from vlp.config_rules import APPLY, LAYOUT, REFUSE, KeyRule
+from vlp.train.data import relayout
 
 RESUME_RULES: dict[str, KeyRule] = {name: k.resume for name, k in KEYS.items()}  # APPLY, LAYOUT or REFUSE
 LAYOUT_KEYS = tuple(k for k, r in RESUME_RULES.items() if r.kind == LAYOUT)
@@ -113,31 +112,3 @@ def fit(saved: dict, cfg: Config, world_size: int, where: str) -> dict:
         return saved
     return {**saved, "data": relayout(saved, cfg, world_size), "rng": [None] * world_size}
 
-
-def relayout(saved: dict, cfg: Config, world_size: int) -> list[dict]:
-    """The data entries of this run's ranks after a layout change: the same global position
-    (split mode: the rest of the epoch as pieces every rank's rest adds up to, read under the new
-    layout; resampled: the position in samples), and the skip counts summed on rank 0."""
-    data, old_cfg = saved["data"], saved["config"]
-    epoch, batch, pieces = data[0]["epoch"], data[0]["batch_in_epoch"], None
-    if batch >= (data[0].get("epoch_batches") or batch + 1):  # the epoch was complete
-        epoch, batch = epoch + 1, 0
-    elif old_cfg["data"]["mode"] == "resampled":  # with replacement: carry the position in samples
-        batch = batch * old_cfg["data"]["batch_per_device"] * len(data) // (cfg.data.batch_per_device * world_size)
-    elif any(d.get("rest") is None for d in data):
-        raise ConfigError("resume: this checkpoint does not record the rest of its epoch (written "
-                          "before vlp saved it); resume it with the old layout")
-    else:
-        pieces = [tuple(piece) for d in data for piece in d["rest"]]
-        batch = 0
-        if sum(end - begin for _, begin, end in pieces) < cfg.data.batch_per_device * world_size:
-            epoch, pieces = epoch + 1, None  # less than one batch per rank
-    skipped = [d.get("skipped") or {} for d in data]
-    if len(skipped) != world_size:
-        total: dict[str, int] = {}
-        for counts in skipped:
-            for kind, n in counts.items():
-                total[kind] = total.get(kind, 0) + n
-        skipped = [dict(sorted(total.items()))] + [{}] * (world_size - 1)
-    return [{"epoch": epoch, "batch_in_epoch": batch, "epoch_pieces": pieces if r == 0 else None,
-             "skipped": skipped[r]} for r in range(world_size)]
