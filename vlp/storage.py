@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from vlp.config import ConfigError
-from vlp.data.shard_io import has_backend, is_url
+from vlp.data.shard_io import has_backend, is_url, missing_backend
 from vlp.util import atomic_write, pid_alive
 
 CACHE_PREFIX = "vlp-run-"  # $TMPDIR/vlp-run-PID-XXXX: a bucket folder's stage and downloads
 SIDECAR = ".manifest.json"  # a single file's checksums beside it (vlp.integrity)
-_EXTRAS = {"s3": "vlp[s3]", "s3a": "vlp[s3]", "gs": "vlp[gcs]", "gcs": "vlp[gcs]"}
 __all__ = ["is_url"]  # vlp.data.shard_io's, for the run folder's callers
 
 
@@ -67,7 +66,7 @@ class RunFolder:
         try:
             self.fs, root = fsspec.core.url_to_fs(self.url, **storage_options)
         except ImportError:
-            raise StorageError(f"{self.url}: {_missing_backend(self.url)}") from None
+            raise StorageError(f"{self.url}: {missing_backend(self.url)}") from None
         self.root = root.rstrip("/")
         self._own_cache, self._cache = cache_dir is None, Path(cache_dir) if cache_dir else None
         self._thread: Optional[threading.Thread] = None
@@ -284,12 +283,6 @@ class RunFolder:
 
 
 # ---------------------------------------------------------------------- start-up check
-def _missing_backend(url: str) -> str:
-    scheme = url.split("://", 1)[0]
-    hint = f"pip install '{_EXTRAS[scheme]}'" if scheme in _EXTRAS else f"install the fsspec backend for {scheme}://"
-    return f"no storage backend for {scheme}:// is installed ({hint})"
-
-
 def _cause(error: BaseException) -> str:
     """The cause of a storage failure in a few words, one line."""
     text = " ".join(str(error).split()) or type(error).__name__
@@ -346,7 +339,7 @@ def check_writable(url, timeout_s: Optional[float] = None, option: str = "train.
             raise StorageError(f"{option}={url}: cannot write there: {e.strerror or e}") from None
         return
     if not has_backend(url):
-        raise StorageError(f"{option}={url}: {_missing_backend(url)}")
+        raise StorageError(f"{option}={url}: {missing_backend(url)}")
     outcome: list[str] = []
     thread = threading.Thread(target=lambda: outcome.append(_probe(url, probe)), daemon=True)
     thread.start()

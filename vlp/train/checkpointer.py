@@ -106,13 +106,10 @@ class Checkpointer:
     def register(self, key: str, part, scope: str = SHARED) -> None:
         self.parts.append((key, part, scope))
 
-    def name(self, step: int) -> str:
-        return f"step_{step:08d}" + ("" if self.tensors.sharded else ".pt")
-
     def save(self, step: int) -> str:
         """Write step `step`'s checkpoint, then prune to keep_last; a collective. Its path or URL.
         A step saved already (a stop right after a checkpoint) is not written twice."""
-        name = self.name(step)
+        name = f"step_{step:08d}" + ("" if self.tensors.sharded else ".pt")
         if step == self.saved_step:
             return self.folder.path(name)
         if self.tensors.sharded and is_main():

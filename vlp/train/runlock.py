@@ -1,11 +1,10 @@
 """One writer per run folder: `vlp.lock` in it, created only if absent (RunFolder.create: O_EXCL,
-or a conditional PUT in S3 or GCS), by the main process, released at exit. It names its holder
-(pid, host, start time, the pid's own start time, so a reused pid is not mistaken for it). A live
-holder is refused in one line; a gone one (same host) is taken over: the lock is moved to a
+also on NFSv3+/Lustre/GPFS, or a conditional PUT in S3 or GCS) by the main process, released at
+exit. It names its holder (pid, host, start time, the pid's start time: a reused pid is not it).
+A live holder is refused in one line; a gone one (same host) is taken over: the lock is moved to a
 private name, re-read, put back if it was fresh meanwhile, then created again, which only one
 taker can do. Another host's lock is refused unless train.break_lock=true.
 """
-
 from __future__ import annotations
 
 import atexit
@@ -17,35 +16,17 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 from vlp.distributed import broadcast_object
 from vlp.storage import RunFolder
-from vlp.util import pid_alive
+from vlp.util import pid_alive, proc_start
 
 LOCK_NAME = "vlp.lock"
 
 
 class RunLockError(ValueError):
     """The run folder is held by another writer; the message is one line for the user."""
-
-
-def _proc_start(pid: int) -> Optional[str]:
-    """The kernel's start time of `pid` (clock ticks since boot; Linux), None where unknown."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[19]  # field 22 counted from the pid
-    except (OSError, IndexError):
-        return None
-
-
-def _holder_alive(holder: dict) -> bool:
-    pid = holder.get("pid")
-    if not isinstance(pid, int) or not pid_alive(pid):
-        return False
-    started, now = holder.get("pid_start"), _proc_start(pid)
-    return started is None or now is None or started == now
 
 
 def describe(holder: dict) -> str:
@@ -98,7 +79,7 @@ def _take_over(folder: RunFolder, seen: dict) -> None:
 
 
 def _me(token: str) -> bytes:
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "pid_start": _proc_start(os.getpid()), "token": token,
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "pid_start": proc_start(os.getpid()), "token": token,
           "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     return (json.dumps(me) + "\n").encode()
 
@@ -143,7 +124,7 @@ def _judge(where: str, folder: str, holder: dict, break_lock: bool, log: Callabl
             f"run folder {folder} is locked by {describe(holder)} ({where}); this host ({host}) cannot "
             "tell whether that run is alive: wait for it, use another train.output_dir, or set "
             "train.break_lock=true if it is gone")
-    elif _holder_alive(holder):
+    elif isinstance(holder.get("pid"), int) and pid_alive(holder["pid"], holder.get("pid_start")):
         raise RunLockError(
             f"run folder {folder} is in use by another trainer: {describe(holder)} ({where}); "
             "wait for it to end or use another train.output_dir")
