@@ -5,6 +5,7 @@ A live holder is refused in one line; a gone one (same host) is taken over: the 
 private name, re-read, put back if it was fresh meanwhile, then created again, which only one
 taker can do. Another host's lock is refused unless train.break_lock=true.
 """
+
 from __future__ import annotations
 
 import atexit
