@@ -16,6 +16,7 @@ import torch
 from vlp.train import checkpoint as ckpt
 from vlp import integrity
 from vlp.evaluate import load_sharded_full
+from vlp.train.parts import RNG
 from vlp.storage import RunFolder
 from vlp.train.checkpointer import Checkpointer, latest_valid, list_checkpoints, set_aside
 from vlp.cli import main
@@ -288,7 +289,7 @@ def dcp_pair(tmp_path_factory):
             p.grad = torch.randn_like(p)
         opt.step()
         meta = {"scheduler": {}, "step": step, "epoch": 0, "batch_in_epoch": step, "world_size": 1,
-                "rng": [ckpt.RNG().state_dict()], "config": cfg, "preprocess": dict(model.preprocess)}
+                "rng": [RNG().state_dict()], "config": cfg, "preprocess": dict(model.preprocess)}
         save_sharded(model, opt, meta, root, step)
     return root
 

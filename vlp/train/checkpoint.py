@@ -8,7 +8,6 @@ cannot be verified is refused, one from before checksums warned about; `upgrade`
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 import sys
@@ -239,32 +238,3 @@ def load_sharded(state: dict, path: str | Path) -> None:
     read_dcp(path, "cannot be loaded into this model",
              lambda: dcp.load(state, checkpoint_id=Path(path), no_dist=not is_distributed()))
 
-
-# ---------------------------------------------------------------- the random state, a part
-class RNG:
-    """This process's random state (torch, Python, CUDA) as a per-rank part: loaded from its
-    rank's saved entry; None (a resume under another layout) seeds `seed + rank` afresh."""
-
-    def __init__(self, seed: int = 0, rank: int = 0):
-        self.seed, self.rank = seed, rank
-
-    def state_dict(self) -> dict:
-        state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        return state
-
-    def load_state_dict(self, states: list) -> None:
-        state = states[self.rank]
-        if state is None:
-            from accelerate.utils import set_seed  # accelerate's: torch, numpy, Python and CUDA at once
-
-            return set_seed(self.seed + self.rank)
-        torch.set_rng_state(state["torch"])
-        random.setstate(_tuplify(state["python"]))
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _tuplify(x):
-    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x

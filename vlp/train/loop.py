@@ -20,7 +20,6 @@ which equals the gradient of the global mean loss.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Optional
 
@@ -41,28 +40,12 @@ from vlp.train.data import Batch, TrainData, sum_skipped
 from vlp.train.evaluator import Evaluator
 from vlp.train.feature_cache import training_features
 from vlp.train.logger import RunLogger, check_wandb, show_step
-from vlp.train.checkpoint import RNG
 from vlp.train.checkpointer import PER_RANK, RANK_FILES, Checkpointer
 from vlp.train.memory import StepMemory
 from vlp.train.optim import build_optimizer, build_scheduler, follow_config, param_groups
+from vlp.train.parts import RNG, Counters
 from vlp.train.step import contrastive_backward
 from vlp.train.strategy import Tensors, make_strategy
-
-
-@dataclass
-class Counters:
-    """The loop's counters, a checkpoint part: optimizer steps taken, samples seen (global,
-    counted: true across layout changes), steps skipped for a non-finite loss."""
-
-    step: int = 0
-    samples_seen: int = 0
-    nonfinite_total: int = 0
-
-    def state_dict(self) -> dict:
-        return asdict(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        vars(self).update(state)
 
 
 def _counter(name: str) -> property:
