@@ -10,7 +10,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from vlp.config import ConfigError, LossConfig, ModelConfig, from_dict
-from vlp.storage import is_url, open_run_folder
+from vlp.storage import is_remote_url, is_url, open_run_folder
 from vlp.train import checkpoint as ckpt
 
 
@@ -172,7 +172,7 @@ def local_checkpoint(checkpoint: str) -> Iterator[str]:
     """A local path for --checkpoint while the block runs: the path itself, or for a URL (s3://,
     gs://) a download with its per-rank files, removed when the block ends (a checkpoint verifies
     itself: vlp.train.checkpoint)."""
-    if not is_url(checkpoint) or checkpoint.startswith("file://"):
+    if not is_remote_url(checkpoint):
         yield checkpoint.removeprefix("file://")
         return
     from vlp.storage import RunFolder

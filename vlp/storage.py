@@ -26,8 +26,8 @@ SIDECAR = ".manifest.json"  # a single file's checksums beside it (vlp.integrity
 __all__ = ["is_url"]  # vlp.data.shard_io's, for the run folder's callers
 
 
-def is_bucket(url) -> bool:
-    """A URL of an object store ('s3://b/k', 'gs://b/k'); a plain path or 'file:///d' is not."""
+def is_remote_url(url) -> bool:
+    """A URL fsspec reaches remotely ('s3://b/k', 'gs://b/k'); a plain path or 'file:///d' is not."""
     return is_url(url) and not str(url).startswith("file://")
 
 
@@ -62,7 +62,7 @@ class RunFolder:
         import fsspec
 
         self.url = str(url_or_path).rstrip("/") or "/"
-        self.remote = is_bucket(self.url)
+        self.remote = is_remote_url(self.url)
         try:
             self.fs, root = fsspec.core.url_to_fs(self.url, **storage_options)
         except ImportError:
@@ -297,7 +297,7 @@ def _cause(error: BaseException) -> str:
 def open_run_folder(url_or_path, option: str = "train.output_dir") -> RunFolder:
     """The RunFolder of a run's output; a bucket is checked first (`check_writable`: one line
     naming ``option`` before anything is written). A local path is not touched here."""
-    if is_bucket(url_or_path):
+    if is_remote_url(url_or_path):
         check_writable(url_or_path, option=option)
         remove_dead_caches()  # stage copies and downloads of runs that were killed
     return RunFolder(url_or_path)
@@ -329,7 +329,7 @@ def check_writable(url, timeout_s: Optional[float] = None, option: str = "train.
     url = str(url).rstrip("/")
     timeout_s = float(os.environ.get("VLP_STORAGE_TIMEOUT_S", 30)) if timeout_s is None else timeout_s
     probe = f".vlp-write-check-{os.uname().nodename}-{os.getpid()}"
-    if not is_bucket(url):
+    if not is_remote_url(url):
         root = Path(url.removeprefix("file://"))
         try:
             root.mkdir(parents=True, exist_ok=True)
