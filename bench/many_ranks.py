@@ -336,11 +336,11 @@ def _meta_entry(rank: int) -> dict:
     """A rank's {rng, data} as the trainer gathers it in meta_state: the real RNG state and a
     data state of a real resampled/split loader's shape (rest_of_epoch with a churned shuffle
     buffer of 64: 3 headers + 1 worker x (2 + 64) pieces, ~the size FINDINGS.md quotes)."""
-    from vlp.train import checkpoint as ckpt
+    from vlp.train.parts import RNG
 
     rest = [(0, 0, 0), (0, 0, 0), (0, 0, 0), (0, rank * 1000 + 37, rank * 1000 + 1000)] + \
         [(i % 4, 100 + i, 101 + i) for i in range(65)]
-    return {"rng": ckpt.RNG().state_dict(),
+    return {"rng": RNG().state_dict(),
             "data": {"epoch": 3, "batch_in_epoch": 417, "epoch_pieces": None, "epoch_batches": 1000,
                      "rest": rest, "skipped": {"corrupt_image": rank, "missing_caption": 2}}}
 

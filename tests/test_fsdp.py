@@ -253,7 +253,7 @@ def test_vlp_eval_reads_a_dcp_checkpoint(runs):
 def test_trainer_resumes_a_two_rank_dcp_checkpoint_in_one_process(runs, tiny_shards, tmp_path):
     """World size 2 -> 1 through the trainer (train.resume_mode=continue allows the change):
     DCP reads the 2-rank shards into the 1-process replica, AdamW state included."""
-    from vlp.train import checkpoint as ckpt
+    from vlp.evaluate import load_sharded_full
     from vlp.train.loop import Trainer
 
     src = runs / "fsdp" / "checkpoints" / "step_00000008"
@@ -261,7 +261,7 @@ def test_trainer_resumes_a_two_rank_dcp_checkpoint_in_one_process(runs, tiny_sha
     trainer = Trainer(_config(tiny_shards, tmp_path, "train.resume=latest", "train.resume_mode=continue"))
     trainer.maybe_resume()
     assert trainer.world == 1 and trainer.step == 8 and trainer.samples_seen == 128
-    saved = ckpt.load_sharded_full(src)["model"]
+    saved = load_sharded_full(src)["model"]
     assert all(torch.equal(v, saved[k]) for k, v in trainer.unwrapped.clip.state_dict().items())
     steps = {float(s["step"]) for s in trainer.torch_optimizer.state_dict()["state"].values()}
     assert steps == {8.0}

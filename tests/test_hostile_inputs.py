@@ -458,7 +458,7 @@ def test_global_skip_counts_sum_over_ranks(monkeypatch):
     """result.json / log skip counts: every rank's summed (the gather is accelerate's gather_object)."""
     import vlp.train.loop as trainer_module
     from vlp.config import load_config
-    from vlp.train.resume import relayout
+    from vlp.train.data import relayout
 
     ranks = [{"corrupt_image": 2}, {"corrupt_image": 10, "missing_caption": 1}]
     monkeypatch.setattr(trainer_module, "gather_object", lambda objs: ranks)

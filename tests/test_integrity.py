@@ -15,6 +15,8 @@ import torch
 
 from vlp.train import checkpoint as ckpt
 from vlp import integrity
+from vlp.evaluate import load_sharded_full
+from vlp.train.parts import RNG
 from vlp.storage import RunFolder
 from vlp.train.checkpointer import Checkpointer, latest_valid, list_checkpoints, set_aside
 from vlp.cli import main
@@ -287,7 +289,7 @@ def dcp_pair(tmp_path_factory):
             p.grad = torch.randn_like(p)
         opt.step()
         meta = {"scheduler": {}, "step": step, "epoch": 0, "batch_in_epoch": step, "world_size": 1,
-                "rng": [ckpt.RNG().state_dict()], "config": cfg, "preprocess": dict(model.preprocess)}
+                "rng": [RNG().state_dict()], "config": cfg, "preprocess": dict(model.preprocess)}
         save_sharded(model, opt, meta, root, step)
     return root
 
@@ -325,7 +327,7 @@ def test_damaged_dcp_checkpoint_falls_back_to_the_older_one(dcp_copy, where):
     assert path.name == "step_00000001" and state["train"]["step"] == 1
     assert len(rejected) == 1 and f"{name} does not match its sha256 checksum" in rejected[0][1]
     with pytest.raises(ckpt.CheckpointError, match=f"{name} does not match"):  # vlp eval's reader
-        ckpt.load_sharded_full(newest)
+        load_sharded_full(newest)
     kept = set_aside(RunFolder(dcp_copy), newest.name)
     assert kept == "step_00000002.corrupt" and (dcp_copy / kept / "manifest.json").exists()
     assert list_checkpoints(RunFolder(dcp_copy)) == ["step_00000001"]

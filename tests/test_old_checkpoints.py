@@ -71,8 +71,8 @@ def test_old_pt_checkpoint_resumes_and_evaluates(old_code, tiny_shards, tmp_path
 
 
 def test_old_dcp_checkpoint_resumes_in_one_and_two_processes(old_code, tiny_shards, tmp_path):
-    from vlp.train import checkpoint as ckpt
     from vlp.config import load_config
+    from vlp.evaluate import load_sharded_full
     from vlp.train.loop import Trainer
 
     old = tmp_path / "old"
@@ -86,7 +86,7 @@ def test_old_dcp_checkpoint_resumes_in_one_and_two_processes(old_code, tiny_shar
     trainer = Trainer(cfg)
     trainer.maybe_resume()
     assert trainer.step == 4 and trainer.samples_seen == 64
-    saved = ckpt.load_sharded_full(src)["model"]
+    saved = load_sharded_full(src)["model"]
     assert all(torch.equal(v, saved[k]) for k, v in trainer.unwrapped.clip.state_dict().items())
     # and vlp eval reads the old DCP directory whole
     ev = _new("eval", "--checkpoint", str(src), "--shards", tiny_shards["eval"], "--out", str(tmp_path / "ev"))

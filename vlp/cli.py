@@ -49,9 +49,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def _local_only(value, option: str, hint: str) -> None:
     """Refuse a URL (s3://, gs://, ...) for an option that writes local files, in one line
     (never a local folder named 's3:')."""
-    from vlp.storage import is_url
+    from vlp.storage import is_remote_url
 
-    if is_url(value) and not str(value).startswith("file://"):
+    if is_remote_url(value):
         raise ConfigError(f"{option} {value}: a URL is not supported here, only a local folder ({hint})")
 
 

@@ -10,7 +10,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from vlp.config import ConfigError, LossConfig, ModelConfig, from_dict
-from vlp.storage import is_url, open_run_folder
+from vlp.storage import is_remote_url, is_url, open_run_folder
 from vlp.train import checkpoint as ckpt
 
 
@@ -20,7 +20,7 @@ def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, devi
     from vlp.models.model import build_model, state_dict_mismatch
 
     # DCP dir or file, checked against its checksum manifest (a damaged one is refused by name)
-    state, verified = (ckpt.load_sharded_full(path), True) if Path(path).is_dir() else ckpt.load_checked(path)
+    state, verified = (load_sharded_full(path), True) if Path(path).is_dir() else ckpt.load_checked(path)
     if not isinstance(state, dict):
         raise ckpt.CheckpointError(f"{path} is not a checkpoint: it holds a {type(state).__name__}, not a dict of weights")
     if "model" in state and "config" in state:  # a vlp training checkpoint
@@ -35,9 +35,7 @@ def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, devi
         if not isinstance(weights, dict) or not all(isinstance(k, str) for k in weights):
             raise ckpt.CheckpointError(f"{path} is not a model state dict (no name -> tensor mapping)")
         weights = {k.removeprefix("module."): v for k, v in weights.items()}
-    bad = ckpt.nonfinite_tensors(weights)
-    if bad:  # metrics of nan weights would be silently meaningless
-        raise ckpt.CheckpointError(f"checkpoint {path} has non-finite weights in {len(bad)} tensors (e.g. {bad[0]})")
+    ckpt.check_finite(weights, path)  # metrics of nan weights would be silently meaningless
     if model_name is not None:
         model_cfg.name = model_name
     model, tokenizer, _, eval_tf = build_model(model_cfg, loss_cfg, device=device, init_weights=False)
@@ -61,6 +59,17 @@ def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, devi
     if not verified:  # from before checksums: one warning; vlp's own without them: refused
         ckpt.unverified(path, state)
     return model, tokenizer, eval_tf
+
+
+def load_sharded_full(path: str | Path) -> dict:
+    """A DCP folder read whole by one process, shaped like a .pt checkpoint without the
+    optimizer: its meta plus the full model weights under open_clip's names."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    meta = ckpt.load_valid(path)
+    model = ckpt.read_dcp(path, "cannot be read",
+                          lambda: _load_state_dict_from_keys({"model"}, checkpoint_id=Path(path)))["model"]
+    return {**meta, "model": {k.removeprefix("clip."): v for k, v in model.items()}}
 
 
 def load_published(model_name: str, pretrained: Optional[str], device: str = "cpu"):
@@ -163,7 +172,7 @@ def local_checkpoint(checkpoint: str) -> Iterator[str]:
     """A local path for --checkpoint while the block runs: the path itself, or for a URL (s3://,
     gs://) a download with its per-rank files, removed when the block ends (a checkpoint verifies
     itself: vlp.train.checkpoint)."""
-    if not is_url(checkpoint) or checkpoint.startswith("file://"):
+    if not is_remote_url(checkpoint):
         yield checkpoint.removeprefix("file://")
         return
     from vlp.storage import RunFolder

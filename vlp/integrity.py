@@ -1,11 +1,9 @@
 """Checksums: what vlp writes for later loading verifies itself, wherever it is copied to.
 
-A checkpoint dict carries its SHA-256 inside (`seal`: over every tensor's dtype, shape and bytes and
-every other value, in order). A folder (DCP) holds `manifest.json`, each other file's size and
-SHA-256 named relative to it; a file in someone else's format (the open_clip export) the same
-manifest beside it, `NAME.manifest.json`, checked under whatever name the file has now. `verify`
-reads the files back before torch.load or DCP parse a byte; a mismatch is an `IntegrityError`
-naming the file. SHA-256 streams at ~1.2 GB/s per core here (bench/checksum_cost.py).
+A checkpoint dict carries its SHA-256 inside (`seal`). A folder (DCP) holds `manifest.json`, each
+other file's size and SHA-256; a file in someone else's format (the open_clip export) the same
+beside it, `NAME.manifest.json`, checked under whatever name the file has now. `verify` reads the
+files back before torch.load or DCP parse a byte (SHA-256: ~1.2 GB/s per core, bench/checksum_cost.py).
 """
 
 from __future__ import annotations
@@ -38,7 +36,6 @@ class IntegrityError(CheckpointError):
 
 
 def file_digest(path: str | Path) -> str:
-    """Hex SHA-256 of a file's bytes, read in CHUNK_BYTES pieces."""
     h = hashlib.new(ALGORITHM)
     buf = bytearray(CHUNK_BYTES)
     view = memoryview(buf)
@@ -49,12 +46,10 @@ def file_digest(path: str | Path) -> str:
 
 
 def entry(path: str | Path) -> dict:
-    """{"size": bytes, "sha256": hex} of one file."""
     return {"size": Path(path).stat().st_size, ALGORITHM: file_digest(path)}
 
 
 def manifest_path(path: str | Path) -> Path:
-    """Where the manifest of a checkpoint file or folder lives."""
     path = Path(path)
     return path / DIR_MANIFEST if path.is_dir() else path.with_name(path.name + SIDECAR_SUFFIX)
 
@@ -91,29 +86,28 @@ def read_manifest(path: str | Path) -> Optional[dict]:
         raise IntegrityError(f"{where} is not a readable manifest ({type(e).__name__})") from None
 
 
-def verify(path: str | Path, names: Optional[list[str]] = None) -> bool:
-    """Check a file or folder against its manifest (only `names`, if given). True: all match;
-    False: there is no manifest. IntegrityError naming the first file that is missing, of
-    another size or other content."""
+def verify(path: str | Path, what: str = "") -> bool:
+    """Check a file or folder against its manifest: True when all match, False when it has none;
+    IntegrityError '[WHAT ]FILE ...' naming the first file missing, of another size or content.
+    A file without a manifest (someone else's weights) passes."""
     path = Path(path)
-    files = read_manifest(path)
-    if files is None:
-        return False
-    if not path.is_dir() and len(files) == 1:
-        files = {path.name: next(iter(files.values()))}
-    folder = path if path.is_dir() else path.parent
-    for name in names if names is not None else sorted(files):
-        expected, file = files.get(name), folder / name
-        if expected is None:
-            raise IntegrityError(f"{file} is not in the manifest {manifest_path(path)}")
-        if not file.is_file():
-            raise IntegrityError(f"{file} is missing (its manifest lists it)")
-        size = file.stat().st_size
-        if size != expected.get("size"):
-            raise IntegrityError(f"{file} holds {size} bytes, its manifest says {expected.get('size')}")
-        if file_digest(file) != expected.get(ALGORITHM):
-            raise IntegrityError(f"{file} does not match its {ALGORITHM} checksum "
-                                 "(damaged or changed since it was written)")
+    try:
+        files = read_manifest(path)
+        if files is None:
+            return False
+        if not path.is_dir() and len(files) == 1:
+            files = {path.name: next(iter(files.values()))}
+        for name, expected in sorted(files.items()):
+            file = (path if path.is_dir() else path.parent) / name
+            if not file.is_file():
+                raise IntegrityError(f"{file} is missing (its manifest lists it)")
+            if (size := file.stat().st_size) != expected.get("size"):
+                raise IntegrityError(f"{file} holds {size} bytes, its manifest says {expected.get('size')}")
+            if file_digest(file) != expected.get(ALGORITHM):
+                raise IntegrityError(f"{file} does not match its {ALGORITHM} checksum "
+                                     "(damaged or changed since it was written)")
+    except IntegrityError as e:
+        raise IntegrityError(f"{what} {e}" if what else str(e)) from None
     return True
 
 
@@ -123,8 +117,7 @@ def seal(state: dict) -> dict:
 
 
 def sealed(state, where) -> bool:
-    """True when `state` carries a seal that matches, False when it has none; IntegrityError
-    naming `where` when it does not match."""
+    """Whether `state` carries a seal; IntegrityError naming `where` when it does not match."""
     mark = state.get(SEAL_KEY) if isinstance(state, dict) else None
     if not isinstance(mark, dict):
         return False
@@ -135,8 +128,8 @@ def sealed(state, where) -> bool:
 
 
 def state_digest(state) -> str:
-    """Hex SHA-256 of a checkpoint's contents as loaded: every tensor's dtype, shape and bytes
-    and every other value's repr, in order (the same before torch.save and after torch.load)."""
+    """Hex SHA-256 of every tensor's dtype, shape and bytes and every other value's repr, in
+    order: the same before torch.save and after torch.load."""
     h = hashlib.new(ALGORITHM)
     _feed(h, state)
     return h.hexdigest()
@@ -159,12 +152,3 @@ def _feed(h, obj) -> None:
     else:
         h.update(f"{type(obj).__name__}:{obj!r};".encode())
 
-
-def check_weights_file(path: str | Path, what: str) -> None:
-    """For readers of weights files (model.pretrained, tower weights): a file with a manifest
-    (a vlp export) must match it; IntegrityError '<what> <file> does not match ...'. A file
-    without one (someone else's weights) passes."""
-    try:
-        verify(path)
-    except IntegrityError as e:
-        raise IntegrityError(f"{what} {e}") from None

@@ -1,19 +1,16 @@
 """Run folders: one shim over fsspec for a local folder and a bucket (``s3://``, ``gs://``), so
 the checkpointer, the logger and the study make the same calls for both (docs/checkpoints.md).
 
-They differ in three facts, kept here and nowhere else: where a writer puts real files
-(``stage``, ``local_dir``, ``file``: beside the target locally, on the same disk; for a bucket in
-this process's temp folder $TMPDIR/vlp-run-PID-*, removed by ``close`` and, after a kill, at the
-next start), how an object appears whole (``put``: a rename, or one PUT: an object store has no
-rename and no append), and how a file is created only if absent (``create``: O_EXCL, or a
-conditional PUT). Background uploads go through one thread; its error is raised by ``wait``.
+They differ in three facts, kept here: where a writer puts real files (``stage``, ``file``: beside
+the target, or in this process's temp folder $TMPDIR/vlp-run-PID-*), how an object appears whole
+(``put``: a rename, or one PUT: a store has no rename), and how a file is created only if absent
+(``create``: O_EXCL, or a conditional PUT).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -21,40 +18,32 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from vlp.config import ConfigError
-from vlp.data.shard_io import has_backend
+from vlp.data.shard_io import has_backend, is_url, missing_backend
 from vlp.util import atomic_write, pid_alive
 
 CACHE_PREFIX = "vlp-run-"  # $TMPDIR/vlp-run-PID-XXXX: a bucket folder's stage and downloads
 SIDECAR = ".manifest.json"  # a single file's checksums beside it (vlp.integrity)
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-_EXTRAS = {"s3": "vlp[s3]", "s3a": "vlp[s3]", "gs": "vlp[gcs]", "gcs": "vlp[gcs]"}
+__all__ = ["is_url"]  # vlp.data.shard_io's, for the run folder's callers
 
 
-def is_url(path) -> bool:
-    """A URL with a scheme ('s3://b/k', 'gs://b/k', 'file:///d'); a plain path is not."""
-    return bool(_SCHEME.match(str(path)))
+def is_remote_url(url) -> bool:
+    """A URL fsspec reaches remotely ('s3://b/k', 'gs://b/k'); a plain path or 'file:///d' is not."""
+    return is_url(url) and not str(url).startswith("file://")
 
 
 class StorageError(ConfigError):
     """A run folder that cannot be used; the message is one line naming the URL and the cause."""
 
 
-def remove_dead_caches(root: Optional[Path] = None) -> list[Path]:
+def remove_dead_caches() -> list[Path]:
     """Remove the temp folders (``CACHE_PREFIX``PID-*) of processes that no longer run."""
     removed = []
-    for path in Path(root or tempfile.gettempdir()).glob(f"{CACHE_PREFIX}*-*"):
+    for path in Path(tempfile.gettempdir()).glob(f"{CACHE_PREFIX}*-*"):
         pid = path.name[len(CACHE_PREFIX):].split("-", 1)[0]
         if path.is_dir() and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
-
-
-def _files_under(local: Path) -> list[tuple[str, Path]]:
-    """(relative name, path) of a file, or of every file under a folder, sorted."""
-    if local.is_file():
-        return [("", local)]
-    return sorted((p.relative_to(local).as_posix(), p) for p in local.rglob("*") if p.is_file())
 
 
 def remove_local(path: Path) -> None:
@@ -66,19 +55,18 @@ def remove_local(path: Path) -> None:
 
 
 class RunFolder:
-    """A run's folder at a local path or URL. Names are relative paths inside it ('log.jsonl',
-    'checkpoints/step_00000007.pt'). ``cache_dir``: where a bucket folder stages and downloads
-    (default: a temp folder removed by ``close``); ``storage_options``: for fsspec."""
+    """A run's folder at a local path or URL; names are relative paths inside it. ``cache_dir``:
+    where a bucket folder stages and downloads (default: a temp folder removed by ``close``)."""
 
     def __init__(self, url_or_path, cache_dir: Optional[str] = None, **storage_options):
         import fsspec
 
         self.url = str(url_or_path).rstrip("/") or "/"
-        self.remote = is_url(self.url) and not self.url.startswith("file://")
+        self.remote = is_remote_url(self.url)
         try:
             self.fs, root = fsspec.core.url_to_fs(self.url, **storage_options)
         except ImportError:
-            raise StorageError(_missing_backend(self.url)) from None
+            raise StorageError(f"{self.url}: {missing_backend(self.url)}") from None
         self.root = root.rstrip("/")
         self._own_cache, self._cache = cache_dir is None, Path(cache_dir) if cache_dir else None
         self._thread: Optional[threading.Thread] = None
@@ -102,8 +90,7 @@ class RunFolder:
 
     @property
     def cache_dir(self) -> Path:
-        """This process's temp folder ($TMPDIR/vlp-run-PID-*); those of dead processes are removed
-        when one is made."""
+        """This process's temp folder ($TMPDIR/vlp-run-PID-*), made after removing dead ones'."""
         if self._parent is not None:
             return self._parent.cache_dir
         if self._cache is None:
@@ -112,9 +99,8 @@ class RunFolder:
         self._cache.mkdir(parents=True, exist_ok=True)
         return self._cache
 
-    # ------------------------------------------------------------------ objects
     def write_bytes(self, name: str, data: bytes) -> None:
-        """Replace ``name`` with ``data``, readers seeing the old or the new: one PUT, or temp + rename."""
+        """Replace ``name``, readers seeing the old or the new bytes: one PUT, or temp + rename."""
         if self.remote:
             self.fs.pipe_file(self._key(name), data)
         else:
@@ -124,8 +110,8 @@ class RunFolder:
         self.write_bytes(name, text.encode("utf-8"))
 
     def create(self, name: str, data: bytes) -> bool:
-        """Create ``name`` holding ``data`` only if it does not exist (exactly one creator wins:
-        O_EXCL, or S3 If-None-Match / GCS ifGenerationMatch=0); False when it exists."""
+        """Create ``name`` holding ``data`` if absent, one creator winning (O_EXCL, or S3
+        If-None-Match / GCS ifGenerationMatch=0); False when it exists."""
         try:
             if self.remote:
                 self.fs.pipe_file(self._key(name), data, mode="create")
@@ -141,7 +127,6 @@ class RunFolder:
         return True
 
     def read_bytes(self, name: str) -> bytes:
-        """The bytes of ``name``; FileNotFoundError naming its URL when it does not exist."""
         try:
             return self.fs.cat_file(self._key(name))
         except (FileNotFoundError, IsADirectoryError):
@@ -154,7 +139,7 @@ class RunFolder:
         return self.fs.exists(self._key(name))
 
     def listdir(self, name: str = "") -> list[str]:
-        """Names of the entries directly under ``name``, sorted; [] when there is none."""
+        """Names of the entries directly under ``name``, sorted."""
         key = self._key(name)
         try:
             entries = self.fs.ls(key, detail=False, refresh=True)
@@ -175,7 +160,6 @@ class RunFolder:
         self.fs.mv(self._key(name), self._key(new), recursive=True)
         self.fs.invalidate_cache()
 
-    # ------------------------------------------------------------------ local files
     def stage(self, name: str, tag: str = "") -> Path:
         """A fresh local path to write ``name`` to before ``put``: ``.BASE.tmp-PID[-TAG]`` beside
         it (a killed writer's is known by its PID), or in this process's temp folder."""
@@ -190,9 +174,12 @@ class RunFolder:
         return path
 
     def put(self, local, name: str, keep: bool = False) -> None:
-        """Make the file at ``local``, or each file under the folder ``local``, the object of the
-        same relative name under ``name``, each appearing whole; ``local`` goes unless ``keep``."""
-        for rel, path in _files_under(Path(local)):
+        """The file ``local``, or each file under the folder ``local``, as ``name`` (plus its
+        relative name), each appearing whole; ``local`` goes unless ``keep``."""
+        local = Path(local)
+        files = [("", local)] if local.is_file() else sorted(
+            (p.relative_to(local).as_posix(), p) for p in local.rglob("*") if p.is_file())
+        for rel, path in files:
             key = self._key(f"{name}/{rel}".strip("/") if rel else name)
             if self.remote:
                 self.fs.put_file(str(path), key)
@@ -200,7 +187,7 @@ class RunFolder:
                 Path(key).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, key) if keep else os.replace(path, key)
         if not keep:
-            remove_local(Path(local))
+            remove_local(local)
         self.fs.invalidate_cache()
 
     def publish(self, local, name: str, then: Optional[Callable[[], None]] = None) -> None:
@@ -220,7 +207,7 @@ class RunFolder:
         self._thread.start()
 
     def wait(self) -> None:
-        """Block until the background upload is done; raise its error (one line) if it failed."""
+        """Block until the background upload is done; raise its error in one line."""
         if self._thread is not None:
             self._thread.join()
             self._thread, self._publishing = None, None
@@ -233,8 +220,7 @@ class RunFolder:
         return self._thread is not None and self._thread.is_alive()
 
     def download(self, name: str) -> Path:
-        """A local path holding ``name`` (a file or a folder): itself in a local folder, else a
-        copy in the temp folder. FileNotFoundError when absent."""
+        """A local path holding ``name`` (file or folder): itself, or a copy in the temp folder."""
         key = self._key(name)
         files = self.fs.find(key) if self.remote else [key] * os.path.exists(key)
         if not files:
@@ -250,7 +236,6 @@ class RunFolder:
         return dest
 
     def drop_downloads(self) -> None:
-        """Remove what ``download`` copied here (locally those were the files themselves)."""
         cache = (self._parent or self)._cache
         if self.remote and cache is not None:
             remove_local(cache / "downloads")
@@ -266,21 +251,20 @@ class RunFolder:
         return cls(parent, **kwargs), base
 
     def local_dir(self, name: str) -> Path:
-        """A real local folder for tools that write files themselves (tb/, eval reports): the
-        folder itself, or a temp folder that ``sync_dir`` uploads."""
+        """A local folder for tools that write files (tb/, eval reports): itself, or a temp
+        folder that ``sync_dir`` uploads."""
         path = self.cache_dir / "dirs" / name if self.remote else Path(self._key(name))
         path.mkdir(parents=True, exist_ok=True)
         return path
 
     def sync_dir(self, name: str) -> None:
-        """Upload what ``local_dir(name)`` holds now (a no-op locally)."""
         if self.remote:
             self.put(self.local_dir(name), name, keep=True)
 
     @contextlib.contextmanager
     def file(self, name: str):
-        """A local path to write member ``name`` to: the member itself, or a temp file uploaded
-        when the block ends without an error, then its sidecar NAME.manifest.json if written."""
+        """A local path to write ``name`` to: itself, or a temp file uploaded when the block ends
+        without an error, then its sidecar NAME.manifest.json if written."""
         path = self.cache_dir / "files" / name if self.remote else Path(self._key(name))
         path.parent.mkdir(parents=True, exist_ok=True)
         yield path
@@ -299,13 +283,6 @@ class RunFolder:
 
 
 # ---------------------------------------------------------------------- start-up check
-def _missing_backend(url: str) -> str:
-    scheme = url.split("://", 1)[0]
-    extra = _EXTRAS.get(scheme)
-    hint = f"pip install '{extra}'" if extra else f"install the fsspec backend for {scheme}://"
-    return f"{url}: no storage backend for {scheme}:// is installed ({hint})"
-
-
 def _cause(error: BaseException) -> str:
     """The cause of a storage failure in a few words, one line."""
     text = " ".join(str(error).split()) or type(error).__name__
@@ -318,10 +295,9 @@ def _cause(error: BaseException) -> str:
 
 
 def open_run_folder(url_or_path, option: str = "train.output_dir") -> RunFolder:
-    """The RunFolder of a run's output; a bucket is checked first (`check_writable`), so a wrong
-    bucket, refused credentials, an unreachable endpoint or a missing extra fail in one line
-    naming ``option`` before anything is written. A local path is not touched here."""
-    if is_url(url_or_path) and not str(url_or_path).startswith("file://"):
+    """The RunFolder of a run's output; a bucket is checked first (`check_writable`: one line
+    naming ``option`` before anything is written). A local path is not touched here."""
+    if is_remote_url(url_or_path):
         check_writable(url_or_path, option=option)
         remove_dead_caches()  # stage copies and downloads of runs that were killed
     return RunFolder(url_or_path)
@@ -347,15 +323,13 @@ def _probe(url: str, probe: str) -> str:
 
 
 def check_writable(url, timeout_s: Optional[float] = None, option: str = "train.output_dir") -> None:
-    """Check at start that a run folder can be written (a probe object written, read back,
-    deleted): StorageError in one line naming the URL and the cause (a missing backend, no such
-    bucket, refused credentials, no answer within ``timeout_s``: $VLP_STORAGE_TIMEOUT_S, else
-    30 s, the probe in a thread so the backend's retries cannot stretch it; a local folder that
-    cannot be created)."""
+    """Check at start that a run folder can be written (a probe written, read back, deleted), or
+    StorageError in one line naming the URL and the cause; the probe runs in a thread so the
+    backend's retries cannot stretch ``timeout_s`` ($VLP_STORAGE_TIMEOUT_S, else 30 s)."""
     url = str(url).rstrip("/")
     timeout_s = float(os.environ.get("VLP_STORAGE_TIMEOUT_S", 30)) if timeout_s is None else timeout_s
     probe = f".vlp-write-check-{os.uname().nodename}-{os.getpid()}"
-    if not is_url(url) or url.startswith("file://"):
+    if not is_remote_url(url):
         root = Path(url.removeprefix("file://"))
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -365,7 +339,7 @@ def check_writable(url, timeout_s: Optional[float] = None, option: str = "train.
             raise StorageError(f"{option}={url}: cannot write there: {e.strerror or e}") from None
         return
     if not has_backend(url):
-        raise StorageError(f"{option}={url}: {_missing_backend(url).split(': ', 1)[1]}")
+        raise StorageError(f"{option}={url}: {missing_backend(url)}")
     outcome: list[str] = []
     thread = threading.Thread(target=lambda: outcome.append(_probe(url, probe)), daemon=True)
     thread.start()

@@ -4,7 +4,8 @@
   (`vlp: error: ...`, vlp/cli.py); `cap` bounds a line at MAX_LINE characters.
 - Atomic writes and the temp files killed writers leave (`atomic_write`, `remove_stale_temps`,
   `pid_alive`): `.NAME.tmp-PID` beside the file it would have become; a SIGKILL leaves it behind,
-  and the next writer in that folder removes those whose PID no longer runs.
+  and the next writer in that folder removes those whose PID no longer runs (`proc_start` tells
+  a reused PID apart: the run lock records it).
 - Strict YAML (`load_yaml`): yaml.safe_load, except that a mapping with the same key twice is
   refused (configs, compare grids, eval suites).
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Union
+from typing import Any, BinaryIO, Callable, Optional, Union
 
 import yaml
 
@@ -70,8 +71,9 @@ def atomic_write(path: str | os.PathLike, data: Union[bytes, str, Callable[[Bina
             tmp.unlink()
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this PID runs on this machine (signal 0 probes without sending)."""
+def pid_alive(pid: int, started: Optional[str] = None) -> bool:
+    """Whether a process with this PID runs on this machine (signal 0 probes without sending);
+    given `started` (its `proc_start` then), not a later process that reuses the PID."""
     if pid <= 0:
         return False
     try:
@@ -79,8 +81,18 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # it exists, owned by someone else
-        return True
-    return True
+        pass
+    now = None if started is None else proc_start(pid)
+    return started is None or now is None or started == now
+
+
+def proc_start(pid: int) -> Optional[str]:
+    """The kernel's start time of `pid` (clock ticks since boot; Linux), None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[19]  # field 22 counted from the pid
+    except (OSError, IndexError):
+        return None
 
 
 def remove_stale_temps(directory: str | os.PathLike, pattern: str) -> list[Path]:

@@ -34,12 +34,13 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 PIPE = "pipe:"
+_EXTRAS = {"s3": "vlp[s3]", "s3a": "vlp[s3]", "gs": "vlp[gcs]", "gcs": "vlp[gcs]"}  # pip extras of the backends
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
-def is_url(spec: str) -> bool:
+def is_url(spec) -> bool:
     """An fsspec URL ('s3://b/k', 'file:///d/x.tar', 'https://h/x.tar')."""
-    return bool(_SCHEME.match(spec))
+    return bool(_SCHEME.match(str(spec)))
 
 
 def is_remote(spec: str) -> bool:
@@ -56,6 +57,13 @@ def has_backend(url: str) -> bool:
     except (ImportError, ValueError):
         return False
     return True
+
+
+def missing_backend(url: str) -> str:
+    """What to install when `has_backend(url)` is False, in words."""
+    scheme = url.split("://", 1)[0]
+    hint = f"pip install '{_EXTRAS[scheme]}'" if scheme in _EXTRAS else f"install the fsspec backend for {scheme}://"
+    return f"no storage backend for {scheme}:// is installed ({hint})"
 
 
 @dataclass(frozen=True)

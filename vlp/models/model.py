@@ -311,9 +311,9 @@ def load_pretrained(clip: nn.Module, source: str, model_name: str = "") -> None:
     path = towers.resolve_weights(source, model_name) if model_name else source
     if not Path(path).is_file():
         raise FileNotFoundError(f"model.pretrained: no such file: {path}")
-    from vlp.integrity import check_weights_file
+    from vlp.integrity import verify
 
-    check_weights_file(path, "model.pretrained")  # a vlp export's checksums, before unpickling
+    verify(path, "model.pretrained")  # a vlp export's checksums, before unpickling
     try:
         open_clip.load_checkpoint(clip, path)
     except Exception as e:  # UnpicklingError, RuntimeError (size mismatch), KeyError, StopIteration, ...

@@ -144,9 +144,9 @@ def read_state_dict(path: str, what: str) -> dict:
     """name -> tensor from an open_clip / timm / torchvision / safetensors file or a vlp step_*.pt
     (its "model"); anything else is one ValueError line naming `what`."""
     from vlp.util import first_line
-    from vlp.integrity import check_weights_file
+    from vlp.integrity import verify
 
-    check_weights_file(path, what)  # a vlp export's or checkpoint's checksums, before parsing
+    verify(path, what)  # a vlp export's or checkpoint's checksums, before parsing
     try:
         if str(path).endswith(".safetensors"):
             from safetensors.torch import load_file

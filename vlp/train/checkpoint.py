@@ -1,25 +1,19 @@
-"""One checkpoint's bytes: the two formats, how each is read and checked before use.
-
-    step_N.pt      one torch.save: "model", "optimizer", every registered part's key, sealed
-    step_N/        DCP (train.parallel=fsdp): every rank's shards and .metadata, then manifest.json,
-                   then META_FILE (the parts, sealed), last: the folder is a checkpoint once it is there
-    step_N.ranks/  one file per rank of state sharded by rank (SogCLR's u), beside either
-
-Everything is read with torch.load(weights_only=True) and checked before a tensor is used: a
-damaged checkpoint is a CheckpointError naming the file, one vlp sealed that cannot be verified
-is refused, one from before checksums loads with a warning. Checkpoints of earlier releases are
-read through `upgrade` (docs/checkpoints.md).
+"""One checkpoint's bytes (docs/checkpoints.md): step_N.pt (one torch.save, sealed), step_N/ (DCP:
+every rank's shards and .metadata, then manifest.json, then META_FILE, the parts, last: its commit)
+and step_N.ranks/ (one file per rank). Everything is read with torch.load(weights_only=True) and
+checked before a tensor is used: damage is a CheckpointError naming the file, a sealed file that
+cannot be verified is refused, one from before checksums warned about; `upgrade` reads old layouts.
 """
 
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 import sys
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -39,14 +33,14 @@ def ranks_name(name: str) -> str:
     return name.removesuffix(".pt") + ".ranks"
 
 
-def rank_file(rank: int, world: int) -> str:
-    return f"rank{rank:05d}-of-{world:05d}.pt"
+def rank_file(name: str, rank: int, world: int) -> str:
+    """Rank `rank`'s file of a `world`-rank save of checkpoint `name`, relative to its folder."""
+    return f"{ranks_name(name)}/rank{rank:05d}-of-{world:05d}.pt"
 
 
 # ---------------------------------------------------------------- writing
 def save_file(obj, path: Path) -> None:
-    """torch.save `obj` (a dict sealed with its checksum) to the local path `path`, fsynced; on
-    an error the file is removed and the error raised."""
+    """torch.save `obj` (a dict: sealed) to the local `path`, fsynced; removed on an error."""
     try:
         with open(path, "wb") as f:
             torch.save(integrity.seal(obj) if isinstance(obj, dict) else obj, f)
@@ -58,8 +52,7 @@ def save_file(obj, path: Path) -> None:
 
 
 def write_shards(state: dict, stage: Path) -> dict[str, dict]:
-    """This rank's DCP shard files (and on the coordinator .metadata) written into `stage`;
-    {file name: integrity.entry}. Collective: every rank passes its own shards."""
+    """This rank's DCP files written into `stage` (a collective); {file name: integrity.entry}."""
     import torch.distributed.checkpoint as dcp  # heavy: only FSDP runs and DCP readers need it
 
     dcp.save(state, checkpoint_id=stage, no_dist=not is_distributed())
@@ -84,8 +77,7 @@ def write_failed(shown: str, error: BaseException, local: Path) -> CheckpointErr
 
 
 def _reason(error: BaseException) -> str:
-    """The OS's words for a failed write (the OSError torch's RuntimeError or DCP's
-    CheckpointException hides), one line."""
+    """The OS's words that torch's RuntimeError or DCP's CheckpointException hide, one line."""
     seen = error
     while seen is not None:
         if isinstance(seen, OSError) and seen.strerror:
@@ -98,16 +90,15 @@ def _reason(error: BaseException) -> str:
 
 
 # ---------------------------------------------------------------- reading
-def load_checked(path: str | Path, manifest: bool = True) -> tuple[object, bool]:
+def load_checked(path: str | Path) -> tuple[object, bool]:
     """(state, whether checksums verified it): a sidecar manifest is checked before torch.load
-    reads a byte, the checksum inside after (manifest=False: a DCP folder's META_FILE, covered
-    by the folder's). A mismatch is an IntegrityError naming the file."""
+    reads a byte, the seal inside after; a mismatch is an IntegrityError naming the file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if path.stat().st_size == 0:
         raise CheckpointError(f"checkpoint {path} is empty (0 bytes)")
-    verified = _verify(path) if manifest else True
+    verified = _verify(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated file, wrong format, pickled objects
@@ -117,16 +108,14 @@ def load_checked(path: str | Path, manifest: bool = True) -> tuple[object, bool]
 
 def _verify(path: Path) -> bool:
     try:
-        return integrity.verify(path)
-    except integrity.IntegrityError as e:
-        raise integrity.IntegrityError(f"checkpoint {e}") from None
+        return integrity.verify(path, "checkpoint")
     except OSError as e:
         raise CheckpointError(f"checkpoint {path} cannot be checked: {_reason(e)}") from None
 
 
-def load(path: str | Path, manifest: bool = True):
+def load(path: str | Path):
     """A checkpoint or export file, verified (see load_checked), else refused or warned about."""
-    state, verified = load_checked(path, manifest)
+    state, verified = load_checked(path)
     if not verified:
         unverified(path, state)
     return state
@@ -136,9 +125,8 @@ _warned: set[str] = set()
 
 
 def unverified(path, state) -> None:
-    """For a file nothing verified. Written by vlp with checksums (SEAL_KEY) whose manifest is
-    gone: refused, never loaded silently. A vlp checkpoint from before checksums: one warning
-    per file. Someone else's weights file: nothing was promised."""
+    """For a file nothing verified: refused if vlp sealed it (its manifest is gone), one warning
+    per file if vlp wrote it before checksums; someone else's weights file: nothing was promised."""
     if not isinstance(state, dict):
         return
     if state.get(SEAL_KEY):
@@ -175,64 +163,47 @@ def upgrade(state: dict) -> dict:
     return s
 
 
-def check_state(state, path, tensors: bool = True) -> dict:
-    """`state` upgraded, if it is a complete vlp training checkpoint with finite weights; else
-    CheckpointError naming what is wrong."""
-    if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint {path} is not a vlp training checkpoint (a {type(state).__name__}, not a dict)")
-    state = upgrade(state)
-    missing = [k for k in (("model", "optimizer") if tensors else ()) + REQUIRED if k not in state]
-    if missing:
-        raise CheckpointError(f"checkpoint {path} is not a vlp training checkpoint: missing {', '.join(missing)}")
-    bad = nonfinite_tensors(state["model"]) if tensors else []
+def check_finite(weights, path) -> None:
+    """CheckpointError naming `path` when a state dict's tensors hold nan or inf."""
+    bad = ["<not a state dict>"] if not isinstance(weights, dict) else [
+        k for k, v in weights.items()
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
         raise CheckpointError(f"checkpoint {path} has non-finite weights in {len(bad)} tensors (e.g. {bad[0]})")
-    return state
-
-
-def nonfinite_tensors(weights) -> list[str]:
-    """Names of the tensors of a state dict that hold nan or inf."""
-    if not isinstance(weights, dict):
-        return ["<not a state dict>"]
-    return [k for k, v in weights.items()
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
 
 
 def load_valid(path: str | Path) -> dict:
     """A training checkpoint (a .pt, or a DCP folder's meta: its tensors load later, per rank),
-    checked (check_state) and upgraded, its per-rank files present."""
-    path = Path(path)
-    if path.is_dir():
+    upgraded, complete (its shard and per-rank files too), finite, verified or warned about."""
+    path, sharded = Path(path), Path(path).is_dir()
+    if sharded:
         for name in (".metadata", META_FILE):
             if not (path / name).is_file():
                 raise CheckpointError(f"checkpoint {path} is incomplete: no {name}")
         verified = _verify(path)  # before META_FILE or .metadata is parsed
-        state, _ = load_checked(path / META_FILE, manifest=False)
-        state = check_state(state, path, tensors=False)
-        _check_shard_files(path)
+        state = load_checked(path / META_FILE)[0]  # the folder's manifest covers it
     else:
         state, verified = load_checked(path)
-        state = check_state(state, path)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path} is not a vlp training checkpoint (a {type(state).__name__}, not a dict)")
+    state = upgrade(state)
+    missing = [k for k in (() if sharded else ("model", "optimizer")) + REQUIRED if k not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is not a vlp training checkpoint: missing {', '.join(missing)}")
+    _check_shard_files(path) if sharded else check_finite(state["model"], path)
     if not verified:  # a warning only once it is known to be usable
         unverified(path, state)
     world = state.get("rank_files")
-    missing = [r for r in range(world or 0) if not (path.with_name(ranks_name(path.name)) / rank_file(r, world)).is_file()]
+    missing = [r for r in range(world or 0) if not (path.parent / rank_file(path.name, r, world)).is_file()]
     if missing:
         raise CheckpointError(f"checkpoint {path} is incomplete: {ranks_name(path.name)} lacks the files of "
                               f"rank(s) {missing[:8]} of {world}")
     return state
 
 
-def read_rank_files(path: Path, ranks: list[int], world: int):
-    """The per-rank states of `ranks` (of a `world`-rank save) beside checkpoint `path`, read one
-    at a time."""
-    for r in ranks:
-        yield load(path.with_name(ranks_name(path.name)) / rank_file(r, world))
-
-
 def _check_shard_files(path: Path) -> None:
-    """Every shard file DCP's index names exists and is long enough for the bytes it should hold
-    (a lost or truncated rank file fails here, before any rank starts loading)."""
+    """Every shard file DCP's index names is there and long enough, before any rank loads (the
+    manifest checks this too; a folder from before checksums has none)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:  # DCP's index is a pickle (its format); it comes from our own save, like the shards it names
@@ -249,60 +220,21 @@ def _check_shard_files(path: Path) -> None:
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} should hold {size} bytes ({have})")
 
 
-def load_sharded(state: dict, path: str | Path) -> None:
-    """Fill `state` (parallel.sharded_state of this run's model and optimizer) in place from a DCP
-    folder. DCP reshards: the saved world size and parallelism need not match this run's.
-    Collective when a process group exists."""
-    import torch.distributed.checkpoint as dcp
-
+def read_dcp(path, what: str, read: Callable):
+    """`read()` of the DCP folder `path`; an error is one line: 'checkpoint PATH WHAT: why'."""
     try:
         with warnings.catch_warnings():  # one process on purpose (e.g. a 2-rank checkpoint on 1 rank)
             warnings.filterwarnings("ignore", message="torch.distributed is ")
-            dcp.load(state, checkpoint_id=Path(path), no_dist=not is_distributed())
+            return read()
     except (OSError, RuntimeError, KeyError) as e:
-        raise CheckpointError(f"checkpoint {path} cannot be loaded into this model: {first_line(e)}") from None
+        raise CheckpointError(f"checkpoint {path} {what}: {first_line(e)}") from None
 
 
-def load_sharded_full(path: str | Path) -> dict:
-    """A DCP folder read whole by one process, shaped like a .pt checkpoint without the
-    optimizer: its meta plus the full model weights under open_clip's names (`vlp eval`)."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+def load_sharded(state: dict, path: str | Path) -> None:
+    """Fill `state` (the strategy's sharded_state) in place from a DCP folder, resharded to this
+    run's world size and parallelism. Collective when a process group exists."""
+    import torch.distributed.checkpoint as dcp
 
-    meta = load_valid(path)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is ")
-            model = _load_state_dict_from_keys({"model"}, checkpoint_id=Path(path))["model"]
-    except (OSError, RuntimeError, KeyError) as e:
-        raise CheckpointError(f"checkpoint {path} cannot be read: {first_line(e)}") from None
-    return {**meta, "model": {k.removeprefix("clip."): v for k, v in model.items()}}
+    read_dcp(path, "cannot be loaded into this model",
+             lambda: dcp.load(state, checkpoint_id=Path(path), no_dist=not is_distributed()))
 
-
-# ---------------------------------------------------------------- the random state, a part
-class RNG:
-    """This process's random state (torch, Python, CUDA) as a per-rank part: loaded from its
-    rank's saved entry; None (a resume under another layout) seeds `seed + rank` afresh."""
-
-    def __init__(self, seed: int = 0, rank: int = 0):
-        self.seed, self.rank = seed, rank
-
-    def state_dict(self) -> dict:
-        state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        return state
-
-    def load_state_dict(self, states: list) -> None:
-        state = states[self.rank]
-        if state is None:
-            from accelerate.utils import set_seed  # accelerate's: torch, numpy, Python and CUDA at once
-
-            return set_seed(self.seed + self.rank)
-        torch.set_rng_state(state["torch"])
-        random.setstate(_tuplify(state["python"]))
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _tuplify(x):
-    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x

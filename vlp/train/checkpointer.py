@@ -1,20 +1,8 @@
-"""The checkpointer: one per run, over one storage path (vlp.storage.RunFolder, a local folder
-or a bucket alike), with the parts that own state registered with it (docs/checkpoints.md).
-
-    checkpoints = Checkpointer(folder.sub("checkpoints"), tensors, keep_last, facts, say=print)
-    checkpoints.register("scheduler", scheduler)              # SHARED: the main process's dict
-    checkpoints.register("data", data, PER_RANK)               # every rank's, in rank order
-    checkpoints.register("loss", loss, RANK_FILES)             # one file per rank, O(N / world)
-    where = checkpoints.save(step)                             # a collective
-    where, state = checkpoints.resume(cfg.train.resume, cfg)   # or None: starting fresh
-
-``load_state_dict`` gets what ``state_dict`` gave: the dict (SHARED), every rank's in a list
-(PER_RANK; vlp.train.resume.fit rewrites it for a new layout), or the saved ranks' dicts the
-part names by ``shards_needed(saved_world)`` (RANK_FILES). ``tensors`` (the strategy's model and
-optimizer) chooses the format (vlp.train.checkpoint); ``facts`` are written and never loaded.
-A checkpoint is listed once whole (step_N.pt appears by a rename or one PUT; step_N/ once its
-META_FILE, written last, is there); a failed save is one line on every rank and removes what it
-wrote; what killed saves left goes at the next start; resume=latest sets aside what fails.
+"""The checkpointer: one per run, over one RunFolder (local or bucket), with the parts that own
+state registered as SHARED, PER_RANK or RANK_FILES (docs/checkpoints.md). A checkpoint is listed
+once whole (step_N.pt by a rename or one PUT; step_N/ once its META_FILE, written last, is
+there); a failed save is one line on every rank and removes what it wrote; what killed saves
+left goes at the next start; resume=latest sets aside what fails.
 """
 
 from __future__ import annotations
@@ -29,8 +17,8 @@ from vlp.config import ConfigError
 from vlp.distributed import barrier, gather_object, get_rank, get_world_size, is_main
 from vlp.storage import SIDECAR, RunFolder, remove_local
 from vlp.train import resume
-from vlp.train.checkpoint import (CKPT_RE, META_FILE, CheckpointError, load_sharded, load_valid, rank_file,
-                                  ranks_name, read_rank_files, save_file, write_failed, write_shards)
+from vlp.train.checkpoint import (CKPT_RE, META_FILE, CheckpointError, load, load_sharded, load_valid, rank_file,
+                                  ranks_name, save_file, write_failed, write_shards)
 from vlp.util import first_line, pid_alive
 
 SHARED, PER_RANK, RANK_FILES = "shared", "per_rank", "rank_files"
@@ -38,7 +26,6 @@ SHARED, PER_RANK, RANK_FILES = "shared", "per_rank", "rank_files"
 _TEMP = re.compile(r"^\.(step_\d+(?:\.pt|\.ranks)?(?:\.manifest\.json)?)\.tmp(?:-(\d+)(?:-r\d+)?)?$")
 
 
-# ---------------------------------------------------------------- the folder's rules
 def list_checkpoints(folder: RunFolder) -> list[str]:
     """Names of the whole checkpoints in `folder`, oldest step first."""
     found = [(int(m.group(1)), name) for name in folder.listdir() if (m := CKPT_RE.match(name))
@@ -63,8 +50,7 @@ def prune(folder: RunFolder, keep_last: int) -> list[str]:
 
 
 def set_aside(folder: RunFolder, name: str) -> str:
-    """Rename a bad checkpoint NAME.corrupt: kept for inspection, never listed, resumed from,
-    pruned or overwritten. Returns the new name."""
+    """Rename a bad checkpoint NAME.corrupt (kept for inspection, never listed); the new name."""
     folder.move(name, name + ".corrupt")
     if folder.exists(name + SIDECAR):
         folder.move(name + SIDECAR, name + ".corrupt" + SIDECAR)
@@ -72,12 +58,10 @@ def set_aside(folder: RunFolder, name: str) -> str:
 
 
 def clean(folder: RunFolder) -> list[str]:
-    """At start (one writer, vlp.train.runlock): remove what killed saves left: temp names of dead
-    writers, a folder without its META_FILE, per-rank files of no checkpoint. The names removed."""
-    names = folder.listdir()
-    listed = set(list_checkpoints(folder))
-    removed = []
-    for name in names:
+    """At start (one writer, vlp.train.runlock), remove what killed saves left: temp names of dead
+    writers, a folder without its META_FILE, per-rank files of no checkpoint; the names removed."""
+    listed, removed = set(list_checkpoints(folder)), []
+    for name in folder.listdir():
         temp, step = _TEMP.match(name), CKPT_RE.match(name)
         if (temp and not (temp.group(2) and pid_alive(int(temp.group(2))))) \
                 or (step and name not in listed and not step.group(2)) \
@@ -88,8 +72,8 @@ def clean(folder: RunFolder) -> list[str]:
 
 
 def fetch(folder: RunFolder, name: str) -> Path:
-    """A local path of checkpoint `name`, with its per-rank files (and an earlier release's
-    sidecar) beside it: the file itself locally, a download from a bucket."""
+    """A local path of checkpoint `name` (itself, or a download) with its per-rank files (and an
+    earlier release's sidecar) beside it."""
     path = folder.download(name)
     for extra in (name + SIDECAR, ranks_name(name)):
         with contextlib.suppress(FileNotFoundError):
@@ -99,7 +83,7 @@ def fetch(folder: RunFolder, name: str) -> Path:
 
 def latest_valid(folder: RunFolder) -> tuple[Optional[tuple[str, Path, dict]], list[tuple[str, str]]]:
     """((where, local path, state) of the newest checkpoint that loads and checks, or None;
-    [(name, why)] of the newer ones that do not). Nothing is renamed here."""
+    [(name, why)] of the newer ones that do not)."""
     rejected = []
     for name in reversed(list_checkpoints(folder)):
         path = None
@@ -111,7 +95,6 @@ def latest_valid(folder: RunFolder) -> tuple[Optional[tuple[str, Path, dict]], l
     return None, rejected
 
 
-# ---------------------------------------------------------------- the checkpointer
 class Checkpointer:
     def __init__(self, folder, tensors, keep_last: int = 0, facts: Optional[dict] = None,
                  say: Callable[[str], None] = print):
@@ -123,14 +106,10 @@ class Checkpointer:
     def register(self, key: str, part, scope: str = SHARED) -> None:
         self.parts.append((key, part, scope))
 
-    def name(self, step: int) -> str:
-        return f"step_{step:08d}" + ("" if self.tensors.sharded else ".pt")
-
-    # ------------------------------------------------------------ save
     def save(self, step: int) -> str:
         """Write step `step`'s checkpoint, then prune to keep_last; a collective. Its path or URL.
         A step saved already (a stop right after a checkpoint) is not written twice."""
-        name = self.name(step)
+        name = f"step_{step:08d}" + ("" if self.tensors.sharded else ".pt")
         if step == self.saved_step:
             return self.folder.path(name)
         if self.tensors.sharded and is_main():
@@ -149,12 +128,14 @@ class Checkpointer:
         self.saved_step = step
         return self.folder.path(name)
 
+    def _states(self, scope: str) -> dict:
+        return {key: part.state_dict() for key, part, s in self.parts if s == scope}
+
     def _meta(self) -> dict:
         """The facts and every part's state; per-rank parts gathered (a collective)."""
-        mine = {key: part.state_dict() for key, part, scope in self.parts if scope == PER_RANK}
+        mine = self._states(PER_RANK)
         ranks = gather_object([mine])
-        meta = {**self.facts, **{key: part.state_dict() for key, part, scope in self.parts if scope == SHARED}}
-        return {**meta, **{key: [r[key] for r in ranks] for key in mine}}
+        return {**self.facts, **self._states(SHARED), **{key: [r[key] for r in ranks] for key in mine}}
 
     def _agree(self, write: Callable, name: str, stage: Optional[Path] = None):
         """`write()` on every rank; when any failed, all raise the first one's line and remove
@@ -178,10 +159,9 @@ class Checkpointer:
 
     def _save_rank_files(self, name: str) -> int:
         """Each rank's RANK_FILES parts into NAME.ranks/, complete before the checkpoint appears."""
-        rank, world = get_rank(), get_world_size()
-        member = f"{ranks_name(name)}/{rank_file(rank, world)}"
-        stage = self.folder.stage(member)
-        state = {key: part.state_dict() for key, part, scope in self.parts if scope == RANK_FILES}
+        world = get_world_size()
+        member = rank_file(name, get_rank(), world)
+        stage, state = self.folder.stage(member), self._states(RANK_FILES)
         self._agree(lambda: (save_file(state, stage), self.folder.put(stage, member)), name, stage)
         return world
 
@@ -216,11 +196,9 @@ class Checkpointer:
 
         self._agree(commit, name, meta_stage)
 
-    # ------------------------------------------------------------ resume
     def resume(self, spec: str, cfg) -> Optional[tuple[str, dict]]:
-        """Remove what killed saves left, then (train.resume set) find the checkpoint, fit it to
-        this run (vlp.train.resume: refused by name, or rewritten for a new layout) and load every
-        part. (where, state), or None when starting fresh."""
+        """Remove what killed saves left, then find the checkpoint `spec`, fit it to this run
+        (vlp.train.resume) and load every part: (where, state), or None when starting fresh."""
         for name in clean(self.folder) if is_main() else []:
             self.say(f"[vlp] removed {name} in {self.folder.url}: left by a checkpoint save that was killed")
         if not spec:
@@ -253,13 +231,14 @@ class Checkpointer:
         for key, part, scope in self.parts:
             if scope == RANK_FILES and "rank_files" in state:
                 world = state["rank_files"]
-                part.load_state_dict(s[key] for s in read_rank_files(path, part.shards_needed(world), world))
+                part.load_state_dict(load(path.parent / rank_file(path.name, r, world))[key]
+                                     for r in part.shards_needed(world))
             elif key in state:
                 part.load_state_dict(state[key])
 
     def find(self, spec: str) -> Optional[tuple[str, Path, dict]]:
-        """(where, local path, state) to resume from: `spec` itself, or for "latest" the newest
-        checkpoint that loads and checks; newer ones that fail are set aside, saying so."""
+        """(where, local path, state) of `spec`, or for "latest" the newest checkpoint that loads
+        and checks; newer ones that fail are set aside, saying so."""
         if spec != "latest":
             return spec, Path(spec), load_valid(spec)
         found, rejected = latest_valid(self.folder)

@@ -8,7 +8,8 @@
 The stream (vlp.data.stream) yields dicts that mix the data with bookkeeping (epoch, index
 in it, skip counts, which pieces of the epoch each worker has left). TrainData keeps the
 bookkeeping: the epoch and batch reached, the rest of an epoch begun under another layout
-(vlp.train.resume), and this rank's skip counts; the loop gets only `Batch`es.
+(`relayout`: where the position goes on after a layout change), and this rank's skip counts;
+the loop gets only `Batch`es.
 The position is a per-rank part of the checkpoint (vlp.train.checkpointer): `load_state_dict`
 gets every rank's entry and takes its own.
 """
@@ -20,6 +21,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
+from vlp.config import Config, ConfigError
 from vlp.data.decode import image_decoder
 from vlp.data.device import PackedImages
 
@@ -178,8 +180,43 @@ class TrainData:
                 "rest": self.current.rest_of_epoch(self.epoch), "skipped": dict(self.skipped)}
 
     def load_state_dict(self, ranks: list[dict]) -> None:
-        """Continue from every rank's saved entry (rank order; vlp.train.resume.relayout writes
-        them for this run's ranks after a layout change)."""
+        """Continue from every rank's saved entry (rank order; `relayout` writes them for this
+        run's ranks after a layout change)."""
         mine = ranks[self.rank]
         self.epoch, self.batch_in_epoch = mine["epoch"], mine["batch_in_epoch"]
         self.pieces, self.skipped = ranks[0].get("epoch_pieces"), dict(mine.get("skipped") or {})
+
+
+# ---------------------------------------------------------------------- a changed layout
+def sum_skipped(ranks: list[dict]) -> dict[str, int]:
+    """Skip counts by kind, summed over ranks' dicts, in kind order."""
+    total: dict[str, int] = {}
+    for counts in ranks:
+        for kind, n in counts.items():
+            total[kind] = total.get(kind, 0) + n
+    return dict(sorted(total.items()))
+
+
+def relayout(saved: dict, cfg: Config, world_size: int) -> list[dict]:
+    """The data entries of this run's ranks after a layout change: the same global position
+    (split mode: the rest of the epoch as pieces every rank's rest adds up to, read under the new
+    layout; resampled: the position in samples), and the skip counts summed on rank 0."""
+    data, old_cfg = saved["data"], saved["config"]
+    epoch, batch, pieces = data[0]["epoch"], data[0]["batch_in_epoch"], None
+    if batch >= (data[0].get("epoch_batches") or batch + 1):  # the epoch was complete
+        epoch, batch = epoch + 1, 0
+    elif old_cfg["data"]["mode"] == "resampled":  # with replacement: carry the position in samples
+        batch = batch * old_cfg["data"]["batch_per_device"] * len(data) // (cfg.data.batch_per_device * world_size)
+    elif any(d.get("rest") is None for d in data):
+        raise ConfigError("resume: this checkpoint does not record the rest of its epoch (written "
+                          "before vlp saved it); resume it with the old layout")
+    else:
+        pieces = [tuple(piece) for d in data for piece in d["rest"]]
+        batch = 0
+        if sum(end - begin for _, begin, end in pieces) < cfg.data.batch_per_device * world_size:
+            epoch, pieces = epoch + 1, None  # less than one batch per rank
+    skipped = [d.get("skipped") or {} for d in data]
+    if len(skipped) != world_size:
+        skipped = [sum_skipped(skipped)] + [{}] * (world_size - 1)
+    return [{"epoch": epoch, "batch_in_epoch": batch, "epoch_pieces": pieces if r == 0 else None,
+             "skipped": skipped[r]} for r in range(world_size)]

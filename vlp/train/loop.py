@@ -20,7 +20,6 @@ which equals the gradient of the global mean loss.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Optional
 
@@ -37,32 +36,16 @@ from vlp.losses.registry import get_spec
 from vlp.models.model import DualEncoder, build_model
 from vlp.train import parallel, preempt, resume, runlock
 from vlp.losses.diagnostics import DeviceScalars
-from vlp.train.data import Batch, TrainData
+from vlp.train.data import Batch, TrainData, sum_skipped
 from vlp.train.evaluator import Evaluator
 from vlp.train.feature_cache import training_features
 from vlp.train.logger import RunLogger, check_wandb, show_step
-from vlp.train.checkpoint import RNG
 from vlp.train.checkpointer import PER_RANK, RANK_FILES, Checkpointer
 from vlp.train.memory import StepMemory
 from vlp.train.optim import build_optimizer, build_scheduler, follow_config, param_groups
+from vlp.train.parts import RNG, Counters
 from vlp.train.step import contrastive_backward
 from vlp.train.strategy import Tensors, make_strategy
-
-
-@dataclass
-class Counters:
-    """The loop's counters, a checkpoint part: optimizer steps taken, samples seen (global,
-    counted: true across layout changes), steps skipped for a non-finite loss."""
-
-    step: int = 0
-    samples_seen: int = 0
-    nonfinite_total: int = 0
-
-    def state_dict(self) -> dict:
-        return asdict(self)
-
-    def load_state_dict(self, state: dict) -> None:
-        vars(self).update(state)
 
 
 def _counter(name: str) -> property:
@@ -212,11 +195,7 @@ class Trainer:
         A collective: every rank calls it."""
         if self.world == 1:
             return dict(self.skipped)
-        total: dict[str, int] = {}
-        for counts in gather_object([dict(self.skipped)]):
-            for kind, n in counts.items():
-                total[kind] = total.get(kind, 0) + n
-        return dict(sorted(total.items()))
+        return sum_skipped(gather_object([dict(self.skipped)]))
 
     def global_metrics(self, metrics) -> dict:
         """Average per-rank diagnostics (each a mean over that rank's anchors) into global ones

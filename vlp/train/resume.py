@@ -1,15 +1,8 @@
-"""Resume rules: which config changes a checkpoint allows, and where the data goes on.
-
-The *layout* (world size, per-device batch, accum_steps, num_workers, seed, shuffle buffer, mode,
-loss) decides which samples each step sees. ``train.resume_mode: exact`` (default) refuses a
-changed layout in one line naming each change: the run then continues bit-identically.
-``continue`` allows it and goes on from the same global sample: the ranks' unconsumed pieces of
-the epoch, in rank order, are the rest of the epoch under the new layout (`relayout`). A changed
-model, shard list or optimizer, or a value the checkpoint overrides, is always refused; every
-other key is applied from the resume step on and logged (docs/design.md, "Stream").
-
-Which key is which is ONE table, ``RESUME_RULES``, read from each key's declaration
-(vlp/config_keys.py). The checkpointer calls `fit` before any part loads.
+"""Resume rules: which config changes a checkpoint allows (ONE table, RESUME_RULES, read from
+each key's declaration in vlp/config_keys.py). A changed *layout* (world size, batch, seed, ...)
+is refused under train.resume_mode=exact, so the run continues bit-identically; `continue` goes
+on from the same global sample (vlp.train.data.relayout). A changed model, shard list or
+optimizer is always refused; other keys are applied and logged.
 """
 
 from __future__ import annotations
@@ -18,13 +11,9 @@ from typing import Any, Optional
 
 from vlp.config import KEYS, Config, ConfigError
 from vlp.config_rules import APPLY, LAYOUT, REFUSE, KeyRule
+from vlp.train.data import relayout
 
-# ----------------------------------------------------------------------------- the rules table
-RESUME_RULES: dict[str, KeyRule] = {name: k.resume for name, k in KEYS.items()}
-"""What a resume does with each changed key: read from the keys' declarations (vlp/config_keys.py,
-`key(default, rule, resume)`; the kinds APPLY, LAYOUT, REFUSE: vlp.config_rules.KeyRule)."""
-
-# derived views for the modules that used to keep their own lists
+RESUME_RULES: dict[str, KeyRule] = {name: k.resume for name, k in KEYS.items()}  # APPLY, LAYOUT or REFUSE
 LAYOUT_KEYS = tuple(k for k, r in RESUME_RULES.items() if r.kind == LAYOUT)
 FIXED_KEYS = tuple(k for k, r in RESUME_RULES.items() if r.kind == REFUSE)
 STATE_KEYS = tuple(k for k, r in RESUME_RULES.items() if r.shapes_state)
@@ -51,10 +40,8 @@ def _saved_value(saved_cfg: dict, key: str) -> Any:
 
 
 def resume_changes(saved_cfg: dict, new_cfg: dict) -> tuple[list[str], list[str]]:
-    """(applied, refused): 'key old -> new' for each changed key the resume applies, and
-    'key: old -> new (why)' for each it refuses, by RESUME_RULES (LAYOUT keys: refused when
-    new_cfg's train.resume_mode is exact). Keys the saved config lacks (added to vlp since) are
-    not compared."""
+    """(applied, refused): 'key old -> new' for each changed key a resume applies, 'key: old ->
+    new (why)' for each it refuses; keys the saved config lacks (added to vlp since) are skipped."""
     continue_mode = _dotted(new_cfg, "train.resume_mode") == "continue"
     applied, refused = [], []
     for key, rule in RESUME_RULES.items():
@@ -73,8 +60,7 @@ def resume_changes(saved_cfg: dict, new_cfg: dict) -> tuple[list[str], list[str]
 
 
 def applied_lines(saved: dict, cfg: Config) -> list[str]:
-    """The log lines of the config changes a resume from `saved` applies: '[vlp] resume:
-    optim.lr 0.001 -> 1e-05 from step 12'."""
+    """'[vlp] resume: optim.lr 0.001 -> 1e-05 from step 12' for each change a resume applies."""
     applied, _ = resume_changes(saved.get("config") or {}, cfg.to_dict())
     return [f"[vlp] resume: {line} from step {saved['train']['step']}" for line in applied]
 
@@ -97,8 +83,7 @@ def layout_changes(saved: dict, cfg: Config, world_size: Optional[int],
 
 
 def check_resume(saved: dict, cfg: Config, world_size: int, path: str) -> bool:
-    """Raise ConfigError for a change the resume mode does not allow; True if the layout
-    changed (then ``position_after_change`` says where to go on)."""
+    """ConfigError for a change the resume mode does not allow; True if the layout changed."""
     fixed = layout_changes(saved, cfg, None, keys=FIXED_KEYS)
     if fixed:
         raise ConfigError(f"resume: {'; '.join(fixed)} since {path}: a checkpoint can only be "
@@ -115,45 +100,15 @@ def check_resume(saved: dict, cfg: Config, world_size: int, path: str) -> bool:
 
 
 def changed_settings(saved: dict, current: dict) -> list[str]:
-    """'key=old in the checkpoint, new now' for the keys that shape the saved state (the model's
-    parameters and which of them train): a resume across such a change cannot load it."""
+    """'key=old in the checkpoint, new now' for each changed key that shapes the saved state."""
     return [f"{key}={_dotted(saved or {}, key)!r} in the checkpoint, {_dotted(current, key)!r} now"
             for key in STATE_KEYS if _dotted(saved or {}, key) != _dotted(current, key)]
 
 
 def fit(saved: dict, cfg: Config, world_size: int, where: str) -> dict:
-    """The saved state as this run loads it: a change the resume mode does not allow is refused
-    (ConfigError, `check_resume`); after a layout change (resume_mode=continue) every rank gets
+    """The saved state as this run loads it (`check_resume`); after a layout change every rank gets
     its data entry from `relayout` and a fresh RNG (None: seeded seed + rank)."""
     if not check_resume(saved, cfg, world_size, where):
         return saved
     return {**saved, "data": relayout(saved, cfg, world_size), "rng": [None] * world_size}
 
-
-def relayout(saved: dict, cfg: Config, world_size: int) -> list[dict]:
-    """The data entries of this run's ranks after a layout change: the same global position
-    (split mode: the rest of the epoch as pieces every rank's rest adds up to, read under the new
-    layout; resampled: the position in samples), and the skip counts summed on rank 0."""
-    data, old_cfg = saved["data"], saved["config"]
-    epoch, batch, pieces = data[0]["epoch"], data[0]["batch_in_epoch"], None
-    if batch >= (data[0].get("epoch_batches") or batch + 1):  # the epoch was complete
-        epoch, batch = epoch + 1, 0
-    elif old_cfg["data"]["mode"] == "resampled":  # with replacement: carry the position in samples
-        batch = batch * old_cfg["data"]["batch_per_device"] * len(data) // (cfg.data.batch_per_device * world_size)
-    elif any(d.get("rest") is None for d in data):
-        raise ConfigError("resume: this checkpoint does not record the rest of its epoch (written "
-                          "before vlp saved it); resume it with the old layout")
-    else:
-        pieces = [tuple(piece) for d in data for piece in d["rest"]]
-        batch = 0
-        if sum(end - begin for _, begin, end in pieces) < cfg.data.batch_per_device * world_size:
-            epoch, pieces = epoch + 1, None  # less than one batch per rank
-    skipped = [d.get("skipped") or {} for d in data]
-    if len(skipped) != world_size:
-        total: dict[str, int] = {}
-        for counts in skipped:
-            for kind, n in counts.items():
-                total[kind] = total.get(kind, 0) + n
-        skipped = [dict(sorted(total.items()))] + [{}] * (world_size - 1)
-    return [{"epoch": epoch, "batch_in_epoch": batch, "epoch_pieces": pieces if r == 0 else None,
-             "skipped": skipped[r]} for r in range(world_size)]

@@ -1,14 +1,9 @@
-"""One writer per run folder: `vlp.lock` in it, created only if absent, by the main process.
-
-    lock = acquire_on_main(folder, cfg.train.break_lock, is_main, log=print)   # before any write
-    lock.release()                                                               # also at exit
-
-Created through RunFolder.create, local or bucket alike (O_EXCL: one creator wins, also on NFSv3+
-and current NFS/Lustre/GPFS clients; a conditional PUT in S3 or GCS). It names its holder (pid,
-host, start time, the pid's own start time, so a reused pid is not mistaken for it). A live
-holder is refused in one line; a gone one (same host) is reported and taken over: the lock is
-moved to a private name, re-read, and put back if it was fresh meanwhile, then created again,
-which only one taker can do. Another host's lock is refused unless train.break_lock=true.
+"""One writer per run folder: `vlp.lock` in it, created only if absent (RunFolder.create: O_EXCL,
+also on NFSv3+/Lustre/GPFS, or a conditional PUT in S3 or GCS) by the main process, released at
+exit. It names its holder (pid, host, start time, the pid's start time: a reused pid is not it).
+A live holder is refused in one line; a gone one (same host) is taken over: the lock is moved to a
+private name, re-read, put back if it was fresh meanwhile, then created again, which only one
+taker can do. Another host's lock is refused unless train.break_lock=true.
 """
 
 from __future__ import annotations
@@ -22,35 +17,17 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 from vlp.distributed import broadcast_object
 from vlp.storage import RunFolder
-from vlp.util import pid_alive
+from vlp.util import pid_alive, proc_start
 
 LOCK_NAME = "vlp.lock"
 
 
 class RunLockError(ValueError):
     """The run folder is held by another writer; the message is one line for the user."""
-
-
-def _proc_start(pid: int) -> Optional[str]:
-    """The kernel's start time of `pid` (clock ticks since boot; Linux), None where unknown."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[19]  # field 22 counted from the pid
-    except (OSError, IndexError):
-        return None
-
-
-def _holder_alive(holder: dict) -> bool:
-    pid = holder.get("pid")
-    if not isinstance(pid, int) or not pid_alive(pid):
-        return False
-    started, now = holder.get("pid_start"), _proc_start(pid)
-    return started is None or now is None or started == now
 
 
 def describe(holder: dict) -> str:
@@ -103,18 +80,15 @@ def _take_over(folder: RunFolder, seen: dict) -> None:
 
 
 def _me(token: str) -> bytes:
-    """This process as a lock holder."""
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "pid_start": _proc_start(os.getpid()), "token": token,
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "pid_start": proc_start(os.getpid()), "token": token,
           "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     return (json.dumps(me) + "\n").encode()
 
 
 def acquire(folder, break_lock: bool = False, log: Callable[[str], None] = print,
             wait_unreadable_s: float = 2.0) -> RunLock:
-    """Lock `folder` (a RunFolder or a local path, created if needed) for this process, or raise
-    RunLockError naming the holder. Stale locks are reported through `log` and taken over;
-    break_lock=True takes over any lock (the user vouches that its run is gone). Released by
-    `RunLock.release` or at exit."""
+    """Lock `folder` (a RunFolder or a local path) for this process, or RunLockError naming the
+    holder; a stale lock (any, with break_lock) is taken over, saying so through `log`."""
     folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
     token = uuid.uuid4().hex
     deadline = time.monotonic() + wait_unreadable_s
@@ -138,8 +112,7 @@ def acquire(folder, break_lock: bool = False, log: Callable[[str], None] = print
 
 
 def _judge(where: str, folder: str, holder: dict, break_lock: bool, log: Callable[[str], None]) -> None:
-    """Return when the lock `where` held by `holder` may be taken over (saying why through
-    `log`); raise RunLockError naming the holder when it may not."""
+    """Return (saying why) when `holder`'s lock `where` may be taken over, else RunLockError."""
     host = socket.gethostname()
     if holder.get("host") == host and holder.get("pid") == os.getpid():
         return  # this process's own earlier lock (an earlier run in the same process)
@@ -152,7 +125,7 @@ def _judge(where: str, folder: str, holder: dict, break_lock: bool, log: Callabl
             f"run folder {folder} is locked by {describe(holder)} ({where}); this host ({host}) cannot "
             "tell whether that run is alive: wait for it, use another train.output_dir, or set "
             "train.break_lock=true if it is gone")
-    elif _holder_alive(holder):
+    elif isinstance(holder.get("pid"), int) and pid_alive(holder["pid"], holder.get("pid_start")):
         raise RunLockError(
             f"run folder {folder} is in use by another trainer: {describe(holder)} ({where}); "
             "wait for it to end or use another train.output_dir")
@@ -162,9 +135,8 @@ def _judge(where: str, folder: str, holder: dict, break_lock: bool, log: Callabl
 
 def acquire_on_main(folder, break_lock: bool, is_main: bool,
                     log: Callable[[str], None] = print) -> Optional[RunLock]:
-    """`acquire` on the main process, agreed by all ranks: every rank raises the same
-    RunLockError when it is refused (no rank goes on to wait in a collective). A collective when
-    a process group exists."""
+    """`acquire` on the main process; every rank raises its RunLockError (no rank goes on to wait
+    in a collective). A collective when a process group exists."""
     lock, error = None, None
     if is_main:
         try:
