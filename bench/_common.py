@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +46,13 @@ def pin_threads() -> None:
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing holds now (the kernel's pick: bind port 0, read it, close)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def median(xs) -> float:

@@ -51,7 +51,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -61,16 +60,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import PYTHON, REPO, bench_env, figure, header, median, overrides  # noqa: E402
+from bench._common import PYTHON, REPO, bench_env, figure, free_port, header, median, overrides  # noqa: E402
 
 GIB = 1024 ** 3
 GUARD_BYTES = 1.5 * GIB  # a launch is killed when the machine has less available than this
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ============================================================================ part 1: training

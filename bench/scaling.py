@@ -17,7 +17,6 @@ GPUs scale: the ideal here is 2x only if each process had a whole idle core.
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -25,15 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import (  # noqa: E402
-    PYTHON, REPO, alternate, bench_env, figure, header, median, paired_ratio, run, spread,
+    PYTHON, REPO, alternate, bench_env, figure, free_port, header, median, paired_ratio, run, spread,
 )
 from bench.train_throughput import openmoji_train_spec, steady, vlp_cmd, vlp_step_rates  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_vlp(procs: int, spec: str, args) -> float:

@@ -10,7 +10,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from vlp.config import ConfigError, LossConfig, ModelConfig, from_dict
-from vlp.storage import is_remote_url, is_url, open_run_folder
+from vlp.data.shard_io import is_url
+from vlp.storage import is_remote_url, open_run_folder
 from vlp.train import checkpoint as ckpt
 
 

@@ -23,7 +23,6 @@ from vlp.util import atomic_write, pid_alive
 
 CACHE_PREFIX = "vlp-run-"  # $TMPDIR/vlp-run-PID-XXXX: a bucket folder's stage and downloads
 SIDECAR = ".manifest.json"  # a single file's checksums beside it (vlp.integrity)
-__all__ = ["is_url"]  # vlp.data.shard_io's, for the run folder's callers
 
 
 def is_remote_url(url) -> bool:

@@ -10,7 +10,6 @@ import functools
 import http.server
 import json
 import os
-import socket
 import threading
 import time
 from collections import Counter
@@ -25,6 +24,7 @@ from vlp.data.layout import SEQ, BatchSizes, piece_bounds, rest_samples, segment
 from vlp.data.stream import make_loader
 from vlp.data.shard_list import SizesFetchError, brace_expand, expand_sources, shard_sizes
 from dp_helpers import png_bytes, to_tensor, tokenize, write_tar
+from vlp_testing import free_port
 
 
 def loader(spec, **kw):
@@ -140,9 +140,7 @@ def test_sizes_json_fetch_honours_io_retries(tmp_path, http_root):
 
 
 def test_dead_server_is_a_connection_error_naming_the_url():
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     url = f"http://127.0.0.1:{port}/data"
     for spec in (f"{url}/s-{{0..3}}.tar", f"{url}/"):
         start = time.monotonic()

@@ -15,7 +15,7 @@ from typing import Any, Optional
 from vlp.config import ConfigError, LossConfig
 from vlp.data.sources import PACKAGED
 from vlp.eval.keys import EVAL_KEYS
-from vlp.storage import is_url
+from vlp.data.shard_io import is_url
 
 LOSS_NAMES = typing.get_args(typing.get_type_hints(LossConfig)["name"])
 # Grid-controlled keys: a per-loss override of these would silently break the grid.

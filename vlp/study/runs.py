@@ -16,7 +16,8 @@ from typing import Any, Callable, Optional
 import yaml
 
 from vlp.config import Config, ConfigError, from_dict, set_dotted
-from vlp.storage import RunFolder, is_url
+from vlp.data.shard_io import is_url
+from vlp.storage import RunFolder
 from vlp.study.grid import flatten
 from vlp.train import resume as resume_rules
 
