@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import random
 import socket
 import statistics
 import subprocess
@@ -49,8 +50,24 @@ def pin_threads() -> None:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 nothing holds now (the kernel's pick: bind port 0, read it, close)."""
-    with socket.socket() as s:
+    """A TCP port on this machine that nothing holds now, drawn below the kernel's ephemeral range
+    (/proc/sys/net/ipv4/ip_local_port_range). The kernel's own pick (bind port 0) lies inside that
+    range, which every outgoing connection and every listener on port 0 (srun's I/O ports, gloo's
+    pairs) draws from: such a port can be handed to someone else before the launcher binds it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(10000, max(low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # everything below the range is taken: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -2,8 +2,8 @@
 
     results = run_distributed(fn, world_size=2, args=(x,))   # -> [fn(0, 2, x), fn(1, 2, x)]
 
-``fn(rank, world_size, *args)`` must be a module-level (picklable) function; its return value
-must be picklable by ``torch.save`` (tensors, dicts, lists, numbers). An exception on any rank is
+``fn(rank, world_size, *args)`` runs in a forked child of this process; its return value must be
+picklable by ``torch.save`` (tensors, dicts, lists, numbers). An exception on any rank is
 re-raised here with the child's traceback; a hang is killed after ``timeout_s``. Rendezvous goes
 through a file in a fresh temporary directory, so there is no port to pick or to collide on.
 """
@@ -21,9 +21,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from accelerate.state import AcceleratorState, GradientState
 
 
 def _worker(rank: int, fn: Callable, world_size: int, args: tuple, tmp: str) -> None:
+    # a forked rank starts as a fresh one would: Accelerate's process-wide state (a singleton an
+    # earlier test in this worker may have set up for one process) is built again in this group
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -48,8 +53,10 @@ def run_distributed(
 ) -> list[Any]:
     """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``; return results by rank."""
     with tempfile.TemporaryDirectory(prefix="vlp_dist_") as tmp:
-        context = mp.spawn(
-            _worker, args=(fn, world_size, args, tmp), nprocs=world_size, join=False
+        # fork: each rank starts from this process's imports (torch, open_clip, vlp: ~5 CPU
+        # seconds per spawned rank); one BLAS thread here (conftest), so no thread pool is forked
+        context = mp.start_processes(
+            _worker, args=(fn, world_size, args, tmp), nprocs=world_size, join=False, start_method="fork"
         )
         deadline = time.monotonic() + timeout_s
         while not context.join(timeout=1.0):  # raises if a rank raised

@@ -22,6 +22,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from vlp_testing import free_port
+
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel")
 PACKAGES = "slurmctld slurmd slurm-client munge"
 SBIN = "/usr/sbin"
@@ -37,14 +39,11 @@ def missing() -> str | None:
 
 
 def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct free ports (vlp_testing.free_port: below the kernel's ephemeral range)."""
+    ports: set[int] = set()
+    while len(ports) < n:
+        ports.add(free_port())
+    return sorted(ports)
 
 
 def slurm_conf(d: Path, host: str, ctld_port: int, node_ports: list[int], grace_s: int) -> str:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vlp.cli import peer_failure
-from vlp_testing import ACCELERATE, PYTHON, REPO, free_port, overrides, run_env, run_launch
+from vlp_testing import LAUNCH, PYTHON, REPO, free_port, overrides, run_env, run_launch
 
 COMMON = ["model.name=vlp-micro", "data.batch_per_device=8", "optim.lr=1e-3", "optim.warmup_steps=2",
           "train.log_every=1", "data.shuffle_buffer=32", "data.eval_shards=null"]
@@ -26,7 +26,7 @@ def _train_args(shards, out, *extra):
 
 def _launch(args, machines=1, rank=0, port=None, wait=True, env=None):
     """`accelerate launch` of 2 CPU processes in total, on 1 machine or as one of 2 machines."""
-    cmd = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", str(machines),
+    cmd = [*LAUNCH, "--multi_gpu", "--num_processes", "2", "--num_machines", str(machines),
            "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
            "--main_process_port", str(port or free_port()), "--rdzv_backend", "static", *args]
     env = run_env() | {"ACCELERATE_USE_CPU": "1"} | (env or {})

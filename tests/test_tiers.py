@@ -104,7 +104,7 @@ def test_groups_are_the_files_of_module_fixtures_only(request):
 
 
 def test_no_test_derives_a_port_from_its_pid():
-    """Every port a test hands a launcher or server is the kernel's pick (vlp_testing.free_port):
+    """Every port a test hands a launcher or server comes from vlp_testing.free_port:
     a port derived from the pytest pid can meet another worker's (or another session's)."""
     found = [f"{path.relative_to(TESTS)}:{n}" for path in sorted(TESTS.rglob("*.py"))
              for n, line in enumerate(path.read_text().splitlines(), 1)

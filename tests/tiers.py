@@ -167,7 +167,7 @@ def groups(items) -> dict[str, str]:
     module-, class- or session-scoped fixture of their own file go into a group named after the
     file (the fixture is built once, by one worker: the SLURM cluster, 2-rank results). Tests not
     named run wherever a worker is free; `accelerate launch` runs among them take their ports from
-    vlp_testing.free_port (the kernel's pick), so two workers' launches do not meet on one port."""
+    vlp_testing.free_port (a random free port below the ephemeral range), so two workers' launches do not meet on one port."""
     return {item.nodeid: item.nodeid.split("::", 1)[0] for item in items if _builds_once(item)}
 
 
