@@ -330,13 +330,13 @@ def test_the_bucket_lock_refuses_a_live_writer_and_takes_over_a_dead_one(s3, tin
     lock.release()
     assert not folder.exists("vlp.lock")
     alive = {"pid": os.getppid(), "host": socket.gethostname(), "started": "then", "token": "x"}
-    folder.write_text("vlp.lock", json.dumps(alive))
+    folder.write_bytes("vlp.lock", json.dumps(alive).encode())
     rc, _, err = _cli(capsys, "train", "-c", DEMO, f"data.train_shards={tiny_shards['train']}", *TINY,
                       f"train.output_dir={url}", "train.samples=16")
     _one_error(rc, err, f"run folder {url} is in use by another trainer", f"pid {os.getppid()}")
     assert "config.yaml" not in _keys(s3, url)
     dead = subprocess.run([PYTHON, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    folder.write_text("vlp.lock", json.dumps({**alive, "pid": int(dead.stdout)}))
+    folder.write_bytes("vlp.lock", json.dumps({**alive, "pid": int(dead.stdout)}).encode())
     said = []
     lock = runlock.acquire(folder, log=said.append)
     assert "took over the stale lock" in said[0] and json.loads(folder.read_text("vlp.lock"))["pid"] == os.getpid()

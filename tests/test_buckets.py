@@ -95,13 +95,13 @@ def _stage_dir(folder, name, files: dict):
 def test_whole_objects(any_folder):
     f = any_folder
     assert not f.exists("config.yaml") and f.listdir() == []
-    f.write_text("config.yaml", "a: 1\n")
+    f.write_bytes("config.yaml", b"a: 1\n")
     f.write_bytes("eval_step5/report.json", b"{}")
     f.write_bytes("eval_step5/deep/x.bin", b"\0\1")
     assert f.read_text("config.yaml") == "a: 1\n" and f.exists("eval_step5/deep/x.bin")
     assert f.listdir() == ["config.yaml", "eval_step5"]
     assert f.listdir("eval_step5") == ["deep", "report.json"]
-    f.write_text("config.yaml", "a: 2\n")  # replaced whole
+    f.write_bytes("config.yaml", b"a: 2\n")  # replaced whole
     assert f.read_text("config.yaml") == "a: 2\n"
     f.remove("eval_step5", tree=True)
     assert f.listdir() == ["config.yaml"] and not f.exists("eval_step5/report.json")
@@ -137,7 +137,7 @@ def test_download_and_of_for_one_file(any_folder):
 
 def test_local_folder_is_plain_files(tmp_path):
     f = RunFolder(tmp_path / "run")
-    f.write_text("result.json", "{}")
+    f.write_bytes("result.json", b"{}")
     assert (tmp_path / "run" / "result.json").read_text() == "{}" and not f.remote
     assert RunFolder(f"file://{tmp_path}/run").read_text("result.json") == "{}"
 
@@ -186,7 +186,7 @@ def test_publish_returns_before_the_upload_ends(folder):
     name = _publish_file(folder, 1, data)
     returned = time.perf_counter() - t
     listed = _listed(folder)
-    in_flight = folder.uploading  # still uploading after the listing: it was listed mid-upload
+    in_flight = folder._thread is not None and folder._thread.is_alive()  # still uploading after the listing: it was listed mid-upload
     folder.wait()
     uploaded = time.perf_counter() - t
     assert returned < uploaded / 2, (returned, uploaded)
@@ -334,12 +334,10 @@ def _one_line(err) -> str:
     return message
 
 
-def test_check_writable_passes_and_leaves_nothing(store, tmp_path):
+def test_check_writable_passes_and_leaves_nothing(store):
     url = store.url("runs", "fresh-run")
     check_writable(url)
     assert RunFolder(url).listdir() == []
-    check_writable(tmp_path / "new" / "run")
-    assert (tmp_path / "new" / "run").is_dir()
 
 
 def test_check_writable_names_a_missing_bucket(store):

@@ -57,8 +57,8 @@ def test_killed_holder_is_stale(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     logs = []
-    with runlock.acquire(tmp_path, log=logs.append):
-        assert "stale" in logs[0] and "that process is gone" in logs[0]
+    runlock.acquire(tmp_path, log=logs.append).release()
+    assert "stale" in logs[0] and "that process is gone" in logs[0]
     assert not (tmp_path / runlock.LOCK_NAME).exists()
 
 

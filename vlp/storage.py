@@ -105,9 +105,6 @@ class RunFolder:
         else:
             atomic_write(self._key(name), data)
 
-    def write_text(self, name: str, text: str) -> None:
-        self.write_bytes(name, text.encode("utf-8"))
-
     def create(self, name: str, data: bytes) -> bool:
         """Create ``name`` holding ``data`` if absent, one creator winning (O_EXCL, or S3
         If-None-Match / GCS ifGenerationMatch=0); False when it exists."""
@@ -214,10 +211,6 @@ class RunFolder:
             error, self._error = self._error, None
             raise StorageError(f"uploading a checkpoint to {self.url} failed: {_cause(error)}") from error
 
-    @property
-    def uploading(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def download(self, name: str) -> Path:
         """A local path holding ``name`` (file or folder): itself, or a copy in the temp folder."""
         key = self._key(name)
@@ -322,21 +315,12 @@ def _probe(url: str, probe: str) -> str:
 
 
 def check_writable(url, timeout_s: Optional[float] = None, option: str = "train.output_dir") -> None:
-    """Check at start that a run folder can be written (a probe written, read back, deleted), or
-    StorageError in one line naming the URL and the cause; the probe runs in a thread so the
-    backend's retries cannot stretch ``timeout_s`` ($VLP_STORAGE_TIMEOUT_S, else 30 s)."""
+    """Check at start that a run folder in a bucket can be written (a probe written, read back,
+    deleted), or StorageError in one line naming the URL and the cause; the probe runs in a thread
+    so the backend's retries cannot stretch ``timeout_s`` ($VLP_STORAGE_TIMEOUT_S, else 30 s)."""
     url = str(url).rstrip("/")
     timeout_s = float(os.environ.get("VLP_STORAGE_TIMEOUT_S", 30)) if timeout_s is None else timeout_s
     probe = f".vlp-write-check-{os.uname().nodename}-{os.getpid()}"
-    if not is_remote_url(url):
-        root = Path(url.removeprefix("file://"))
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            (root / probe).write_bytes(b"ok")
-            (root / probe).unlink()
-        except OSError as e:
-            raise StorageError(f"{option}={url}: cannot write there: {e.strerror or e}") from None
-        return
     if not has_backend(url):
         raise StorageError(f"{option}={url}: {missing_backend(url)}")
     outcome: list[str] = []

@@ -39,23 +39,25 @@ def _saved_value(saved_cfg: dict, key: str) -> Any:
     return old
 
 
+def _changes(saved_cfg: Optional[dict], new_cfg: dict, keys, unrecorded_skipped) -> list[tuple[str, Any, Any]]:
+    """(key, saved, now) for each of ``keys`` whose value changed; a key the saved config lacks
+    (added to vlp since) is skipped when ``unrecorded_skipped(key)``, else compared as None."""
+    saved_cfg = saved_cfg or {}
+    return [(key, old, new) for key in keys if _has(saved_cfg, key) or not unrecorded_skipped(key)
+            if (old := _saved_value(saved_cfg, key)) != (new := _dotted(new_cfg, key))]
+
+
 def resume_changes(saved_cfg: dict, new_cfg: dict) -> tuple[list[str], list[str]]:
     """(applied, refused): 'key old -> new' for each changed key a resume applies, 'key: old ->
     new (why)' for each it refuses; keys the saved config lacks (added to vlp since) are skipped."""
     continue_mode = _dotted(new_cfg, "train.resume_mode") == "continue"
     applied, refused = [], []
-    for key, rule in RESUME_RULES.items():
-        if not _has(saved_cfg or {}, key):
-            continue
-        old, new = _saved_value(saved_cfg, key), _dotted(new_cfg, key)
-        if old == new:
-            continue
+    for key, old, new in _changes(saved_cfg, new_cfg, RESUME_RULES, lambda key: True):
+        rule = RESUME_RULES[key]
         if rule.kind == APPLY or (rule.kind == LAYOUT and continue_mode):
-            if not rule.quiet:
-                applied.append(f"{key} {old!r} -> {new!r}")
+            applied += [] if rule.quiet else [f"{key} {old!r} -> {new!r}"]
         else:
-            why = rule.why or "exact resume keeps the data layout"
-            refused.append(f"{key}: {old!r} -> {new!r} ({why})")
+            refused.append(f"{key}: {old!r} -> {new!r} ({rule.why or 'exact resume keeps the data layout'})")
     return applied, refused
 
 
@@ -68,17 +70,11 @@ def applied_lines(saved: dict, cfg: Config) -> list[str]:
 def layout_changes(saved: dict, cfg: Config, world_size: Optional[int],
                    keys: tuple[str, ...] = LAYOUT_KEYS) -> list[str]:
     """'key: old -> new' for each of ``keys`` (and the world size, unless None) that differs."""
-    current = cfg.to_dict()
-    out = []
-    if world_size is not None and saved.get("world_size") != world_size:
-        out.append(f"world size: {saved.get('world_size')} -> {world_size}")
-    for key in keys:
-        if key in FIXED_KEYS and not _has(saved.get("config", {}), key):
-            continue  # a key older checkpoints do not record
-        old, new = _saved_value(saved.get("config", {}), key), _dotted(current, key)
-        if old != new:
-            why = RESUME_RULES[key].why
-            out.append(f"{key}: {old!r} -> {new!r}" + (f" ({why})" if why and key in FIXED_KEYS else ""))
+    out = [f"world size: {saved.get('world_size')} -> {world_size}"] \
+        if world_size is not None and saved.get("world_size") != world_size else []
+    for key, old, new in _changes(saved.get("config"), cfg.to_dict(), keys, lambda key: key in FIXED_KEYS):
+        why = RESUME_RULES[key].why if key in FIXED_KEYS else None
+        out.append(f"{key}: {old!r} -> {new!r}" + (f" ({why})" if why else ""))
     return out
 
 
@@ -101,8 +97,8 @@ def check_resume(saved: dict, cfg: Config, world_size: int, path: str) -> bool:
 
 def changed_settings(saved: dict, current: dict) -> list[str]:
     """'key=old in the checkpoint, new now' for each changed key that shapes the saved state."""
-    return [f"{key}={_dotted(saved or {}, key)!r} in the checkpoint, {_dotted(current, key)!r} now"
-            for key in STATE_KEYS if _dotted(saved or {}, key) != _dotted(current, key)]
+    return [f"{key}={old!r} in the checkpoint, {new!r} now"
+            for key, old, new in _changes(saved, current, STATE_KEYS, lambda key: False)]
 
 
 def fit(saved: dict, cfg: Config, world_size: int, where: str) -> dict:

@@ -49,12 +49,6 @@ class RunLock:
             if (_read(self.folder) or {}).get("token") == self.token:
                 self.folder.remove(LOCK_NAME)
 
-    def __enter__(self) -> "RunLock":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
 
 def _read(folder: RunFolder, name: str = LOCK_NAME) -> Optional[dict]:
     """The lock's holder, {} when unreadable (being written, or garbage), None when absent."""
