@@ -14,6 +14,7 @@ so the sbatch script's own #SBATCH lines are accepted as written. Two partitions
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -205,7 +206,8 @@ class SlurmCluster:
                 return info
             time.sleep(0.3)
         raise AssertionError(f"job {job_id}: {what or 'condition'} not met in {limit_s} s: "
-                             f"{info.get('JobState')} {info.get('Reason')} restarts={info.get('Restarts')}")
+                             f"{info.get('JobState')} {info.get('Reason')} restarts={info.get('Restarts')}; "
+                             f"its processes: {job_processes(job_id)}; its output: {_tail(info.get('StdOut'))}")
 
     def release(self, job_id: int) -> None:
         """A requeued job waits for its BeginTime (about 2 min in 22.05): start it now. Not in
@@ -226,6 +228,37 @@ def _environs() -> dict[int, dict]:
                 continue
             found[int(entry.name)] = dict(x.split("=", 1) for x in raw.decode(errors="replace").split("\0") if "=" in x)
     return found
+
+
+def job_processes(job_id: int, dump_python: bool = True) -> str:
+    """For a job that hangs: each of its processes' pid, state, kernel wait channel and command;
+    then SIGABRT to its Python processes, whose faulthandler (PYTHONFAULTHANDLER=1, set by the
+    tests' submissions) writes every thread's stack to the job's output."""
+    rows, python = [], []
+    for pid, env in sorted(_environs().items()):
+        if env.get("SLURM_JOB_ID") != str(job_id):
+            continue
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = Path(f"/proc/{pid}/wchan").read_text()
+        except OSError:
+            continue
+        cmd = _cmdline(pid).replace("\0", " ")[:100]
+        rows.append(f"{pid} {state} {wchan or '-'} {cmd}")
+        if dump_python and env.get("PYTHONFAULTHANDLER") and "python" in cmd.split(" ")[0]:
+            python.append(pid)
+    for pid in python:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGABRT)
+    time.sleep(2 if python else 0)
+    return "; ".join(rows) or "none"
+
+
+def _tail(path, chars: int = 6000) -> str:
+    try:
+        return Path(path).read_text(errors="replace")[-chars:]
+    except (OSError, TypeError):
+        return "-"
 
 
 def _ppid(pid: int) -> int:

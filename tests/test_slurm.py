@@ -36,11 +36,21 @@ def cluster(tmp_path_factory):
         c.stop()
 
 
+@pytest.fixture(autouse=True)
+def cancel_what_a_test_leaves(request):
+    """A test that fails midway leaves its jobs running (a first job of train.samples=100000 trains
+    for 7 minutes on both cores): every job still in the cluster is cancelled after each test."""
+    yield
+    if "cluster" in request.fixturenames:
+        cluster = request.getfixturevalue("cluster")
+        subprocess.run(["scancel", "--user", str(os.getuid())], env=cluster.env, capture_output=True, timeout=60)
+
+
 def submit(cluster, out: Path, shards: str, *extra: str, sbatch=()) -> int:
     """The docs' command on the test cluster: `sbatch [test knobs] launch/slurm.sbatch CONFIG overrides...`."""
     bin_dir = str(Path(os.sys.executable).parent)
     env = dict(cluster.env, PYTHONPATH=str(REPO), PATH=bin_dir + os.pathsep + cluster.env["PATH"],
-               ACCELERATE_USE_CPU="1", VLP_PROCS_PER_NODE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               ACCELERATE_USE_CPU="1", VLP_PROCS_PER_NODE="1", PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                MASTER_PORT=str(free_ports(1)[0]), VLP_PREEMPT_MARKER=str(out.parent / f".{out.name}.preempted"))
     log = out.parent / f"{out.name}-%j.out"
     return cluster.sbatch(["--gpus-per-node=0", "--cpus-per-task=1", f"--output={log}", *sbatch,
