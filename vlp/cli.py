@@ -84,18 +84,24 @@ def cmd_train(args) -> int:
         raise ConfigError("config: data.train_shards is empty: give a shard spec (see `vlp shards`)")
     from vlp.distributed import cpu_when_launched_without_gpu
     from vlp.train.loop import Trainer
+    from vlp.train.preempt import Preempted
 
     cpu_when_launched_without_gpu()  # plain torchrun on CPU: one gloo group, not N lone runs
-    trainer = Trainer(cfg)
+    trainer, stop = Trainer(cfg), None
     try:
-        result = trainer.train()
         # no rank tears the process group down while another still talks to it, and no
         # collective's leftover (in an autograd cycle) outlives the group: either can make gloo
-        # abort the process at exit
-        trainer.accelerator.wait_for_everyone()
+        # abort the process at exit ("terminate called without an active exception")
+        try:
+            result = trainer.train()
+            trainer.accelerator.wait_for_everyone()
+        except Preempted as e:  # every rank stopped after the same step; its frames hold that step's
+            stop = e.with_traceback(None)  # tensors and collectives: let them go before the group
         gc.collect()
     finally:
         trainer.accelerator.end_training()
+    if stop is not None:
+        raise stop
     if trainer.accelerator.is_main_process:
         _print_eval(result)
     return 0
