@@ -230,7 +230,7 @@ def _environs() -> dict[int, dict]:
     return found
 
 
-def job_processes(job_id: int, dump_python: bool = True) -> str:
+def job_processes(job_id: int) -> str:
     """For a job that hangs: each of its processes' pid, state, kernel wait channel and command;
     then SIGABRT to its Python processes, whose faulthandler (PYTHONFAULTHANDLER=1, set by the
     tests' submissions) writes every thread's stack to the job's output."""
@@ -245,7 +245,7 @@ def job_processes(job_id: int, dump_python: bool = True) -> str:
             continue
         cmd = _cmdline(pid).replace("\0", " ")[:100]
         rows.append(f"{pid} {state} {wchan or '-'} {cmd}")
-        if dump_python and env.get("PYTHONFAULTHANDLER") and "python" in cmd.split(" ")[0]:
+        if env.get("PYTHONFAULTHANDLER") and "python" in cmd.split(" ")[0]:
             python.append(pid)
     for pid in python:
         with contextlib.suppress(ProcessLookupError):

@@ -39,12 +39,17 @@ def _saved_value(saved_cfg: dict, key: str) -> Any:
     return old
 
 
-def _changes(saved_cfg: Optional[dict], new_cfg: dict, keys, unrecorded_skipped) -> list[tuple[str, Any, Any]]:
-    """(key, saved, now) for each of ``keys`` whose value changed; a key the saved config lacks
-    (added to vlp since) is skipped when ``unrecorded_skipped(key)``, else compared as None."""
-    saved_cfg = saved_cfg or {}
-    return [(key, old, new) for key in keys if _has(saved_cfg, key) or not unrecorded_skipped(key)
-            if (old := _saved_value(saved_cfg, key)) != (new := _dotted(new_cfg, key))]
+def _changes(saved_cfg: Optional[dict], new_cfg: dict, keys, skip_unrecorded=()) -> list[tuple[str, Any, Any]]:
+    """(key, saved, now) for each of ``keys`` whose value changed; a key of ``skip_unrecorded``
+    that the saved config lacks (added to vlp since) is skipped, any other compared as None."""
+    saved_cfg, out = saved_cfg or {}, []
+    for key in keys:
+        if key in skip_unrecorded and not _has(saved_cfg, key):
+            continue
+        old, new = _saved_value(saved_cfg, key), _dotted(new_cfg, key)
+        if old != new:
+            out.append((key, old, new))
+    return out
 
 
 def resume_changes(saved_cfg: dict, new_cfg: dict) -> tuple[list[str], list[str]]:
@@ -52,7 +57,7 @@ def resume_changes(saved_cfg: dict, new_cfg: dict) -> tuple[list[str], list[str]
     new (why)' for each it refuses; keys the saved config lacks (added to vlp since) are skipped."""
     continue_mode = _dotted(new_cfg, "train.resume_mode") == "continue"
     applied, refused = [], []
-    for key, old, new in _changes(saved_cfg, new_cfg, RESUME_RULES, lambda key: True):
+    for key, old, new in _changes(saved_cfg, new_cfg, RESUME_RULES, RESUME_RULES):
         rule = RESUME_RULES[key]
         if rule.kind == APPLY or (rule.kind == LAYOUT and continue_mode):
             applied += [] if rule.quiet else [f"{key} {old!r} -> {new!r}"]
@@ -72,7 +77,7 @@ def layout_changes(saved: dict, cfg: Config, world_size: Optional[int],
     """'key: old -> new' for each of ``keys`` (and the world size, unless None) that differs."""
     out = [f"world size: {saved.get('world_size')} -> {world_size}"] \
         if world_size is not None and saved.get("world_size") != world_size else []
-    for key, old, new in _changes(saved.get("config"), cfg.to_dict(), keys, lambda key: key in FIXED_KEYS):
+    for key, old, new in _changes(saved.get("config"), cfg.to_dict(), keys, FIXED_KEYS):
         why = RESUME_RULES[key].why if key in FIXED_KEYS else None
         out.append(f"{key}: {old!r} -> {new!r}" + (f" ({why})" if why else ""))
     return out
@@ -98,7 +103,7 @@ def check_resume(saved: dict, cfg: Config, world_size: int, path: str) -> bool:
 def changed_settings(saved: dict, current: dict) -> list[str]:
     """'key=old in the checkpoint, new now' for each changed key that shapes the saved state."""
     return [f"{key}={old!r} in the checkpoint, {new!r} now"
-            for key, old, new in _changes(saved, current, STATE_KEYS, lambda key: False)]
+            for key, old, new in _changes(saved, current, STATE_KEYS)]
 
 
 def fit(saved: dict, cfg: Config, world_size: int, where: str) -> dict:
