@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 # `accelerate launch` without the `accelerate` command's dispatcher: the same parser and
 # launch_command, minus the imports of its other subcommands (`estimate` pulls in timm and
-# transformers): 2.4 instead of 5.3 CPU seconds per launch. The SLURM tests run the real command.
+# transformers): 2.2 instead of 5.2 CPU seconds per launch. The SLURM tests run the real command.
 LAUNCH = [PYTHON, "-m", "accelerate.commands.launch"]
 PORT_FLAG = "--main_process_port"
 PORT_TAKEN = ("EADDRINUSE", "address already in use")  # torch's TCPStore, when the port is held
