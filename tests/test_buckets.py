@@ -129,7 +129,8 @@ def test_download_and_of_for_one_file(any_folder):
     ckpt = _publish_file(f, 3, b"state")
     f.wait()
     folder, name = RunFolder.of(f.path(ckpt))
-    assert (folder.url, name) == (f.url, ckpt) and fetch(folder, name).read_bytes() == b"state"
+    assert (folder.url, name) == (f.path("checkpoints"), ckpt.split("/")[-1])
+    assert fetch(folder, name).read_bytes() == b"state"
     with pytest.raises(FileNotFoundError, match="does not exist"):
         folder.download("nothing.pt")
     folder.close()

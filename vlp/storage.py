@@ -54,10 +54,10 @@ def remove_local(path: Path) -> None:
 
 
 class RunFolder:
-    """A run's folder at a local path or URL; names are relative paths inside it. ``cache_dir``:
-    where a bucket folder stages and downloads (default: a temp folder removed by ``close``)."""
+    """A run's folder at a local path or URL; names are relative paths inside it. A bucket
+    folder stages and downloads in ``cache_dir``, a temp folder that ``close`` removes."""
 
-    def __init__(self, url_or_path, cache_dir: Optional[str] = None, **storage_options):
+    def __init__(self, url_or_path, **storage_options):
         import fsspec
 
         self.url = str(url_or_path).rstrip("/") or "/"
@@ -67,7 +67,7 @@ class RunFolder:
         except ImportError:
             raise StorageError(f"{self.url}: {missing_backend(self.url)}") from None
         self.root = root.rstrip("/")
-        self._own_cache, self._cache = cache_dir is None, Path(cache_dir) if cache_dir else None
+        self._cache: Optional[Path] = None
         self._thread: Optional[threading.Thread] = None
         self._publishing: Optional[Path] = None  # the local path of the put in flight
         self._error: Optional[BaseException] = None
@@ -76,8 +76,8 @@ class RunFolder:
     def sub(self, name: str) -> "RunFolder":
         """The folder ``name`` inside this one, sharing its connection and temp folder."""
         sub = RunFolder.__new__(RunFolder)
-        sub.__dict__.update(self.__dict__, url=self.path(name), root=self._key(name), _own_cache=False,
-                            _thread=None, _error=None, _parent=self)
+        sub.__dict__.update(self.__dict__, url=self.path(name), root=self._key(name), _thread=None,
+                            _error=None, _parent=self)
         return sub
 
     def path(self, name: str = "") -> str:
@@ -95,7 +95,6 @@ class RunFolder:
         if self._cache is None:
             remove_dead_caches()
             self._cache = Path(tempfile.mkdtemp(prefix=f"{CACHE_PREFIX}{os.getpid()}-"))
-        self._cache.mkdir(parents=True, exist_ok=True)
         return self._cache
 
     def write_bytes(self, name: str, data: bytes) -> None:
@@ -234,13 +233,9 @@ class RunFolder:
 
     @classmethod
     def of(cls, url_or_path, **kwargs) -> tuple["RunFolder", str]:
-        """(folder, name) of one file's URL or path: the run folder and 'checkpoints/BASE' when
-        the parent is a checkpoints/ folder, else (its parent folder, its base name)."""
-        text = str(url_or_path).rstrip("/")
-        parent, base = text.rsplit("/", 1) if "/" in text else (".", text)
-        if parent.endswith("/checkpoints") or parent == "checkpoints":
-            return cls(parent[:-len("checkpoints")].rstrip("/") or ".", **kwargs), f"checkpoints/{base}"
-        return cls(parent, **kwargs), base
+        """(folder, name) of one file's URL or path: its parent folder and its base name."""
+        parent, slash, base = str(url_or_path).rstrip("/").rpartition("/")
+        return cls(parent if slash else ".", **kwargs), base
 
     def local_dir(self, name: str) -> Path:
         """A local folder for tools that write files (tb/, eval reports): itself, or a temp
@@ -269,7 +264,7 @@ class RunFolder:
         try:
             self.wait()
         finally:
-            if self._own_cache and self._cache is not None:
+            if self._parent is None and self._cache is not None:
                 shutil.rmtree(self._cache, ignore_errors=True)
                 self._cache = None
 
@@ -297,18 +292,15 @@ def open_run_folder(url_or_path, option: str = "train.output_dir") -> RunFolder:
 
 def _probe(url: str, probe: str) -> str:
     """Write, read back and delete a probe object; '' when that worked, else the cause."""
-    import fsspec
-
     try:
-        fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True)
-        key = f"{root.rstrip('/')}/{probe}"
+        folder = RunFolder(url, skip_instance_cache=True)
         try:
-            fs.pipe_file(key, b"ok")
+            folder.write_bytes(probe, b"ok")
         except FileNotFoundError:
-            return f"bucket {root.split('/', 1)[0]!r} does not exist"
-        if fs.cat_file(key) != b"ok":
+            return f"bucket {folder.root.split('/', 1)[0]!r} does not exist"
+        if folder.read_bytes(probe) != b"ok":
             return "a probe object read back different bytes"
-        fs.rm_file(key)
+        folder.remove(probe)
         return ""
     except BaseException as e:  # noqa: BLE001
         return _cause(e)

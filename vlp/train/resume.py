@@ -20,33 +20,27 @@ STATE_KEYS = tuple(k for k, r in RESUME_RULES.items() if r.shapes_state)
 HARMLESS_KEYS = tuple(k for k, r in RESUME_RULES.items() if not r.results)
 
 
-def _dotted(config: dict, key: str) -> Any:
-    node: Any = config
+_UNRECORDED = object()
+
+
+def _dotted(config: Optional[dict], key: str, missing: Any = None) -> Any:
+    """config[a][b] for key 'a.b' (the temperature mode's old name read as today's); ``missing``
+    when absent."""
+    node: Any = config or {}
     for part in key.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
-
-
-def _has(config: dict, key: str) -> bool:
-    section, _, name = key.partition(".")
-    return isinstance(config.get(section), dict) and name in config[section]
-
-
-def _saved_value(saved_cfg: dict, key: str) -> Any:
-    old = _dotted(saved_cfg, key)
-    if key == "loss.temperature" and old == "infonce":  # the mode's old name
-        old = "split"
-    return old
+        node = node.get(part, missing) if isinstance(node, dict) else missing
+    return "split" if key == "loss.temperature" and node == "infonce" else node
 
 
 def _changes(saved_cfg: Optional[dict], new_cfg: dict, keys, skip_unrecorded=()) -> list[tuple[str, Any, Any]]:
     """(key, saved, now) for each of ``keys`` whose value changed; a key of ``skip_unrecorded``
     that the saved config lacks (added to vlp since) is skipped, any other compared as None."""
-    saved_cfg, out = saved_cfg or {}, []
+    out = []
     for key in keys:
-        if key in skip_unrecorded and not _has(saved_cfg, key):
+        old, new = _dotted(saved_cfg, key, _UNRECORDED), _dotted(new_cfg, key)
+        if old is _UNRECORDED and key in skip_unrecorded:
             continue
-        old, new = _saved_value(saved_cfg, key), _dotted(new_cfg, key)
+        old = None if old is _UNRECORDED else old
         if old != new:
             out.append((key, old, new))
     return out
