@@ -61,11 +61,9 @@ def manifest_bytes(entries: dict[str, dict]) -> bytes:
 
 
 def write_manifest(path: str | Path) -> Path:
-    """Write the manifest of a file (its sidecar) or a folder (all its files), fsynced."""
-    path = Path(path)
-    files = sorted(f for f in path.iterdir() if f.is_file() and f.name != DIR_MANIFEST) if path.is_dir() else [path]
-    target = manifest_path(path)
-    atomic_write(target, manifest_bytes({f.name: entry(f) for f in files}), fsync=True)
+    """Write a file's sidecar manifest, NAME.manifest.json, fsynced."""
+    path, target = Path(path), manifest_path(path)
+    atomic_write(target, manifest_bytes({path.name: entry(path)}), fsync=True)
     return target
 
 
