@@ -419,3 +419,19 @@ def test_dcp_save_that_hits_a_full_disk_is_one_error_and_leaves_no_temp(tmp_path
         "earlier checkpoints are unchanged")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]  # no .step_00000002.tmp
     assert ckpt.load_valid(tmp_path / "step_00000001")["train"]["step"] == 1
+
+
+def test_a_file_that_cannot_be_read_is_one_line_naming_it(tmp_path, monkeypatch):
+    """An OSError while checking (EIO, a lost mount) is the same one-line error as damage."""
+    import errno
+
+    f = tmp_path / "w.pt"
+    f.write_bytes(b"weights")
+    integrity.write_manifest(f)
+
+    def unreadable(path):
+        raise OSError(errno.EIO, "Input/output error", str(path))
+
+    monkeypatch.setattr(integrity, "file_digest", unreadable)
+    with pytest.raises(integrity.IntegrityError, match=rf"^model.pretrained {f} cannot be checked: Input/output error$"):
+        integrity.verify(f, "model.pretrained")

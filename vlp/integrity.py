@@ -86,8 +86,8 @@ def read_manifest(path: str | Path) -> Optional[dict]:
 
 def verify(path: str | Path, what: str = "") -> bool:
     """Check a file or folder against its manifest: True when all match, False when it has none;
-    IntegrityError '[WHAT ]FILE ...' naming the first file missing, of another size or content.
-    A file without a manifest (someone else's weights) passes."""
+    IntegrityError '[WHAT ]FILE ...' naming the first file missing, of another size or content,
+    or that cannot be read. A file without a manifest (someone else's weights) passes."""
     path = Path(path)
     try:
         files = read_manifest(path)
@@ -104,8 +104,9 @@ def verify(path: str | Path, what: str = "") -> bool:
             if file_digest(file) != expected.get(ALGORITHM):
                 raise IntegrityError(f"{file} does not match its {ALGORITHM} checksum "
                                      "(damaged or changed since it was written)")
-    except IntegrityError as e:
-        raise IntegrityError(f"{what} {e}" if what else str(e)) from None
+    except (OSError, IntegrityError) as e:
+        why = f"{e.filename or path} cannot be checked: {e.strerror or e}" if isinstance(e, OSError) else str(e)
+        raise IntegrityError(f"{what} {why}".lstrip()) from None
     return True
 
 

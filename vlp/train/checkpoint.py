@@ -98,19 +98,12 @@ def load_checked(path: str | Path) -> tuple[object, bool]:
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if path.stat().st_size == 0:
         raise CheckpointError(f"checkpoint {path} is empty (0 bytes)")
-    verified = _verify(path)
+    verified = integrity.verify(path, "checkpoint")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated file, wrong format, pickled objects
         raise CheckpointError(f"checkpoint {path} cannot be read safely: {first_line(e)}") from None
     return state, integrity.sealed(state, path) or verified
-
-
-def _verify(path: Path) -> bool:
-    try:
-        return integrity.verify(path, "checkpoint")
-    except OSError as e:
-        raise CheckpointError(f"checkpoint {path} cannot be checked: {_reason(e)}") from None
 
 
 def load(path: str | Path):
@@ -180,7 +173,7 @@ def load_valid(path: str | Path) -> dict:
         for name in (".metadata", META_FILE):
             if not (path / name).is_file():
                 raise CheckpointError(f"checkpoint {path} is incomplete: no {name}")
-        verified = _verify(path)  # before META_FILE or .metadata is parsed
+        verified = integrity.verify(path, "checkpoint")  # before META_FILE or .metadata is parsed
         state = load_checked(path / META_FILE)[0]  # the folder's manifest covers it
     else:
         state, verified = load_checked(path)
