@@ -49,8 +49,8 @@ def remove_local(path: Path) -> None:
     """Delete a local file or folder; missing is fine."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
-    elif path.is_symlink() or path.exists():
-        path.unlink()
+    else:
+        path.unlink(missing_ok=True)
 
 
 class RunFolder:
@@ -112,14 +112,13 @@ class RunFolder:
                 self.fs.pipe_file(self._key(name), data, mode="create")
                 return True
             Path(self._key(name)).parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self._key(name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            with open(self._key(name), "xb") as f:  # O_CREAT | O_EXCL
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            return True
         except FileExistsError:
             return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        return True
 
     def read_bytes(self, name: str) -> bytes:
         try:

@@ -23,7 +23,7 @@ from vlp.train import resume as resume_rules
 
 # Keys that may change between a finished run and a rerun without making the run stale: the
 # resume rules table's keys that do not change results (vlp.train.resume.RESUME_RULES).
-HARMLESS_KEYS = resume_rules.HARMLESS_KEYS
+HARMLESS_KEYS = tuple(k for k, rule in resume_rules.RESUME_RULES.items() if not rule.results)
 
 
 def run_config(base: dict, grid, run, world: int = 1) -> Config:

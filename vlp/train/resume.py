@@ -17,7 +17,6 @@ RESUME_RULES: dict[str, KeyRule] = {name: k.resume for name, k in KEYS.items()} 
 LAYOUT_KEYS = tuple(k for k, r in RESUME_RULES.items() if r.kind == LAYOUT)
 FIXED_KEYS = tuple(k for k, r in RESUME_RULES.items() if r.kind == REFUSE)
 STATE_KEYS = tuple(k for k, r in RESUME_RULES.items() if r.shapes_state)
-HARMLESS_KEYS = tuple(k for k, r in RESUME_RULES.items() if not r.results)
 
 
 _UNRECORDED = object()

@@ -38,13 +38,10 @@ def describe(holder: dict) -> str:
 class RunLock:
     folder: RunFolder
     token: str
-    released: bool = False
 
     def release(self) -> None:
         """Remove the lock if it is still ours (a lock broken by someone else is theirs)."""
-        if self.released:
-            return
-        self.released = True
+        atexit.unregister(self.release)  # released once: not again at exit
         with contextlib.suppress(Exception):  # at exit: a lost network must not hide the run's own error
             if (_read(self.folder) or {}).get("token") == self.token:
                 self.folder.remove(LOCK_NAME)
