@@ -339,7 +339,7 @@ def test_the_bucket_lock_refuses_a_live_writer_and_takes_over_a_dead_one(s3, tin
     folder.write_bytes("vlp.lock", json.dumps({**alive, "pid": int(dead.stdout)}).encode())
     said = []
     lock = runlock.acquire(folder, log=said.append)
-    assert "took over the stale lock" in said[0] and json.loads(folder.read_text("vlp.lock"))["pid"] == os.getpid()
+    assert "took over the stale lock" in said[0] and json.loads(folder.read_bytes("vlp.lock"))["pid"] == os.getpid()
     lock.release()
     folder.close()
 

@@ -98,11 +98,11 @@ def test_whole_objects(any_folder):
     f.write_bytes("config.yaml", b"a: 1\n")
     f.write_bytes("eval_step5/report.json", b"{}")
     f.write_bytes("eval_step5/deep/x.bin", b"\0\1")
-    assert f.read_text("config.yaml") == "a: 1\n" and f.exists("eval_step5/deep/x.bin")
+    assert f.read_bytes("config.yaml").decode() == "a: 1\n" and f.exists("eval_step5/deep/x.bin")
     assert f.listdir() == ["config.yaml", "eval_step5"]
     assert f.listdir("eval_step5") == ["deep", "report.json"]
     f.write_bytes("config.yaml", b"a: 2\n")  # replaced whole
-    assert f.read_text("config.yaml") == "a: 2\n"
+    assert f.read_bytes("config.yaml").decode() == "a: 2\n"
     f.remove("eval_step5", tree=True)
     assert f.listdir() == ["config.yaml"] and not f.exists("eval_step5/report.json")
     with pytest.raises(FileNotFoundError, match="nothing.txt does not exist"):
@@ -140,7 +140,7 @@ def test_local_folder_is_plain_files(tmp_path):
     f = RunFolder(tmp_path / "run")
     f.write_bytes("result.json", b"{}")
     assert (tmp_path / "run" / "result.json").read_text() == "{}" and not f.remote
-    assert RunFolder(f"file://{tmp_path}/run").read_text("result.json") == "{}"
+    assert RunFolder(f"file://{tmp_path}/run").read_bytes("result.json").decode() == "{}"
 
 
 def test_log_writer_appends_and_survives_a_resume(any_folder):
@@ -153,12 +153,12 @@ def test_log_writer_appends_and_survives_a_resume(any_folder):
     if f.remote:  # not yet uploaded: an object cannot be appended to, it is put whole
         assert not f.exists("log.jsonl")
         log.flush()
-    assert f.read_text("log.jsonl") == '{"step": 1}\n{"step": 2}\n'
+    assert f.read_bytes("log.jsonl").decode() == '{"step": 1}\n{"step": 2}\n'
     log.write('{"step": 3}')
     log.close()
     resumed = LogWriter(f, "log.jsonl", upload_every_s=0)  # every line uploaded
     resumed.write('{"step": 4}')
-    assert f.read_text("log.jsonl").splitlines() == [f'{{"step": {i}}}' for i in (1, 2, 3, 4)]
+    assert f.read_bytes("log.jsonl").decode().splitlines() == [f'{{"step": {i}}}' for i in (1, 2, 3, 4)]
     resumed.close()
 
 

@@ -227,6 +227,20 @@ def test_copied_pt_with_flipped_adamw_bytes_is_never_loaded(capsys, run_copy, tm
     assert "resumed from" in stdout and "step_00000002.pt at step 2" in stdout
 
 
+def test_damaged_per_rank_file_is_named_not_blamed_on_the_config(capsys, tiny_shards, tmp_path):
+    """SogCLR's per-rank file (step_N.ranks/) with bytes flipped in its u table: one line naming
+    that file, not 'does not fit this run' (it is not a config change)."""
+    out = tmp_path / "run"
+    sog = ("loss.name=sogclr", "loss.gamma=0.5", "train.checkpoint_every=2", "train.samples=32")
+    assert run(capsys, *train_args(tiny_shards["train"], out, *sog))[0] == 0
+    ranks = out / "checkpoints" / "step_00000002.ranks" / "rank00000-of-00001.pt"
+    offset, length = zip_member_span(ranks)
+    flip(ranks, offset + length // 2, 64)
+    rc, _, err = run(capsys, *train_args(tiny_shards["train"], out, *sog, "train.resume=latest", "train.samples=64"))
+    line = one_line(rc, err, "rank00000-of-00001.pt does not match its sha256 checksum")
+    assert "does not fit" not in line
+
+
 def test_checkpoint_copied_under_a_new_name_verifies(capsys, run_copy, tmp_path):
     """Checksums inside: a .pt renamed alone verifies. A .pt of the release before (checksums in a
     sidecar) renamed with its sidecar verifies; without it, it cannot be verified: refused."""

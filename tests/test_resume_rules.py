@@ -40,19 +40,28 @@ def test_the_old_lists_are_views_of_the_table():
             "data.mode", "data.weights", "data.num_samples", "loss.name", "loss.temperature"} == set(resume.LAYOUT_KEYS)
 
 
-def test_resume_changes_applies_refuses_and_skips():
+def _applied(saved_cfg: dict, *overrides) -> list[str]:
+    """The resume's applied-change lines, checked first as a resume does (check_resume)."""
+    saved, cfg = {"config": saved_cfg, "train": {"step": 12}, "world_size": 1}, load_config(None, ["model.name=vlp-micro", *overrides])
+    resume.check_resume(saved, cfg, 1, "ckpt.pt")
+    return [line.removeprefix("[vlp] resume: ").removesuffix(" from step 12") for line in resume.applied_lines(saved, cfg)]
+
+
+def test_a_resume_applies_refuses_and_skips():
     saved = cfg_dict("optim.lr=1e-3", "train.seed=1")
-    applied, refused = resume.resume_changes(saved, cfg_dict("optim.lr=1e-5", "train.seed=1", "train.resume=latest"))
-    assert applied == ["optim.lr 0.001 -> 1e-05"] and refused == []  # train.resume: quiet
-    applied, refused = resume.resume_changes(saved, cfg_dict("optim.lr=1e-3", "train.seed=2", "optim.name=sgd"))
-    assert applied == []
-    assert refused == ["optim.name: 'adamw' -> 'sgd' (the saved optimizer state is another optimizer's)",
-                       "train.seed: 1 -> 2 (exact resume keeps the data layout)"]
-    applied, refused = resume.resume_changes(saved, cfg_dict("train.seed=2", "train.resume_mode=continue"))
-    assert "train.seed 1 -> 2" in applied and refused == []
+    assert _applied(saved, "optim.lr=1e-5", "train.seed=1", "train.resume=latest") == ["optim.lr 0.001 -> 1e-05"]  # train.resume: quiet
+    with pytest.raises(ConfigError, match=r"^resume: optim.name: 'adamw' -> 'sgd' \(the saved optimizer state is another "
+                                          r"optimizer's\) since ckpt.pt"):
+        _applied(saved, "optim.lr=1e-3", "train.seed=2", "optim.name=sgd")
+    with pytest.raises(ConfigError, match=r"^resume: train.seed: 1 -> 2 since ckpt.pt; exact resume needs the same data layout"):
+        _applied(saved, "optim.lr=1e-3", "train.seed=2")
+    assert _applied(saved, "optim.lr=1e-3", "train.seed=2", "train.resume_mode=continue") == [
+        "train.resume_mode 'exact' -> 'continue'"]  # train.seed, a layout change, has its own line
+    continued = load_config(None, ["model.name=vlp-micro", "train.seed=2", "train.resume_mode=continue"])
+    assert resume.layout_changes({"config": saved, "world_size": 2}, continued, 1) == ["world size: 2 -> 1", "train.seed: 1 -> 2"]
     older = {k: dict(v) for k, v in saved.items()}
     del older["train"]["break_lock"], older["optim"]["lr"]  # keys an older vlp did not record
-    assert resume.resume_changes(older, cfg_dict("optim.lr=1e-5", "train.seed=1", "train.break_lock=true")) == ([], [])
+    assert _applied(older, "optim.lr=1e-5", "train.seed=1", "train.break_lock=true") == []
 
 
 def test_check_resume_refuses_a_refused_key_in_one_line():

@@ -37,11 +37,9 @@ class IntegrityError(CheckpointError):
 
 def file_digest(path: str | Path) -> str:
     h = hashlib.new(ALGORITHM)
-    buf = bytearray(CHUNK_BYTES)
-    view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
+        for block in iter(lambda: f.read(CHUNK_BYTES), b""):
+            h.update(block)
     return h.hexdigest()
 
 

@@ -126,9 +126,6 @@ class RunFolder:
         except (FileNotFoundError, IsADirectoryError):
             raise FileNotFoundError(f"{self.path(name)} does not exist") from None
 
-    def read_text(self, name: str) -> str:
-        return self.read_bytes(name).decode("utf-8")
-
     def exists(self, name: str = "") -> bool:
         return self.fs.exists(self._key(name))
 

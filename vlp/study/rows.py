@@ -67,7 +67,7 @@ def run_row(run: RunSpec, cfg: Config, world: int = 1) -> Optional[dict]:
 
 def _read_json(folder: RunFolder, name: str) -> Optional[dict]:
     try:
-        return json.loads(folder.read_text(name))
+        return json.loads(folder.read_bytes(name))
     except FileNotFoundError:
         return None
 

@@ -86,7 +86,7 @@ def plan_runs(runs: list, cfgs: dict[str, Config], out: Path, items: bool = Fals
     done, out = [], _folder(out)  # a local folder or a bucket (vlp.storage.RunFolder)
     for run in runs:
         try:
-            saved = out.read_text(f"{run.name}/config.yaml")
+            saved = out.read_bytes(f"{run.name}/config.yaml").decode()
         except FileNotFoundError:
             saved = None
         if saved is not None:

@@ -25,7 +25,6 @@ from vlp.util import first_line
 CKPT_RE = re.compile(r"^step_(\d+)(\.pt)?$")  # step_N.pt file (replicated) or step_N/ DCP folder (sharded)
 META_FILE = "meta.pt"  # a DCP checkpoint's parts (counters, RNG, config, ...): written last, by rank 0
 REQUIRED = ("scheduler", "train", "data", "world_size", "rng", "config")  # besides model and optimizer
-__all__ = ["CheckpointError"]  # raised here; defined in vlp.integrity with IntegrityError
 
 
 def ranks_name(name: str) -> str:

@@ -96,10 +96,9 @@ def latest_valid(folder: RunFolder) -> tuple[Optional[tuple[str, Path, dict]], l
 
 
 class Checkpointer:
-    def __init__(self, folder, tensors, keep_last: int = 0, facts: Optional[dict] = None,
+    def __init__(self, folder: RunFolder, tensors, keep_last: int = 0, facts: Optional[dict] = None,
                  say: Callable[[str], None] = print):
-        self.folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
-        self.tensors, self.keep_last, self.facts, self.say = tensors, keep_last, dict(facts or {}), say
+        self.folder, self.tensors, self.keep_last, self.facts, self.say = folder, tensors, keep_last, dict(facts or {}), say
         self.parts: list[tuple[str, object, str]] = []
         self.saved_step: Optional[int] = None
 
@@ -212,7 +211,7 @@ class Checkpointer:
             state = resume.fit(state, cfg, get_world_size(), where)
             self._load(state, path)
         except (RuntimeError, KeyError, ValueError) as e:  # parameters or optimizer groups differ
-            if isinstance(e, ConfigError):
+            if isinstance(e, (ConfigError, CheckpointError)):  # a refused change; a damaged per-rank file
                 raise
             changes = resume.changed_settings(state.get("config"), cfg.to_dict())
             raise CheckpointError(f"checkpoint {where} does not fit this run ({'; '.join(changes) or first_line(e)}): "

@@ -17,9 +17,8 @@ RESUME_RULES: dict[str, KeyRule] = {name: k.resume for name, k in KEYS.items()} 
 LAYOUT_KEYS = tuple(k for k, r in RESUME_RULES.items() if r.kind == LAYOUT)
 FIXED_KEYS = tuple(k for k, r in RESUME_RULES.items() if r.kind == REFUSE)
 STATE_KEYS = tuple(k for k, r in RESUME_RULES.items() if r.shapes_state)
-
-
-_UNRECORDED = object()
+APPLIED_KEYS = tuple(k for k, r in RESUME_RULES.items() if r.kind == APPLY and not r.quiet)  # logged when changed
+_UNRECORDED = object()  # a key the saved config lacks
 
 
 def _dotted(config: Optional[dict], key: str, missing: Any = None) -> Any:
@@ -36,33 +35,17 @@ def _changes(saved_cfg: Optional[dict], new_cfg: dict, keys, skip_unrecorded=())
     that the saved config lacks (added to vlp since) is skipped, any other compared as None."""
     out = []
     for key in keys:
-        old, new = _dotted(saved_cfg, key, _UNRECORDED), _dotted(new_cfg, key)
-        if old is _UNRECORDED and key in skip_unrecorded:
-            continue
-        old = None if old is _UNRECORDED else old
-        if old != new:
+        old = _dotted(saved_cfg, key, _UNRECORDED if key in skip_unrecorded else None)
+        if old is not _UNRECORDED and old != (new := _dotted(new_cfg, key)):
             out.append((key, old, new))
     return out
 
 
-def resume_changes(saved_cfg: dict, new_cfg: dict) -> tuple[list[str], list[str]]:
-    """(applied, refused): 'key old -> new' for each changed key a resume applies, 'key: old ->
-    new (why)' for each it refuses; keys the saved config lacks (added to vlp since) are skipped."""
-    continue_mode = _dotted(new_cfg, "train.resume_mode") == "continue"
-    applied, refused = [], []
-    for key, old, new in _changes(saved_cfg, new_cfg, RESUME_RULES, RESUME_RULES):
-        rule = RESUME_RULES[key]
-        if rule.kind == APPLY or (rule.kind == LAYOUT and continue_mode):
-            applied += [] if rule.quiet else [f"{key} {old!r} -> {new!r}"]
-        else:
-            refused.append(f"{key}: {old!r} -> {new!r} ({rule.why or 'exact resume keeps the data layout'})")
-    return applied, refused
-
-
 def applied_lines(saved: dict, cfg: Config) -> list[str]:
-    """'[vlp] resume: optim.lr 0.001 -> 1e-05 from step 12' for each change a resume applies."""
-    applied, _ = resume_changes(saved.get("config") or {}, cfg.to_dict())
-    return [f"[vlp] resume: {line} from step {saved['train']['step']}" for line in applied]
+    """'[vlp] resume: optim.lr 0.001 -> 1e-05 from step 12' for each changed key a resume applies (a
+    layout change has its own line); keys the saved config lacks (added to vlp since) are skipped."""
+    return [f"[vlp] resume: {key} {old!r} -> {new!r} from step {saved['train']['step']}"
+            for key, old, new in _changes(saved.get("config"), cfg.to_dict(), APPLIED_KEYS, APPLIED_KEYS)]
 
 
 def layout_changes(saved: dict, cfg: Config, world_size: Optional[int],
