@@ -492,11 +492,22 @@ def test_end_to_end_exit_status_and_stderr_of_a_real_process(tmp_path):
     assert sorted(os.listdir(tmp_path / "out")) == []
 
 
+def _train_in_ranks(rank, world, args):
+    """One rank of a 2-rank run (forked gloo ranks, Accelerate on the existing process group as
+    under `accelerate launch`) of the `vlp train` arguments `args`."""
+    from vlp.config import load_config
+    from vlp.train.loop import Trainer
+
+    os.environ.update(ACCELERATE_USE_CPU="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world))
+    Trainer(load_config(args[2], [str(a) for a in args[3:]])).train()
+
+
 def test_two_ranks_skip_counts_are_summed_in_result_and_log(tmp_path):
-    """2 processes (accelerate launch, gloo): both ranks meet corrupt images; result.json and the
-    log hold the sum of both ranks' counts, not rank 0's alone."""
+    """2 ranks (gloo): both meet corrupt images; result.json and the log hold the sum of both
+    ranks' counts, not rank 0's alone."""
+    from _dist_utils import run_distributed
     from vlp.data.sources.openmoji import load_pairs
-    from vlp_testing import accelerate_cmd, run_env, run_launch
 
     pairs = load_pairs("train", image_size=32)[:80]
     samples = [(p.key, {"png": b"garbage" if i % 5 == 2 else p.image, "txt": p.caption.encode()})
@@ -504,10 +515,8 @@ def test_two_ranks_skip_counts_are_summed_in_result_and_log(tmp_path):
     for s in range(2):
         write_tar(tmp_path / f"mix-{s}.tar", samples[40 * s:40 * (s + 1)])
     out = tmp_path / "run"
-    cmd = accelerate_cmd("-m", "vlp", *[str(a) for a in train(tmp_path / "mix-{0..1}.tar", out, "data.batch_per_device=8",
-                                                                 "train.samples=64")])
-    proc = run_launch(cmd, cwd=REPO, env=run_env() | {"ACCELERATE_USE_CPU": "1"}, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_distributed(_train_in_ranks, 2, (train(tmp_path / "mix-{0..1}.tar", out, "data.batch_per_device=8",
+                                               "train.samples=64"),), timeout_s=300)
     per_rank = torch.load(out / "checkpoints" / "step_00000004.pt", weights_only=True)["data"]
     per_rank = [d["skipped"] for d in per_rank]
     assert len(per_rank) == 2 and all(r.get("corrupt_image", 0) > 0 for r in per_rank), per_rank

@@ -1,21 +1,33 @@
 """SogCLR's u in a real run: each rank saves its own shard (step_N.ranks/), pruned with its
 checkpoint; a 2-rank checkpoint resumes exactly on 2 ranks and, in resume_mode=continue, on 1 and
-3 ranks with every sample's u kept."""
+3 ranks with every sample's u kept; FastCLIP's and iSogCLR's state the same way. The ranks are
+forked gloo processes running the Trainer as `accelerate launch` would (the launcher itself is
+tested by test_two_process, test_cluster and the SLURM tests): ~20 CPU seconds of start-up less
+per run."""
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from test_two_process import _launch
-from vlp_testing import REPO, accelerate_cmd, run_env, run_launch
+from _dist_utils import run_distributed
+from test_two_process import COMMON as TWO_PROCESS
+from vlp_testing import REPO
 from vlp.config import load_config
 from vlp.losses.sogclr import SogCLRLoss
 from vlp.train.loop import Trainer
 
 SOG = ("loss.name=sogclr", "loss.gamma=0.5", "loss.gamma_schedule=cosine", "train.checkpoint_every=4")
+
+
+def _two_process_args(shards, out, *extra) -> list[str]:
+    """The overrides of test_two_process's `_launch` (its shards, eval shards and COMMON)."""
+    return [f"data.train_shards={shards['train']}", f"data.eval_shards={shards['eval']}", f"train.output_dir={out}",
+            *TWO_PROCESS, *extra]
 
 
 def _whole(folder, world: int, n: int = 160) -> SogCLRLoss:
@@ -27,9 +39,10 @@ def _whole(folder, world: int, n: int = 160) -> SogCLRLoss:
 
 
 def test_two_rank_u_per_rank_files_exact_resume_and_changed_worlds(tiny_shards, tmp_path):
-    full = tmp_path / "full"
-    proc = _launch(tiny_shards, full, *SOG, "train.keep_last=3")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    said = run_distributed(_full_then_resumed, 2, (tiny_shards, str(tmp_path), (*SOG, "train.keep_last=3")),
+                           timeout_s=400)
+    assert "resumed from" in said[0] and "step_00000008.pt" in said[0], said[0][-4000:]
+    full, part = tmp_path / "full", tmp_path / "part"
     ck = full / "checkpoints"
     names = sorted(p.name for p in ck.iterdir())
     assert "step_00000004.ranks" not in names and "step_00000008.ranks" in names, names  # pruned together
@@ -37,14 +50,7 @@ def test_two_rank_u_per_rank_files_exact_resume_and_changed_worlds(tiny_shards, 
     assert meta["rank_files"] == 2 and "loss_state" not in meta  # no O(N) table in the shared file
     assert torch.isfinite(_whole(ck / "step_00000016.ranks", 2).log_u).all()
 
-    # exact: resume the 2-rank run from step 8, same final u and weights
-    part = tmp_path / "part"
-    shutil.copytree(full, part)
-    for p in (part / "checkpoints").iterdir():
-        if int(p.name.split("_")[1].split(".")[0]) > 8:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    proc = _launch(tiny_shards, part, *SOG, "train.keep_last=3", "train.resume=latest")
-    assert proc.returncode == 0 and "step_00000008.pt" in proc.stdout, proc.stderr[-4000:]
+    # exact: the 2-rank run resumed from step 8 ends with the same u and weights
     for r in range(2):
         name = f"step_00000016.ranks/rank{r:05d}-of-00002.pt"
         a, b = (torch.load(d / "checkpoints" / name, weights_only=True)["loss"] for d in (full, part))
@@ -65,13 +71,12 @@ def test_two_rank_u_per_rank_files_exact_resume_and_changed_worlds(tiny_shards, 
     three = tmp_path / "three"
     shutil.copytree(full, three)
     (three / "open_clip_model.pt").unlink()
-    cmd = accelerate_cmd("--num_processes", "3", "-m", "vlp", "train", "-c", "configs/demo.yaml",
-                         f"data.train_shards={tiny_shards['train']}", "data.eval_shards=", f"train.output_dir={three}",
-                         "model.name=vlp-micro", "data.batch_per_device=8", "data.num_workers=0", "data.shuffle_buffer=32",
-                         *SOG[:3], "train.samples=400", "train.checkpoint_every=2", "train.resume=latest",
-                         "train.resume_mode=continue", "train.keep_last=0")
-    p3 = run_launch(cmd, cwd=REPO, env=run_env() | {"ACCELERATE_USE_CPU": "1"}, timeout=600)
-    assert p3.returncode == 0 and "resumed from" in p3.stdout, p3.stderr[-4000:]
+    args = (f"data.train_shards={tiny_shards['train']}", "data.eval_shards=", f"train.output_dir={three}",
+            "model.name=vlp-micro", "data.batch_per_device=8", "data.num_workers=0", "data.shuffle_buffer=32",
+            *SOG[:3], "train.samples=400", "train.checkpoint_every=2", "train.resume=latest",
+            "train.resume_mode=continue", "train.keep_last=0")
+    said = run_distributed(_train, 3, (args,), timeout_s=400)
+    assert "resumed from" in said[0], said[0][-4000:]
     last = sorted(p for p in (three / "checkpoints").iterdir() if p.name.endswith(".ranks"))[-1]
     assert sorted(x.name for x in last.iterdir() if x.suffix == ".pt") == [f"rank{r:05d}-of-00003.pt" for r in range(3)]
     assert torch.isfinite(_whole(last, 3).log_u).all()
@@ -84,27 +89,61 @@ def _whole_of(loss_fn, folder, world: int):
     return loss_fn.state_dict()[loss_fn.STATE_KEY]
 
 
+def _cut_after(folder, step: int) -> None:
+    """Delete a run's checkpoints after step `step` (a run stopped there)."""
+    for p in (folder / "checkpoints").iterdir():
+        if int(p.name.split("_")[1].split(".")[0]) > step:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def _train(rank, world, args) -> str:
+    """One forked gloo rank of a run (Accelerate on the existing process group, as under
+    `accelerate launch`, which test_two_process and the SLURM tests go through) of demo.yaml with
+    the overrides `args`; what it printed."""
+    import contextlib
+    import io
+
+    from accelerate.state import AcceleratorState
+
+    os.environ.update(ACCELERATE_USE_CPU="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world))
+    AcceleratorState._reset_state()  # an earlier run in this rank set it up for its own config
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        Trainer(load_config(REPO / "configs/demo.yaml", list(args))).train()
+    return said.getvalue()
+
+
+def _full_then_resumed(rank, world, shards, root, extra):
+    """In forked gloo ranks (`_train`): the full run, then a copy cut after step 8 resumed with
+    resume=latest. This rank's output of the resumed run."""
+    import torch.distributed as dist
+
+    full, part = Path(root) / "full", Path(root) / "part"
+    _train(rank, world, _two_process_args(shards, full, *extra))
+    dist.barrier()
+    if rank == 0:
+        shutil.copytree(full, part)
+        _cut_after(part, 8)
+    dist.barrier()
+    return _train(rank, world, _two_process_args(shards, part, *extra, "train.resume=latest"))
+
+
 @pytest.mark.parametrize("name", ["fastclip", "isogclr"])
 def test_two_rank_state_of_the_new_losses_resumes_exactly(tiny_shards, tmp_path, name):
-    """FastCLIP's u and iSogCLR's u, temperatures and momenta in a real 2-process run: one file
-    per rank, resumed from step 8 on 2 ranks bit-identical (state and weights), and on 1 process
+    """FastCLIP's u and iSogCLR's u, temperatures and momenta in a 2-rank run: one file per rank,
+    resumed from step 8 on 2 ranks bit-identical (state and weights), and on 1 process
     (resume_mode=continue) with every sample's row kept."""
     from vlp.losses.fastclip import FastCLIPLoss
     from vlp.losses.isogclr import ISogCLRLoss
 
     kind = FastCLIPLoss if name == "fastclip" else ISogCLRLoss
     extra = (f"loss.name={name}", "loss.gamma=0.5", "loss.rho=1.0", "loss.tau_lr=0.01", "train.checkpoint_every=4")
-    full = tmp_path / "full"
-    proc = _launch(tiny_shards, full, *extra, "train.keep_last=3")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    said = run_distributed(_full_then_resumed, 2, (tiny_shards, str(tmp_path), (*extra, "train.keep_last=3")),
+                           timeout_s=400)
+    assert "resumed from" in said[0] and "step_00000008.pt" in said[0], said[0][-4000:]
+    full, part = tmp_path / "full", tmp_path / "part"
     ck = full / "checkpoints"
-    part = tmp_path / "part"
-    shutil.copytree(full, part)
-    for p in (part / "checkpoints").iterdir():
-        if int(p.name.split("_")[1].split(".")[0]) > 8:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    proc = _launch(tiny_shards, part, *extra, "train.keep_last=3", "train.resume=latest")
-    assert proc.returncode == 0 and "step_00000008.pt" in proc.stdout, proc.stderr[-4000:]
     last = sorted(p.name for p in ck.iterdir() if p.name.endswith(".ranks"))[-1]
     for r in range(2):
         a, b = (torch.load(d / "checkpoints" / last / f"rank{r:05d}-of-00002.pt", weights_only=True)["loss"]

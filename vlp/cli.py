@@ -94,10 +94,10 @@ def cmd_train(args) -> int:
         # abort the process at exit ("terminate called without an active exception")
         try:
             result = trainer.train()
-            trainer.accelerator.wait_for_everyone()
         except Preempted as e:  # every rank stopped after the same step; its frames hold that step's
             stop = e.with_traceback(None)  # tensors and collectives: let them go before the group
         gc.collect()
+        trainer.accelerator.wait_for_everyone()  # preempted too: a rank that ended first aborted (SLURM test)
     finally:
         trainer.accelerator.end_training()
     if stop is not None:
