@@ -230,6 +230,12 @@ def _environs() -> dict[int, dict]:
     return found
 
 
+def job_ranks(job_id: int) -> list[int]:
+    """The pids of the job's training ranks: the processes whose launcher gave them a RANK."""
+    return sorted(pid for pid, env in _environs().items() if env.get("SLURM_JOB_ID") == str(job_id) and "RANK" in env
+                  and "TORCHELASTIC_RUN_ID" in env and "python" in _cmdline(pid).split("\0")[0])
+
+
 def job_processes(job_id: int) -> str:
     """For a job that hangs: each of its processes' pid, state, kernel wait channel and command;
     then SIGABRT to its Python processes, whose faulthandler (PYTHONFAULTHANDLER=1, set by the

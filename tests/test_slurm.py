@@ -3,8 +3,10 @@ one CPU process each over gloo, the tiny model on the tiny shards. The commands 
 docs/slurm.md; the CPU variant only sets the script's knobs (VLP_PROCS_PER_NODE, ACCELERATE_USE_CPU)
 and asks for no GPUs. Skipped with the reason where SLURM is not installed; under CI=true that skip
 is a failure."""
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slurm_cluster import SlurmCluster, free_ports, missing
+from slurm_cluster import SlurmCluster, free_ports, job_processes, job_ranks, missing
 from vlp_testing import REPO, overrides
 
 DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
@@ -170,8 +172,22 @@ def test_preemption_by_a_higher_priority_job_saves_requeues_and_resumes_bit_iden
     out = tmp_path / "run"
     job = submit(cluster, out, tiny_shards["train"])
     wait_for_step(cluster, job, out, 3)
-    high = cluster.sbatch(["--partition=high", "--nodes=2", "--exclusive", f"--output={tmp_path}/high.out",
-                           "--wrap", "sleep 1"])
+    # held (SIGSTOP) until SLURM has sent its signal: the other 27 steps take ~1 s on a quiet box,
+    # a preemption ~2.5 s, and a run that ended first was never preempted (seen: COMPLETED, no requeue)
+    ranks = job_ranks(job)
+    assert len(ranks) == 2, job_processes(job)
+    for pid in ranks:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        high = cluster.sbatch(["--partition=high", "--nodes=2", "--exclusive", f"--output={tmp_path}/high.out",
+                               "--wrap", "sleep 1"])
+        deadline = time.time() + 120
+        while "CANCELLED AT" not in job_log(out, job) and time.time() < deadline:
+            time.sleep(0.2)
+    finally:
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
     cluster.wait(job, lambda i: int(i.get("Restarts", 0)) >= 1, 300, "requeue by the preemption")
     cluster.wait(high, lambda i: i["JobState"] in DONE, 300, "the preempting job's end")
     cluster.release(job)
