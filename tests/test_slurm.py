@@ -94,6 +94,40 @@ def finished(cluster, job: int, out: Path, limit_s: float = 400) -> dict:
     return info
 
 
+@contextlib.contextmanager
+def held(job: int):
+    """The job's two training ranks stopped (SIGSTOP) for the block, then continued: what the block
+    does to the job lands mid-run however fast the rest of it would go (the 27 steps after step 3
+    take ~1 s on a quiet box; a run that had ended first was never preempted)."""
+    ranks = job_ranks(job)
+    assert len(ranks) == 2, job_processes(job)
+    for pid in ranks:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield ranks
+    finally:
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def pending(pid: int, sig: int) -> bool:
+    """Whether signal `sig` waits for process `pid` (held: it is handled once it continues)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(mask >> (sig - 1) & 1 for mask in masks)
+
+
+def wait_until(what: str, done, limit_s: float = 120) -> None:
+    deadline = time.time() + limit_s
+    while not done():
+        assert time.time() < deadline, f"{what}: not in {limit_s} s"
+        time.sleep(0.2)
+
+
 def weights(out: Path) -> dict:
     return torch.load(out / "open_clip_model.pt", weights_only=True)["state_dict"]
 
@@ -126,7 +160,9 @@ def test_time_limit_signal_saves_requeues_and_resumes_bit_identical(cluster, uni
     out = tmp_path / "run"
     job = submit(cluster, out, tiny_shards["train"])
     wait_for_step(cluster, job, out, 3)
-    subprocess.run(["scancel", "--signal=USR1", str(job)], env=cluster.env, check=True)
+    with held(job) as ranks:
+        subprocess.run(["scancel", "--signal=USR1", str(job)], env=cluster.env, check=True)
+        wait_until("SIGUSR1 reaching the ranks", lambda: all(pending(pid, signal.SIGUSR1) for pid in ranks))
     cluster.wait(job, lambda i: int(i.get("Restarts", 0)) >= 1, 300, "requeue")
     cluster.release(job)
     info = finished(cluster, job, out)
@@ -172,22 +208,10 @@ def test_preemption_by_a_higher_priority_job_saves_requeues_and_resumes_bit_iden
     out = tmp_path / "run"
     job = submit(cluster, out, tiny_shards["train"])
     wait_for_step(cluster, job, out, 3)
-    # held (SIGSTOP) until SLURM has sent its signal: the other 27 steps take ~1 s on a quiet box,
-    # a preemption ~2.5 s, and a run that ended first was never preempted (seen: COMPLETED, no requeue)
-    ranks = job_ranks(job)
-    assert len(ranks) == 2, job_processes(job)
-    for pid in ranks:
-        os.kill(pid, signal.SIGSTOP)
-    try:
+    with held(job):  # until SLURM has preempted it (~2.5 s after the submission)
         high = cluster.sbatch(["--partition=high", "--nodes=2", "--exclusive", f"--output={tmp_path}/high.out",
                                "--wrap", "sleep 1"])
-        deadline = time.time() + 120
-        while "CANCELLED AT" not in job_log(out, job) and time.time() < deadline:
-            time.sleep(0.2)
-    finally:
-        for pid in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+        wait_until("the preemption's signal", lambda: "CANCELLED AT" in job_log(out, job))
     cluster.wait(job, lambda i: int(i.get("Restarts", 0)) >= 1, 300, "requeue by the preemption")
     cluster.wait(high, lambda i: i["JobState"] in DONE, 300, "the preempting job's end")
     cluster.release(job)
@@ -212,7 +236,8 @@ def test_a_lost_node_ends_the_other_in_one_line_and_the_requeued_job_resumes_exa
     out = tmp_path / "run"
     job = submit(cluster, out, tiny_shards["train"], f"train.dist_timeout_s={timeout_s}")
     wait_for_step(cluster, job, out, 6)
-    killed = cluster.kill_node("n2", job)
+    with held(job):
+        killed = cluster.kill_node("n2", job)
     assert len(killed) >= 2, killed
     start = time.time()
     while "lost its peers" not in job_log(out, job) and time.time() - start < timeout_s + 60:
