@@ -7,7 +7,7 @@ import resource
 import pytest
 from xdist.scheduler import LoadGroupScheduling
 
-from tiers import SLOW_LIST, SLOW_S, base_id, groups, markers, plain_id, read_list
+from tiers import SLOW_LIST, SLOW_S, base_id, groups, join_group, markers, plain_id, read_list
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -39,8 +39,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         for name in sorted(markers(item, listed)):
             item.add_marker(name)
-        if item.nodeid in grouped:
-            item.add_marker(pytest.mark.xdist_group(grouped[item.nodeid]))
+        if item.nodeid in grouped and getattr(config.option, "loadgroup", False):  # an xdist worker's items
+            join_group(item, grouped[item.nodeid])
     if _worker(config):  # the slow tier first, so that the run ends on short tests on both workers
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tiers import SLOW_LIST, TESTS, TIERS, groups, kinds, reached, read_list
+from tiers import SLOW_LIST, TESTS, TIERS, groups, kinds, plain_id, reached, read_list
 from object_store import start_gcs, start_s3
 
 
@@ -101,6 +101,19 @@ def test_groups_are_the_files_of_module_fixtures_only(request):
     two workers' `accelerate launch` runs can run side by side (the next test's ports)."""
     got = groups(request.session.items)
     assert all(group == nodeid.split("::", 1)[0] for nodeid, group in got.items()), got
+
+
+def test_grouped_tests_carry_their_group_where_the_scheduler_reads_it(request):
+    """Under `--dist loadgroup` (the README's command) each grouped test's node id ends in
+    '@<group>', which is all pytest-xdist's scheduler reads; without xdist no id changes."""
+    loadgroup = getattr(request.config.option, "loadgroup", False)
+    items = request.session.items
+    plain = {plain_id(item.nodeid): item.nodeid for item in items}
+    got = {plain_id(nodeid): group for nodeid, group in groups(items).items()}
+    suffixed = {nodeid for nodeid in plain.values() if nodeid != plain_id(nodeid)}
+    if loadgroup:
+        assert all(plain[nodeid] == f"{nodeid}@{group}" for nodeid, group in got.items())
+    assert len(suffixed) == (len(got) if loadgroup else 0)
 
 
 def test_no_test_derives_a_port_from_its_pid():

@@ -171,6 +171,18 @@ def groups(items) -> dict[str, str]:
     return {item.nodeid: item.nodeid.split("::", 1)[0] for item in items if _builds_once(item)}
 
 
+def join_group(item, group: str) -> None:
+    """Puts a test in a pytest-xdist group: loadgroup schedules by the node id's '@group' suffix.
+    pytest-xdist 3.8 adds it for an xdist_group marker by setting item._nodeid, which pytest 9.2
+    no longer reads (its node ids are structured, in item._id): with the marker alone each group's
+    tests went to both workers, and both built its fixture (two SLURM clusters, two FSDP runs)."""
+    suffixed = f"{item.nodeid}@{group}"
+    if hasattr(item, "_id"):
+        item._id = type(item._id).parse(suffixed)
+    else:
+        item._nodeid = suffixed
+
+
 def plain_id(nodeid: str) -> str:
     """The node id without the '@group' suffix pytest-xdist's loadgroup gives grouped tests."""
     head, at, tail = nodeid.rpartition("@")
