@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import forked
 from object_store import start_gcs, start_s3
 from vlp_testing import PYTHON, REPO, accelerate_cmd, free_port, overrides, run_env, run_launch
 
@@ -96,9 +97,9 @@ def _vlp(store, cwd, *argv, wait=True, tmpdir=None):
     env = run_env() | store.env | ({"TMPDIR": str(tmpdir)} if tmpdir else {})
     cmd = [PYTHON, "-m", "vlp", *map(str, argv)]
     if not wait:
-        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        return forked.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    return forked.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def _kill_when(store, child, key: str, timeout_s: float = 240) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from vlp.cli import peer_failure
+import forked
 from vlp_testing import LAUNCH, PYTHON, REPO, free_port, overrides, run_env, run_launch
 
 COMMON = ["model.name=vlp-micro", "data.batch_per_device=8", "optim.lr=1e-3", "optim.warmup_steps=2",
@@ -95,13 +96,13 @@ def test_two_process_checkpoint_goes_on_as_one_process(tiny_shards, single, tmp_
     args = _train_args(tiny_shards, tmp_path, "data.batch_per_device=16", "train.samples=256",
                        "train.resume=latest")
     env = run_env()
-    refused = subprocess.run([PYTHON, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    refused = forked.run([PYTHON, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2
     lines = [x for x in refused.stderr.splitlines() if x.startswith("vlp: error")]
     assert len(lines) == 1 and "Traceback" not in refused.stderr
     assert "world size: 2 -> 1" in lines[0] and "data.batch_per_device: 8 -> 16" in lines[0]
-    proc = subprocess.run([PYTHON, *args, "train.resume_mode=continue"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = forked.run([PYTHON, *args, "train.resume_mode=continue"], cwd=REPO, env=env,
+                      capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "192 samples seen (epoch 1, batch 0 of its rest under the new layout)" in proc.stdout
     result = json.loads((tmp_path / "result.json").read_text())

@@ -3,14 +3,14 @@
 arm's sweep is extended once and ends at its bound, val and test are ranked at 2 budget points,
 and the report has a table per data set and the verdicts across them."""
 import json
-import subprocess
 
+import forked
 from vlp_testing import PYTHON, REPO, run_env
 
 
 def test_cli_map_on_two_data_sets(tmp_path):
     out = tmp_path / "map"
-    proc = subprocess.run(
+    proc = forked.run(
         [PYTHON, "-m", "vlp", "compare", "-c", str(REPO / "configs/compare_small_batch.yaml"), "--quick",
          f"grid.out_dir={out}", "train.samples=32", "grid.warmup_samples=8", "grid.losses=[infonce,flatnce]",
          "grid.optimizers=[adamw]", "grid.batch_per_device=[8]", "grid.seeds=[0,1]", "grid.final_seeds=[0,1]",

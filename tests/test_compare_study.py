@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+import forked
 from vlp_testing import REPO
 from vlp.study import executor
 from vlp.study.compare import load_compare_config, run_grid
@@ -139,12 +140,10 @@ def test_shipped_config_quick_and_gpu_are_the_same_study():
 def test_cli_quick_on_openmoji_tiny(tmp_path):
     """`vlp compare --quick` of the shipped config, cut to 2 runs of 16 samples: the OpenMoji
     fit/val/test shards are written, the study runs and reports."""
-    import subprocess
-
     from vlp_testing import PYTHON, run_env
 
     out = tmp_path / "quick"
-    proc = subprocess.run(
+    proc = forked.run(
         [PYTHON, "-m", "vlp", "compare", "-c", str(REPO / "configs/compare_small_batch.yaml"), "--quick",
          f"grid.out_dir={out}", "train.samples=16", "grid.losses=[infonce,sogclr]", "grid.optimizers=[adamw]",
          "grid.final_seeds=[0]", "grid.sweep={optim.lr: [0.001]}", "grid.warmup_samples=8",

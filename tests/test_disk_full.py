@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+import forked
 from vlp_testing import REPO, accelerate_cmd, run_env, run_launch
 
 COMMON = ["model.name=vlp-micro", "data.batch_per_device=8", "data.num_workers=0", "data.shuffle_buffer=32",
@@ -31,7 +32,7 @@ def _train(shards, out, procs, *extra):
             f"train.output_dir={out}", *COMMON, *extra]
     env = run_env() | {"ACCELERATE_USE_CPU": "1"}
     if procs == 1:
-        return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+        return forked.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     return run_launch(accelerate_cmd(*args, "train.parallel=fsdp"), cwd=REPO, env=env, timeout=400)
 
 

@@ -10,6 +10,7 @@ from vlp.config import ConfigError, LossConfig, ModelConfig, load_config
 from vlp.models.cached import check_cacheable, tower_split
 from vlp.models.model import build_model
 from vlp.train import feature_cache as fc
+import forked
 from vlp_testing import REPO
 
 MICRO = json.loads((REPO / "vlp/models/model_configs/vlp-micro.json").read_text())
@@ -229,12 +230,11 @@ def test_retrieval_ranks_from_cached_stems_are_exact(tiny_shards, timm_json, ber
 
 
 def test_cli_refuses_a_random_transform_in_one_line(tiny_shards):
-    import subprocess
     import sys
 
     from vlp_testing import run_env
 
-    proc = subprocess.run([sys.executable, "-m", "vlp", "train", "model.name=vlp-micro", "model.lock_image=true",
+    proc = forked.run([sys.executable, "-m", "vlp", "train", "model.name=vlp-micro", "model.lock_image=true",
                            "model.lock_text=true", "data.feature_cache=memory", f"data.train_shards={tiny_shards['train']}"],
                           capture_output=True, text=True, env=run_env(), timeout=120)
     assert proc.returncode == 2, proc.stderr

@@ -6,12 +6,12 @@ calls, so counting them here counts what a GPU run would wait for). The trainer 
 step (the fused finite-loss + preemption flag) and one more on logging steps (the metrics)."""
 
 import signal
-import subprocess
 from collections import Counter
 
 import pytest
 import torch
 
+import forked
 from vlp_testing import PYTHON, REPO, run_env
 from vlp.config import load_config
 from vlp.train import preempt
@@ -122,7 +122,7 @@ def test_decode_gpu_is_refused_without_cuda_in_one_line(tiny_shards, tmp_path):
     assert image_output("gpu", torch.device("cuda")) == "jpeg"
     if torch.cuda.is_available():
         pytest.skip("this box has CUDA: data.decode=gpu is allowed")
-    proc = subprocess.run([PYTHON, "-m", "vlp", "train", "-c", str(REPO / "configs/demo.yaml"),
+    proc = forked.run([PYTHON, "-m", "vlp", "train", "-c", str(REPO / "configs/demo.yaml"),
                            f"data.train_shards={tiny_shards['train']}", f"train.output_dir={tmp_path / 'run'}",
                            "model.name=vlp-micro", "data.decode=gpu"],
                           capture_output=True, text=True, env=run_env(), timeout=300)

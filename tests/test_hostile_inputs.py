@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 from vlp.cli import main
+import forked
 from vlp_testing import REPO, overrides, write_tar
 
 TINY = ["model.name=vlp-micro", "data.batch_per_device=16", "optim.lr=2e-3", "optim.warmup_steps=2",
@@ -486,7 +487,7 @@ def test_end_to_end_exit_status_and_stderr_of_a_real_process(tmp_path):
     (src / "pipe.txt").write_text("caption")
     (src / "junk.png").write_bytes(b"junk")
     (src / "junk.txt").write_text("caption")
-    proc = subprocess.run([PYTHON, "-m", "vlp", "shards", str(src), str(tmp_path / "out")], cwd=REPO,
+    proc = forked.run([PYTHON, "-m", "vlp", "shards", str(src), str(tmp_path / "out")], cwd=REPO,
                           env=run_env(), capture_output=True, text=True, timeout=120)
     one_error(proc.returncode, proc.stderr, "no valid samples", "corrupt_image=1", "special_file=1")
     assert sorted(os.listdir(tmp_path / "out")) == []

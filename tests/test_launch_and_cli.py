@@ -3,6 +3,7 @@
 import pytest
 import yaml
 
+import forked
 from vlp_testing import REPO
 from vlp.cli import build_parser
 
@@ -119,12 +120,10 @@ def test_repeatable_options_still_repeat():
 
 
 def test_repeated_option_status_of_a_real_process(tmp_path):
-    import subprocess
-
     from vlp_testing import PYTHON, run_env
 
     out = tmp_path / "out"
-    proc = subprocess.run([PYTHON, "-m", "vlp", "eval", "--model", "vlp-micro", "--shards", "a.tar", "--out", str(out),
+    proc = forked.run([PYTHON, "-m", "vlp", "eval", "--model", "vlp-micro", "--shards", "a.tar", "--out", str(out),
                            "--out", str(tmp_path / "other")], cwd=tmp_path, env=run_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == "", proc

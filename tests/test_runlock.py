@@ -13,6 +13,7 @@ import time
 import pytest
 
 from vlp.train import runlock
+import forked
 from vlp_testing import REPO, run_env
 
 HOLD = """
@@ -135,7 +136,7 @@ def test_second_vlp_train_on_a_locked_folder_is_one_line_and_writes_nothing(tmp_
         args = ["-m", "vlp", "train", "-c", str(REPO / "configs/demo.yaml"),
                 f"data.train_shards={tiny_shards['train']}",
                 f"train.output_dir={out}", "model.name=vlp-micro", "train.samples=32", "data.batch_per_device=16"]
-        res = subprocess.run([sys.executable, *args], cwd=REPO, env=run_env(), capture_output=True, text=True,
+        res = forked.run([sys.executable, *args], cwd=REPO, env=run_env(), capture_output=True, text=True,
                              timeout=300)
         assert res.returncode == 2, res.stderr[-2000:]
         errors = [ln for ln in res.stderr.splitlines() if ln.strip()]
@@ -157,7 +158,7 @@ def test_second_vlp_compare_on_a_locked_grid_folder_is_one_line(tmp_path, tiny_s
                 "grid.sweep_bounds=null", "grid.workers=1", "grid.batch_per_device=[8]",
                 "grid.losses=[infonce]", "grid.seeds=[0]",
                 "train.samples=32"]
-        res = subprocess.run([sys.executable, *args], cwd=REPO, env=run_env(), capture_output=True, text=True,
+        res = forked.run([sys.executable, *args], cwd=REPO, env=run_env(), capture_output=True, text=True,
                              timeout=300)
         assert res.returncode == 2, res.stderr[-2000:]
         errors = [ln for ln in res.stderr.splitlines() if ln.strip()]

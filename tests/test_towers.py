@@ -13,6 +13,7 @@ from PIL import Image
 
 from vlp.config import LossConfig, ModelConfig, load_config
 from vlp.models.model import build_model, export_open_clip
+import forked
 from vlp_testing import REPO, run_env
 
 MICRO = json.loads((REPO / "vlp/models/model_configs/vlp-micro.json").read_text())
@@ -92,7 +93,7 @@ def test_mismatched_keys_are_one_line(timm_json, trunk_file, tmp_path):
 def test_cli_reports_a_tower_mismatch_in_one_line(tmp_path):
     """A timm-style file into vlp-micro's ViT: `vlp train` says so in one line, exit 2."""
     torch.save({"layer1.0.conv1.weight": torch.zeros(1)}, tmp_path / "resnet.pth")
-    proc = subprocess.run([sys.executable, "-m", "vlp", "train", "model.name=vlp-micro",
+    proc = forked.run([sys.executable, "-m", "vlp", "train", "model.name=vlp-micro",
                            f"model.image_pretrained={tmp_path / 'resnet.pth'}", "data.train_shards=x.tar"],
                           capture_output=True, text=True, env=run_env(), timeout=120)
     assert proc.returncode == 2, proc.stderr

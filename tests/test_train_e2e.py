@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import forked
 from vlp_testing import PYTHON, REPO, run_env
 from vlp.config import load_config
 from vlp.train.loop import Trainer
@@ -65,7 +66,7 @@ def test_exported_model_loads_in_open_clip_with_identical_features(tiny_shards, 
 
 
 def _vlp(*args, **kw):
-    return subprocess.run([PYTHON, "-m", "vlp", *args], cwd=REPO, env=run_env(), capture_output=True,
+    return forked.run([PYTHON, "-m", "vlp", *args], cwd=REPO, env=run_env(), capture_output=True,
                           text=True, timeout=kw.get("timeout", 300))
 
 
@@ -118,7 +119,7 @@ def test_sigkill_then_resume_is_bit_identical(tiny_shards, tmp_path):
 
     run = tmp_path / "killed"
     kill_at = random.Random(os.getpid()).randint(3, 20)  # of 28 steps
-    child = subprocess.Popen([PYTHON, "-m", "vlp", *_train_args(tiny_shards, run)], cwd=REPO, env=run_env(),
+    child = forked.Popen([PYTHON, "-m", "vlp", *_train_args(tiny_shards, run)], cwd=REPO, env=run_env(),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     target = run / "checkpoints" / f"step_{kill_at:08d}.pt"
     deadline = time.time() + 240

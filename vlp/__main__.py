@@ -1,6 +1,4 @@
-import sys
-
-from vlp.cli import main
+from vlp.cli import run
 
 if __name__ == "__main__":  # guarded: `vlp compare` worker processes (spawn) import this module again
-    sys.exit(main())
+    run()

@@ -17,6 +17,7 @@ import pytest
 from vlp.data.stream import make_loader
 from vlp.data.shard_list import expand_sources, shard_sizes
 from dp_helpers import to_tensor, tokenize
+import forked
 from object_store import DropProxy, start_gcs, start_s3
 from test_remote import _assert_same, _batches, _http, _train, _weights, server  # noqa: F401 (fixture)
 from vlp_testing import PYTHON, REPO, run_env
@@ -102,7 +103,7 @@ def s3_reference_run(buckets, tmp_path_factory):
     """An uninterrupted `vlp train` over s3:// shards (local output folder)."""
     store, specs = buckets("s3")
     ref = tmp_path_factory.mktemp("s3-ref") / "ref"
-    proc = subprocess.run([PYTHON, "-m", "vlp", *_train(specs["train"], ref)], cwd=REPO,
+    proc = forked.run([PYTHON, "-m", "vlp", *_train(specs["train"], ref)], cwd=REPO,
                           env=dict(run_env(), **store.env), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return ref
@@ -112,7 +113,7 @@ def test_train_over_s3_sigkill_and_resume_is_bit_identical(buckets, s3_reference
     store, specs = buckets("s3")
     env = dict(run_env(), **store.env)
     run = tmp_path / "killed"
-    child = subprocess.Popen([PYTHON, "-m", "vlp", *_train(specs["train"], run)], cwd=REPO, env=env,
+    child = forked.Popen([PYTHON, "-m", "vlp", *_train(specs["train"], run)], cwd=REPO, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     target = run / "checkpoints" / "step_00000007.pt"  # of 20 steps
     deadline = time.time() + 240
@@ -121,7 +122,7 @@ def test_train_over_s3_sigkill_and_resume_is_bit_identical(buckets, s3_reference
     child.send_signal(signal.SIGKILL)
     child.wait()
     assert child.returncode == -signal.SIGKILL and not (run / "open_clip_model.pt").exists()
-    proc = subprocess.run([PYTHON, "-m", "vlp", *_train(specs["train"], run, "train.resume=latest")], cwd=REPO,
+    proc = forked.run([PYTHON, "-m", "vlp", *_train(specs["train"], run, "train.resume=latest")], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout

@@ -22,6 +22,7 @@ from vlp.data.shard_io import Retry, ShardStream, open_shard
 from vlp.data.stream import make_loader
 from vlp.data.shard_list import expand_sources, shard_sizes
 from dp_helpers import to_tensor, tokenize
+import forked
 from vlp_testing import PYTHON, REPO, run_env
 
 
@@ -307,12 +308,12 @@ def _weights(out):
 def test_train_over_http_sigkill_and_resume_is_bit_identical(tiny_shards, server, tmp_path):
     spec = _http(tiny_shards["train"], server)
     ref = tmp_path / "ref"
-    proc = subprocess.run([PYTHON, "-m", "vlp", *_train(spec, ref)], cwd=REPO, env=run_env(),
+    proc = forked.run([PYTHON, "-m", "vlp", *_train(spec, ref)], cwd=REPO, env=run_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     run = tmp_path / "killed"
-    child = subprocess.Popen([PYTHON, "-m", "vlp", *_train(spec, run)], cwd=REPO, env=run_env(),
+    child = forked.Popen([PYTHON, "-m", "vlp", *_train(spec, run)], cwd=REPO, env=run_env(),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     target = run / "checkpoints" / "step_00000007.pt"  # of 20 steps
     deadline = time.time() + 240
@@ -325,7 +326,7 @@ def test_train_over_http_sigkill_and_resume_is_bit_identical(tiny_shards, server
     srv = server[1]
     with srv.lock:  # the resumed run also meets a flaky server
         srv.drops.update({u[len(server[0]):]: 1 for u in expand_sources(spec)[0]})
-    proc = subprocess.run([PYTHON, "-m", "vlp", *_train(spec, run, "train.resume=latest")], cwd=REPO,
+    proc = forked.run([PYTHON, "-m", "vlp", *_train(spec, run, "train.resume=latest")], cwd=REPO,
                           env=run_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
