@@ -6,7 +6,8 @@ JOBS.json: [[script path, [argv...], log path, limit seconds], ...]. This proces
 open_clip and vlp (what every script's main() imports: about 6 CPU seconds each time), then forks
 one child per script, in order: the child runs the script as `python SCRIPT ARGV...` would
 (runpy, `__name__ == "__main__"`, sys.argv set), its stdout into LOG.out and its stderr into
-LOG.err, in a session of its own; a child past its limit is killed with its process group. Prints one line of JSON at
+LOG.err, in a session of its own; a child past its limit is killed with its process group. Writes each
+script's CPU seconds (its own and its waited-for children's) to stderr as it ends, and prints one line of JSON at
 the end: each script's exit code (a negative signal number as subprocess gives it, "timeout" when
 killed at its limit). Used by tests/test_bench_smoke.py.
 """
@@ -56,8 +57,9 @@ def _run(script: str, argv: list[str], log: str, limit_s: float) -> int | str:
         _child(script, argv, log)
     deadline = time.monotonic() + limit_s
     while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
+        done, status, usage = os.wait4(pid, os.WNOHANG)
+        if done:  # its CPU with its waited-for children's (the runs it started), for the log
+            print(f"bench_batch: {Path(script).name} {usage.ru_utime + usage.ru_stime:.1f} CPU s", file=sys.stderr)
             return os.waitstatus_to_exitcode(status)
         if time.monotonic() > deadline:
             os.killpg(pid, signal.SIGKILL)
