@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from vlp_testing import REPO, run_env
@@ -41,6 +42,7 @@ STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "CUDA_", "TORCH", "LD_", "
                     "HF_", "HUGGINGFACE", "TRANSFORMERS", "TIMM", "FSSPEC", "XDG_")  # start or import
 _STATUS = struct.Struct("i")
 _MAX_REQUEST = 1 << 20
+START_LIMIT_S = 300  # the server's imports: ~7 s on an idle box
 
 
 def _startup_env(env) -> dict:
@@ -61,13 +63,13 @@ class _Server:
         self.dir = tempfile.mkdtemp(prefix="vlp-forked-")
         self.path = os.path.join(self.dir, "socket")
         self.proc = subprocess.Popen([sys.executable, __file__, self.path], cwd=REPO, env=run_env(),
-                                     stdin=subprocess.DEVNULL)
-        ready = self.path + ".ready"
-        while not os.path.exists(ready):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tests/forked.py server exited with {self.proc.returncode}")
-            select.select([], [], [], 0.05)
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)  # stderr: a crash shows
         atexit.register(self.close)
+        ready, deadline = self.path + ".ready", time.monotonic() + START_LIMIT_S
+        while not os.path.exists(ready):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"tests/forked.py's server did not start (exit status {self.proc.poll()})")
+            select.select([], [], [], 0.05)
 
     def start(self, request: dict, fds: list[int]) -> tuple[socket.socket, int]:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -79,7 +81,11 @@ class _Server:
     def close(self):
         if self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(30)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
         for name in ("socket", "socket.ready"):
             Path(self.dir, name).unlink(missing_ok=True)
         os.rmdir(self.dir)
