@@ -49,7 +49,7 @@ class Config:
         except ValueError as e:
             raise ConfigError(f"config: {e}") from None
         self.loss.temperature = policy.mode
-        for why in (parallel_problem(self), feature_cache_problem(self)):
+        for why in (parallel_problem(self), feature_cache_problem(self), cuda_graphs_problem(self)):
             if why:
                 raise ConfigError(f"config: {why}")
         start = self.loss.tau if self.loss.tau is not None else temperature.CLIP_TAU
@@ -68,6 +68,21 @@ def parallel_problem(cfg: "Config") -> Optional[str]:
     if t.parallel == "fsdp" and (t.precision == "fp16" or t.compile):
         what = "precision=fp16 (use bf16)" if t.precision == "fp16" else "compile=true"
         return f"train.parallel=fsdp does not support train.{what}"
+    return None
+
+
+def cuda_graphs_problem(cfg: "Config") -> Optional[str]:
+    """Why train.cuda_graphs cannot be used with this config (one line), else None; the device
+    (CUDA only) is checked by the trainer (vlp.train.static_step.refusal)."""
+    t = cfg.train
+    if not t.cuda_graphs:
+        return None
+    for bad, why in ((t.parallel == "fsdp", "train.parallel=fsdp (FSDP2's hooks are not captured; use ddp)"),
+                     (t.precision == "fp16", "train.precision=fp16 (its scaler reads the host; use bf16)"),
+                     (cfg.optim.name != "adamw", f"optim.name={cfg.optim.name} (a device-side skip needs fused adamw)"),
+                     (cfg.loss.gamma_schedule != "constant", "loss.gamma_schedule=cosine (gamma is fixed in the graph)")):
+        if bad:
+            return f"train.cuda_graphs=true does not run with {why}"
     return None
 
 

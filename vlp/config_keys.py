@@ -225,6 +225,10 @@ class TrainConfig:
     the last good state; >= 1."""
     compile: bool = key(False, ANY, APPLIED)
     """torch.compile the dual encoder (the gather and the loss stay eager)."""
+    cuda_graphs: bool = key(False, ANY, APPLIED)
+    """Replay each train step as a CUDA graph (vlp/train/static_step.py): no host sync a step,
+    non-finite steps skipped on the device and counted at log steps. CUDA only; train.parallel=ddp,
+    precision fp32 or bf16, optim.name=adamw (docs/performance.md)."""
     parallel: Literal["ddp", "fsdp"] = key("ddp", ANY, APPLIED)  # either format resumes under either
     """ddp: replicas kept in sync by Accelerate's DDP. fsdp: FSDP2 shards parameters, gradients
     and AdamW state over all ranks (vlp/train/parallel.py; same code on CPU and GPU; needs >= 2

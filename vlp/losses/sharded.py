@@ -200,6 +200,8 @@ class ShardedState:
         self.table = _Table(rows_on(self.rank, self.world, self.num_samples), self.WIDTH)
         self.step = 0
         self.pending: Optional[_Pending] = None
+        self.held: Optional[_Pending] = None  # this step's rows looked up ahead (`hold`)
+        self.staged: Optional[Tensor] = None  # the last call's new rows
 
     @property
     def current_gamma(self) -> float:
@@ -221,6 +223,8 @@ class ShardedState:
         every rank the rows it asked for (all_to_all). Every call looks up afresh (no rank ever
         decides alone to skip a collective); the table only changes in ``commit``, so repeated
         calls of a step get the same values."""
+        if self.held is not None:
+            return self.held
         if self.world == 1:
             return _Pending(ids, self.table.read(ids), None, None)
         every = _all_gather(ids.to(device), self.world).cpu()  # (B,) int64 in rank order
@@ -234,15 +238,29 @@ class ShardedState:
     def _stage(self, looked_up: _Pending, new: Tensor) -> None:
         """Keep the call's new rows (b, WIDTH) for ``commit`` (on the device: NCCL moves them there)."""
         self.pending = looked_up._replace(new=new.detach().float())
+        self.staged = self.pending.new  # a replayed CUDA graph writes its rows here again
+
+    def hold(self, ids: Tensor, device, into: Tensor) -> None:
+        """Look up this step's old rows now (collectives, host copies) into the static device
+        buffer ``into`` (b, WIDTH); the step's loss calls read them there and ``commit`` writes
+        the rows the last call (or a CUDA graph's replay of it) staged. For a step replayed as a
+        graph (vlp.train.static_step): nothing in the loss call reaches the host."""
+        self.held = None
+        ids = self._check_ids(ids, torch.as_tensor(ids).numel())
+        looked_up = self._lookup(ids, device)
+        into.copy_(looked_up.old, non_blocking=True)
+        self.held = looked_up._replace(old=into)
 
     def commit(self) -> None:
         """Write the last call's rows into the owners' shards (under torch.distributed an
         all_to_all: each rank sends each owner its anchors' new rows), advance gamma's step. Call
         once per optimizer step that was taken; a skipped step calls ``discard()``."""
+        if self.held is not None and self.pending is None and self.staged is not None:
+            self.pending = self.held._replace(new=self.staged)  # a replayed graph staged its rows
         if self.pending is None:
             raise RuntimeError(f"{type(self).__name__}.commit() without a loss call since the last commit")
         p = self.pending
-        self.pending = None
+        self.pending = self.held = None
         if self.world == 1:
             self.table.write(p.ids, p.new.cpu())
         else:
@@ -253,7 +271,7 @@ class ShardedState:
 
     def discard(self) -> None:
         """Forget the last call's update (a step skipped for a non-finite loss); no collective."""
-        self.pending = None
+        self.pending = self.held = None
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:

@@ -44,6 +44,7 @@ from vlp.train.checkpointer import PER_RANK, RANK_FILES, Checkpointer
 from vlp.train.memory import StepMemory
 from vlp.train.optim import build_optimizer, build_scheduler, follow_config, param_groups
 from vlp.train.parts import RNG, Counters
+from vlp.train.static_step import static_step
 from vlp.train.step import contrastive_backward
 from vlp.train.strategy import Tensors, make_strategy
 
@@ -108,6 +109,7 @@ class Trainer:
             self.samples_seen // self.global_batch, cfg.train.samples // self.global_batch))
         self.checkpoints = self.checkpointer(cfg, acc)
         self.logger = RunLogger(self.folder, is_main(), cfg.train.wandb_project, cfg.to_dict())
+        self.static_step = static_step(self)  # train.cuda_graphs: the step without host reads, else None
 
     def checkpointer(self, cfg: Config, acc: Accelerator) -> Checkpointer:
         """The checkpointer of train.output_dir/checkpoints, with every part that owns state, in
@@ -164,6 +166,8 @@ class Trainer:
         return bool(all_reduce(bad).item() != 0) if self.world > 1 else bool(bad.item() != 0)
 
     def train_step(self, micro_batches: list[Batch]) -> dict:
+        if self.static_step is not None:  # train.cuda_graphs (vlp.train.static_step)
+            return self.static_step(micro_batches)
         # train() walks every module (a cost per step for a small head); the first call also puts
         # locked towers in eval mode (DualEncoder.train), which a freshly built model is not in
         if not (self.train_mode_set and self.model.training):

@@ -15,6 +15,17 @@ from typing import Callable, Optional
 import torch
 
 
+def trimmed_texts(micro_batches: list, trim_text: Callable) -> list[torch.Tensor]:
+    """Each micro-batch's tokens without the all-padding columns that none of them uses (on the
+    host: no device sync; exact, see DualEncoder.trim_text): one length for the step, so a step
+    replayed as a CUDA graph has one graph per length (vlp.train.static_step). Cached features
+    (Batch.features: stem outputs, vlp.train.feature_cache) are no tokens: never trimmed."""
+    if micro_batches[0].features:
+        return [b.text for b in micro_batches]
+    length = max(trim_text(b.text).shape[1] for b in micro_batches)
+    return [b.text[:, :length] for b in micro_batches]
+
+
 def contrastive_backward(model, strategy, loss_of: Callable, micro_batches: list, device,
                          trim_text: Callable, all_finite: Callable,
                          prepare: Optional[Callable] = None) -> tuple[torch.Tensor, dict]:
@@ -26,9 +37,7 @@ def contrastive_backward(model, strategy, loss_of: Callable, micro_batches: list
     images = [b.image.to(device, non_blocking=True) for b in micro_batches]
     if prepare is not None and not features:
         images = [prepare(x) for x in images]
-    # drop all-padding text columns on the host (no device sync; exact, see DualEncoder); cached
-    # features (Batch.features: stem outputs, vlp.train.feature_cache) are no tokens: never trimmed
-    texts = [(b.text if features else trim_text(b.text)).to(device, non_blocking=True) for b in micro_batches]
+    texts = [x.to(device, non_blocking=True) for x in trimmed_texts(micro_batches, trim_text)]
 
     def forward(image, text):  # features: only the heads run (a forward keyword, so DDP passes it on)
         return model(image, text, features=True) if features else model(image, text)

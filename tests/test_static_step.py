@@ -1,0 +1,174 @@
+"""train.cuda_graphs's step (vlp/train/static_step.py), run eagerly on CPU with its static
+buffers, device-side learning rate and device-side skip, equals Trainer.train_step to 1e-6 in
+fp32 over 20 steps for every loss of the registry, through a forced non-finite step (weights and
+AdamW state bit-untouched), with accumulation, through a resume, and on 2 gloo ranks. The
+capture itself needs a GPU (bench/gpu.sh); CPU runs refuse the key in one line."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _dist_utils import run_distributed
+from vlp_testing import REPO, run_env
+from vlp.config import ConfigError, load_config
+from vlp.losses.registry import NAMES
+from vlp.train.loop import Trainer
+from vlp.train.static_step import StaticStep
+
+STEPS, BAD = 20, 6  # steps compared; the 0-based step whose loss is forced to NaN
+
+
+def _cfg(shards, out, loss, *extra):
+    return load_config(None, [
+        "model.name=vlp-micro", f"data.train_shards={shards['train']}", f"train.output_dir={out}",
+        "data.batch_per_device=8", f"loss.name={loss}", "train.samples=160", "optim.lr=1e-3",
+        "optim.warmup_steps=3", "optim.grad_clip=1.0", "train.log_every=5", "optim.weight_decay=0.1", *extra])
+
+
+def _pair(shards, tmp_path, loss, *extra):
+    """(eager, static) trainers from one config, the same initial weights; NaN at step BAD."""
+    eager, static = (Trainer(_cfg(shards, tmp_path / name, loss, *extra)) for name in ("eager", "static"))
+    static.unwrapped.load_state_dict(eager.unwrapped.state_dict())
+    static.static_step = StaticStep(static, capture=False)
+    for t in (eager, static):
+        _nan_at(t, BAD)
+    return eager, static
+
+
+def _nan_at(t, step):
+    real = t.loss_fn
+
+    def flaky(*args, **kw):
+        loss, metrics = real(*args, **kw)
+        return (loss * float("nan") if t.step == step else loss), metrics
+
+    t.loss_fn = flaky
+
+
+def _batches(t, n=STEPS):
+    groups = t.data.groups(t.accum)
+    try:
+        return [next(groups) for _ in range(n)]
+    finally:
+        groups.close()
+
+
+def _state(t) -> dict:
+    """Weights and optimizer state (moments, step counts), by name, as copies."""
+    out = {f"w.{n}": p.detach().clone() for n, p in t.unwrapped.named_parameters()}
+    names = {id(p): n for n, p in t.unwrapped.named_parameters()}
+    for p, s in t.torch_optimizer.state.items():
+        out.update({f"o.{names[id(p)]}.{k}": v.detach().clone() for k, v in s.items()})
+    return out
+
+
+def _assert_close(a: dict, b: dict, atol=1e-6):
+    assert a.keys() == b.keys() and len(a) > 20
+    for k in a:
+        torch.testing.assert_close(b[k].double(), a[k].double(), atol=atol, rtol=0, msg=k)
+
+
+def _run_both(eager, static, batches, first=0):
+    """Both trainers over `batches`; at BAD the static step leaves everything bit-untouched and
+    its skip count is read only at the next log step."""
+    for i, group in enumerate(batches, start=first):
+        before = _state(static) if i == BAD else None
+        m_e, m_s = eager.train_step(group), static.train_step(group)
+        assert m_s["lr"] == m_e["lr"]
+        if i == BAD:
+            after = _state(static)
+            assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step changed state"
+            assert static.nonfinite_total == 0 and eager.nonfinite_total == 1  # not read yet: no host sync
+        if static.step % 5 == 0:  # a log step: the device counters are read
+            assert static.nonfinite_total == eager.nonfinite_total
+            assert ("nonfinite" in m_s) == ("nonfinite" in m_e)
+            if "nonfinite" not in m_e:
+                assert abs(m_s["loss"] - m_e["loss"]) < 1e-6
+        _assert_close(_state(eager), _state(static))
+
+
+@pytest.mark.parametrize("loss", NAMES)
+def test_static_step_equals_eager_for_every_loss(tiny_shards, tmp_path, loss):
+    eager, static = _pair(tiny_shards, tmp_path, loss)
+    _run_both(eager, static, _batches(eager))
+    assert static.nonfinite_total == eager.nonfinite_total == 1
+    assert isinstance(static.torch_optimizer.param_groups[0]["lr"], torch.Tensor)  # the device lr
+    assert static.static_step.buffers and all(b.image.data_ptr() for s in static.static_step.buffers.values()
+                                              for b in s)
+    if eager.loss_spec.stateful:
+        key = eager.loss.STATE_KEY
+        torch.testing.assert_close(static.loss.state_dict()[key], eager.loss.state_dict()[key], atol=1e-6, rtol=0)
+        assert static.loss.step == eager.loss.step == STEPS - 1
+
+
+@pytest.mark.parametrize("loss", ["infonce", "sogclr"])
+def test_static_step_with_accumulation(tiny_shards, tmp_path, loss):
+    eager, static = _pair(tiny_shards, tmp_path, loss, "train.accum_steps=2", "data.batch_per_device=4")
+    _run_both(eager, static, _batches(eager))
+
+
+def test_static_step_through_a_resume(tiny_shards, tmp_path):
+    """Static steps 0..9, a checkpoint, a new trainer resumed from it: steps 10..19 equal an
+    uninterrupted eager run's (the saved tensor lr is replaced by the config's schedule)."""
+    eager, static = _pair(tiny_shards, tmp_path, "fastclip")
+    batches = _batches(eager)
+    _run_both(eager, static, batches[:10])
+    static.save_checkpoint()
+    resumed = Trainer(_cfg(tiny_shards, tmp_path / "static", "fastclip", "train.resume=latest"))
+    resumed.static_step = StaticStep(resumed, capture=False)
+    resumed.maybe_resume()
+    assert resumed.step == 10 and resumed.nonfinite_total == 1
+    _run_both(eager, resumed, batches[10:], first=10)
+
+
+def test_cuda_graphs_on_cpu_is_one_error_line(tiny_shards, tmp_path):
+    with pytest.raises(ConfigError, match="train.cuda_graphs=true needs a CUDA device"):
+        Trainer(_cfg(tiny_shards, tmp_path, "infonce", "train.cuda_graphs=true"))
+    cmd = [sys.executable, "-m", "vlp", "train", "-c", "configs/demo.yaml", f"data.train_shards={tiny_shards['train']}",
+           f"train.output_dir={tmp_path / 'cli'}", "model.name=vlp-micro", "train.cuda_graphs=true"]
+    out = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "vlp: error: config: train.cuda_graphs=true needs a CUDA device (this run trains on cpu): "
+        "set train.cuda_graphs=false"]
+
+
+@pytest.mark.parametrize("extra,named", [("train.parallel=fsdp", "train.parallel=fsdp"),
+                                         ("optim.name=lars", "optim.name=lars"),
+                                         ("train.precision=fp16", "train.precision=fp16")])
+def test_what_cannot_be_captured_is_refused_by_name(tiny_shards, tmp_path, extra, named):
+    with pytest.raises(ConfigError, match=f"train.cuda_graphs=true does not run with {named}"):
+        _cfg(tiny_shards, tmp_path, "infonce", "train.cuda_graphs=true", extra)
+
+
+def _two_ranks(rank, world, shards, root):
+    """2 gloo ranks: an eager and a static DDP trainer on the same per-rank batches."""
+    from pathlib import Path
+
+    from accelerate.state import AcceleratorState
+
+    os.environ.update(ACCELERATE_USE_CPU="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world))
+    out = []
+    for name in ("eager", "static"):
+        AcceleratorState._reset_state()
+        t = Trainer(_cfg(shards, Path(root) / name, "sogclr", "data.batch_per_device=4"))
+        if name == "static":
+            t.static_step = StaticStep(t, capture=False)
+        _nan_at(t, BAD)
+        for group in _batches(t, 12):
+            t.train_step(group)
+        assert t.world == 2
+        out.append((_state(t), t.nonfinite_total, t.loss.state_dict()["log_u"]))
+    return out
+
+
+def test_static_step_equals_eager_on_two_ranks(tiny_shards, tmp_path):
+    ranks = run_distributed(_two_ranks, 2, (tiny_shards, str(tmp_path)), timeout_s=300)
+    assert len(ranks) == 2
+    for (eager, n_e, u_e), (static, n_s, u_s) in ranks:
+        _assert_close(eager, static)
+        assert n_e == n_s == 1
+        torch.testing.assert_close(u_s, u_e, atol=1e-6, rtol=0)

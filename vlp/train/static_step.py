@@ -1,0 +1,220 @@
+"""A train step with no host read, replayed as CUDA graphs (`train.cuda_graphs: true`).
+
+    step = StaticStep(trainer)     # the Trainer's step when train.cuda_graphs is on
+    metrics = step(micro_batches)  # what Trainer.train_step returns, the same weights to 1e-6
+
+The step is a function of static buffers and tensors that live on the device:
+
+- inputs: each micro-batch is copied into static device buffers (images after the device half of
+  the transform, tokens trimmed on the host as the eager step trims them: one buffer set, and one
+  graph, per text length, a multiple of 8 up to the context length; all graphs share one pool);
+- the learning rate: every param group's lr is a 0-d device tensor that the scheduler fills in
+  place (torch LambdaLR does so for tensor lrs), so the captured AdamW kernel reads this step's;
+- a non-finite loss (on any rank: one all-reduce inside the graph) sets `found_inf`, which fused
+  AdamW takes as GradScaler hands it over: its kernel returns before touching a weight or a
+  moment and the step counts are put back, so a skipped step leaves weights and optimizer state
+  bit-untouched (tests/test_static_step.py). Backward and clipping still run on the non-finite
+  values (their results are thrown away);
+- counts of skipped steps (total, in a row) are device tensors, read on `sync` steps only (log,
+  checkpoint, eval and the last step): max_nonfinite and the preemption agreement act there.
+
+The graph covers the forward of both towers, the gather and the loss, backward (under DDP its
+gradient all-reduce), clipping, the optimizer step and the logit-scale clamp. Outside it: the
+copies into the buffers, the scheduler's lr fill, and a stateful loss's per-sample state (SogCLR,
+FastCLIP, iSogCLR): its rows are looked up before the step into a static buffer (`hold`, with the
+lookup's collectives) and committed after it, which reads the finite flag on the host (the one
+host read a step of these losses makes; the eager step makes it too).
+
+On CPU (and with `capture=False`) the same function runs eagerly with the same buffers, device lr
+and masked skip: that is what the CPU tests compare with Trainer.train_step. On CUDA the first
+`WARMUP_STEPS` steps run eagerly on a side stream (real steps; DDP needs 11 before a capture),
+then each text length is captured once and replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from vlp.distributed import all_reduce
+from vlp.losses.diagnostics import DeviceScalars
+from vlp.train.step import contrastive_backward, trimmed_texts
+
+WARMUP_STEPS = 11  # eager steps before the first capture (PyTorch's CUDA graphs notes: DDP needs 11)
+
+
+def static_step(trainer) -> Optional["StaticStep"]:
+    """The step train.cuda_graphs asks for (None: the Trainer's eager step). Only CUDA captures:
+    elsewhere one ConfigError line (the config's own conflicts are refused by vlp.config)."""
+    if not trainer.cfg.train.cuda_graphs:
+        return None
+    device = trainer.accelerator.device
+    if device.type != "cuda":
+        from vlp.config import ConfigError
+
+        raise ConfigError(f"config: train.cuda_graphs=true needs a CUDA device (this run trains on "
+                          f"{device.type}): set train.cuda_graphs=false")
+    return StaticStep(trainer)
+
+
+def _same(x):
+    return x
+
+
+class StaticStep:
+    """The Trainer's step without host reads (module docstring); `trainer` owns every part."""
+
+    def __init__(self, trainer, capture: Optional[bool] = None):
+        self.t = trainer
+        self.device = trainer.accelerator.device
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        self.found_inf = torch.zeros((), device=self.device)  # 1.0: this step's loss is not finite on some rank
+        self.skips = torch.zeros(2, device=self.device)  # skipped steps since the last sync, in a row
+        self.buffers: dict = {}  # text length -> static micro-batches
+        self.graphs: dict = {}  # text length -> (CUDAGraph, its metrics)
+        self.pool = None  # the graphs' shared memory pool
+        self.eager_steps = 0
+        self.held_rows = None  # a stateful loss's static (b, width) buffer of old rows
+        self.started = False
+
+    # ------------------------------------------------------------------ host side
+    def start(self) -> None:
+        """Once, after a resume: the lr as device tensors, the optimizer's found_inf."""
+        opt = self.t.torch_optimizer
+        dtype = torch.float32 if self.device.type == "cuda" else torch.float64  # CPU: the float lr exactly
+        for group in opt.param_groups:
+            if not torch.is_tensor(group["lr"]):
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=dtype, device=self.device)
+            group["capturable"] = group.get("capturable", False) or self.capture
+        opt.found_inf = self.found_inf  # fused AdamW skips its update where it is 1 (as under GradScaler)
+        self.started = True
+
+    def __call__(self, micro_batches: list) -> dict:
+        t = self.t
+        if not self.started:
+            self.start()
+        if not (t.train_mode_set and t.model.training):
+            t.model.train()
+            t.train_mode_set = True
+        length, static = self.fill(t.data.feed(micro_batches))
+        metrics = self.run(length, static)
+        if t.loss_spec.stateful:  # its state moves on the host: the one read of the flag
+            t.loss.commit() if self.found_inf.item() == 0 else t.loss.discard()
+        t.samples_seen += t.global_batch
+        t.scheduler.step()  # fills the device lr in place
+        t.step += 1
+        lr = t.scheduler.base_lrs[0] * t.scheduler.lr_lambdas[0](t.scheduler.last_epoch)
+        if self.is_sync_step():
+            if self.sync():
+                return {"nonfinite": 1.0, "lr": lr}
+        elif t.world > 1:  # no signal agreed between syncs: Preemption.should_stop makes no collective
+            t.preemption.agree(0.0)
+        return metrics.plus(lr=lr) if isinstance(metrics, DeviceScalars) else {**metrics, "lr": lr}
+
+    def fill(self, batches: list) -> tuple[int, list]:
+        """Copy the micro-batches into this text length's static buffers; (length, buffers)."""
+        t = self.t
+        features = batches[0].features
+        prepare = None if features else t.data.device_images
+        images = [b.image if prepare is None else prepare(b.image) for b in batches]
+        texts = trimmed_texts(batches, t.unwrapped.trim_text)  # as the eager step trims them
+        length = texts[0].shape[1]
+        static = self.buffers.get(length)
+        if static is None:
+            static = self.buffers[length] = [
+                replace(b, image=torch.empty_like(x, device=self.device), text=torch.empty_like(y, device=self.device))
+                for b, x, y in zip(batches, images, texts)]
+        for s, x, y in zip(static, images, texts):
+            s.image.copy_(x, non_blocking=True)
+            s.text.copy_(y, non_blocking=True)
+        static = [replace(s, sample_id=b.sample_id) for s, b in zip(static, batches)]  # host-side ids
+        if t.loss_spec.stateful:
+            self.hold_rows(torch.cat([b.sample_id for b in batches]))
+        return length, static
+
+    def hold_rows(self, ids: torch.Tensor) -> None:
+        """The stateful loss's old rows of this step's anchors, into one static device buffer."""
+        loss = self.t.loss
+        if self.held_rows is None or self.held_rows.shape[0] != ids.numel():
+            self.held_rows = torch.empty(ids.numel(), loss.WIDTH, device=self.device)
+        loss.hold(ids, self.device, self.held_rows)
+
+    def is_sync_step(self) -> bool:
+        """A step whose records need the device counters: logged, checkpointed, evaluated, last."""
+        t, c = self.t, self.t.cfg.train
+        return (t.step % c.log_every == 0 or t.step >= t.total_steps
+                or any(every and t.step % every == 0 for every in (c.checkpoint_every, c.eval_every)))
+
+    def sync(self) -> bool:
+        """Read the skip counters (one transfer) into the Trainer's, agree on a preemption
+        signal (one all-reduce); whether the last step was skipped."""
+        t = self.t
+        total, in_row = self.skips.tolist()
+        self.skips[0] = 0
+        t.nonfinite_total += int(total)
+        t.nonfinite_in_row = int(in_row)
+        flag = torch.full((1,), t.preemption.local_flag(), device=self.device)
+        t.preemption.agree((all_reduce(flag) if t.world > 1 else flag).item())
+        return in_row > 0
+
+    # ------------------------------------------------------------------ device side
+    def run(self, length: int, static: list):
+        """This step on the device: replayed when captured, else eager (then captured once warm)."""
+        if length in self.graphs:
+            graph, metrics = self.graphs[length]
+            graph.replay()
+            return metrics
+        opt = self.t.optimizer
+        if not self.capture or self.eager_steps < WARMUP_STEPS:
+            self.eager_steps += 1
+            opt.zero_grad(set_to_none=True)  # a replay's gradients are no eager step's
+            with _side_stream(self.capture):
+                metrics = self.device_step(static)
+            opt.zero_grad(set_to_none=True)
+            return metrics
+        opt.zero_grad(set_to_none=True)  # the captured backward allocates the gradients in the pool
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            metrics = self.device_step(static)
+        self.pool = graph.pool()
+        self.graphs[length] = (graph, metrics)
+        graph.replay()  # capture only recorded: this step runs now
+        return metrics
+
+    def device_step(self, static: list):
+        """Backward of the loss, clipping, the optimizer step masked by found_inf, the clamp: no
+        host read (capturable). Returns the loss's metrics (device scalars)."""
+        t = self.t
+        checked = []
+        _, metrics = contrastive_backward(t.model, t.strategy, t._loss, static, self.device, _same,
+                                          lambda loss: checked.append(loss.detach()) or True)
+        bad = (~torch.isfinite(checked[0])).any().float()
+        if t.world > 1:
+            bad = (all_reduce(bad.reshape(1)) > 0).float().reshape(())
+        self.found_inf.copy_(bad)
+        self.skips.copy_(torch.stack([self.skips[0] + bad, (self.skips[1] + bad) * bad]))
+        t.strategy.finish_grads(t.model, t.cfg.optim.grad_clip)
+        t.optimizer.step()
+        t.temperature.clamp_(t.unwrapped.log_logit_scale)
+        return metrics
+
+
+class _side_stream:
+    """Eager warm-up steps on a side stream (PyTorch's CUDA graphs recipe); a no-op off CUDA."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        if self.on:
+            self.stream = torch.cuda.Stream()
+            self.stream.wait_stream(torch.cuda.current_stream())
+            self.ctx = torch.cuda.stream(self.stream)
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.on:
+            self.ctx.__exit__(*exc)
+            torch.cuda.current_stream().wait_stream(self.stream)
