@@ -172,3 +172,52 @@ def test_static_step_equals_eager_on_two_ranks(tiny_shards, tmp_path):
         _assert_close(eager, static)
         assert n_e == n_s == 1
         torch.testing.assert_close(u_s, u_e, atol=1e-6, rtol=0)
+
+
+def test_no_host_read_between_sync_steps(tiny_shards, tmp_path, monkeypatch):
+    """A read of a tensor's value by Python (on CUDA: a wait for the device) happens only on
+    sync steps (log_every=5): the skip counters, then the logged metrics; none on other steps.
+    The tokens are trimmed while still on the host: those reads are no device sync (as in
+    tests/test_host_syncs.py) and are not counted."""
+    t = Trainer(_cfg(tiny_shards, tmp_path, "infonce"))
+    t.static_step = StaticStep(t, capture=False)
+    batches = _batches(t, 10)
+    reads, host_side = [], [0]
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *a, _o=original, _n=name, **k):
+            if not host_side[0]:
+                reads.append(_n)
+            return _o(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+    trim = t.unwrapped.trim_text
+
+    def trim_on_host(text):
+        host_side[0] += 1
+        try:
+            return trim(text)
+        finally:
+            host_side[0] -= 1
+
+    t.unwrapped.trim_text = trim_on_host
+    per_step = []
+    for group in batches:
+        del reads[:]
+        metrics = t.train_step(group)
+        if t.step % 5 == 0:
+            assert metrics["loss"] > 0
+        per_step.append(list(reads))
+    assert per_step[4] == per_step[9] == ["tolist", "tolist"], per_step  # counters, metrics
+    assert all(not per_step[k] for k in (0, 1, 2, 3, 5, 6, 7, 8)), per_step
+
+
+def test_decode_auto_resolves_by_device():
+    """data.decode's default: nvjpeg on the device where the run trains on CUDA, the workers on CPU."""
+    from vlp.train.data import image_output
+
+    assert load_config(None, []).data.decode == "auto"
+    assert image_output("auto", torch.device("cuda")) == "jpeg"
+    assert image_output("auto", torch.device("cpu")) == "uint8"
+    assert image_output("cpu", torch.device("cuda")) == "region"

@@ -60,8 +60,8 @@ def as_scalar(x: Tensor | float | None, device: torch.device) -> Tensor | None:
     """A 0-d fp32 tensor (float64 stays float64) from a scalar tensor of shape () or (1,)."""
     if x is None:
         return None
-    if not isinstance(x, Tensor):
-        return torch.tensor(float(x), device=device)
+    if not isinstance(x, Tensor):  # a fill, not a host copy: capturable in a CUDA graph
+        return torch.full((), float(x), device=device)
     x = x.reshape(())
     return x if x.dtype == torch.float64 else x.float()
 

@@ -102,7 +102,7 @@ def diagnostics_from_softmax(
         "logit_scale": t,
     }
     for key, val in (extra or {}).items():
-        values[key] = torch.as_tensor(val, device=device).detach().to(v.dtype).reshape(())
+        values[key] = as_scalar(val, device).detach().to(v.dtype)
     return DeviceScalars(list(values), torch.stack(list(values.values())))  # read back when looked at
 
 

@@ -55,9 +55,9 @@ class Batch:
 
 def image_output(decode: str, device: torch.device) -> str:
     """What the workers ship (vlp.data.device): 'jpeg' for data.decode=gpu (refused without
-    CUDA), else 'region' when the model is on a CUDA device (the resize runs there), else
-    'uint8' (on CPU the workers resize: the main process has the step to run)."""
-    if decode == "gpu":
+    CUDA) and for auto on CUDA, else 'region' when the model is on a CUDA device (the resize
+    runs there), else 'uint8' (on CPU the workers resize: the main process has the step to run)."""
+    if decode == "gpu" or (decode == "auto" and device.type == "cuda"):
         if device.type != "cuda":
             raise ValueError(f"data.decode=gpu needs a CUDA device (this process trains on {device}); "
                              "use data.decode=cpu")

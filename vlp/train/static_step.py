@@ -87,7 +87,6 @@ class StaticStep:
         for group in opt.param_groups:
             if not torch.is_tensor(group["lr"]):
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=dtype, device=self.device)
-            group["capturable"] = group.get("capturable", False) or self.capture
         opt.found_inf = self.found_inf  # fused AdamW skips its update where it is 1 (as under GradScaler)
         self.started = True
 
@@ -155,8 +154,8 @@ class StaticStep:
         self.skips[0] = 0
         t.nonfinite_total += int(total)
         t.nonfinite_in_row = int(in_row)
-        flag = torch.full((1,), t.preemption.local_flag(), device=self.device)
-        t.preemption.agree((all_reduce(flag) if t.world > 1 else flag).item())
+        if t.world > 1:
+            t.preemption.agree(all_reduce(torch.full((1,), t.preemption.local_flag(), device=self.device)).item())
         return in_row > 0
 
     # ------------------------------------------------------------------ device side
@@ -174,9 +173,13 @@ class StaticStep:
                 metrics = self.device_step(static)
             opt.zero_grad(set_to_none=True)
             return metrics
-        opt.zero_grad(set_to_none=True)  # the captured backward allocates the gradients in the pool
+        for group in self.t.torch_optimizer.param_groups:
+            group["capturable"] = True  # fused AdamW under capture (its state is on the device already)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
+            # the graphs share one set of gradients: None before the first capture (allocated in
+            # its pool), zeroed inside every later one (0 + g == g: the same step)
+            opt.zero_grad(set_to_none=False)
             metrics = self.device_step(static)
         self.pool = graph.pool()
         self.graphs[length] = (graph, metrics)
