@@ -11,12 +11,18 @@
 # bench/wheels/ is git-ignored (bench/.gitignore): carry it to the box explicitly
 # (e.g. the device runner's carry=["bench/wheels"]); never commit it.
 #
-# On the box (repo root; results under $OUT or runs/gpu_bench):
-#   bash bench/gpu.sh                 # ~3-5 min on one H200
-#   bash bench/gpu.sh --skip-real     # synthetic tensors only
-# Sections: synthetic steps, real JPEG shards (data.decode=cpu and data.decode=gpu: nvjpeg with its
-# fallback counts), host syncs per train step (counted reads + torch.cuda.set_sync_debug_mode).
-# CPU smoke run (tested by tests/test_bench_smoke.py): python bench/gpu_bench.py --cpu --tiny
+# On the box (repo root; results under $OUT or runs/gpu_bench), one run of at most 8 min on one H200:
+#   bash bench/gpu.sh                 # sweep + CLI runs (~4-5 min), then gpu_bench.py (~2-3 min)
+#   bash bench/gpu.sh --skip-real     # gpu_bench.py's synthetic section only (the sweep still runs)
+# 1. bench/gpu_sweep.py: per-GPU batch 8, 32, 128, 256; at each, vlp eager, vlp with
+#    train.cuda_graphs, open_clip_train and a bare loop side by side (+ train.compile=true with and
+#    without graphs at 32 and 256): ms/step, samples/s, MFU, peak memory. Then `vlp train -c
+#    configs/gpu_vitb32.yaml` for 150 steps on real JPEG shards, eager and with graphs.
+# 2. bench/gpu_bench.py: real JPEG shards (data.decode=cpu and data.decode=gpu: nvjpeg with its
+#    fallback counts), host syncs per train step (counted reads + torch.cuda.set_sync_debug_mode).
+# Each step has its own time limit (SWEEP_S, BENCH_S), so one slow part cannot eat the other's.
+# CPU smoke runs (tests/test_bench_smoke.py): python bench/gpu_sweep.py --cpu --tiny --cli-steps 3;
+# python bench/gpu_bench.py --cpu --tiny
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -43,4 +49,7 @@ print(f"# torch {torch.__version__}, cuda {torch.version.cuda}, "
       f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}", flush=True)
 PY
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv 2>/dev/null || true
-exec $PY bench/gpu_bench.py "$@"
+status=0
+timeout "${SWEEP_S:-300}" $PY bench/gpu_sweep.py --cli-steps 150 ${SWEEP_ARGS:-} || status=$?
+timeout "${BENCH_S:-170}" $PY bench/gpu_bench.py --rounds 1 "$@" || status=$?
+exit $status

@@ -31,6 +31,7 @@ CASES = {
     "soak.py": ["--minutes", "0.15", "--every", "3", "--warmup", "3"],  # 4 samples over 9 s, 3 after warm-up (a slope and its SE)
     "remote_loading.py": ["--quick"],
     "gpu_bench.py": ["--cpu", "--tiny"],
+    "gpu_sweep.py": ["--cpu", "--tiny", "--cli-steps", "3"],
     "step_cost.py": ["--quick"],
     "eval_cost.py": ["--quick"],
     "augment_equivalence.py": ["--quick"],
@@ -41,7 +42,8 @@ CASES = {
 }
 CLI = "scaling.py"  # run as `python bench/scaling.py --quick`: its CPU is in its children (vlp runs), not its imports
 BATCHES = {  # the rest: about 50 CPU seconds a batch once batched (2026-12-02); the CLI one and these start first
-    "quality+features+step+checksum": ["quality.py", "feature_cache.py", "step_cost.py", "checksum_cost.py"],
+    "quality+features+step+checksum+sweep": ["quality.py", "feature_cache.py", "step_cost.py", "checksum_cost.py",
+                                             "gpu_sweep.py"],
     "soak+fsdp+augment+loss": ["soak.py", "fsdp_cost.py", "augment_equivalence.py", "loss_cost.py"],
     "data+train+remote+ranks+gpu+eval": ["data_loading.py", "train_throughput.py", "remote_loading.py",
                                          "many_ranks.py", "gpu_bench.py", "eval_cost.py"],
@@ -78,6 +80,9 @@ EXPECTED = {
     "gpu_bench.py": ["gpu_synthetic_samples_per_s vlp", "gpu_synthetic_samples_per_s open_clip",
                      "gpu_synthetic_ratio vlp/open_clip", "gpu_flops_per_step", "gpu_real_ratio vlp/open_clip",
                      "gpu_real_ratio vlp_gpu_decode/vlp", "gpu_host_syncs_per_step vlp"],
+    "gpu_sweep.py": [f"gpu_sweep_samples_per_s {system} b={b}" for system in ("vlp_eager", "vlp_graphs", "open_clip",
+                                                                               "bare") for b in (4, 8)]
+                    + ["gpu_sweep_flops_per_step b=8", "gpu_cli_samples_per_s cli_eager"],
 }
 
 
@@ -102,7 +107,7 @@ def bench_data():
 
 
 def _argv(script: str, tmp_path) -> list[str]:
-    return [*CASES[script], *(["--out", str(tmp_path / "gpu")] if script == "gpu_bench.py" else [])]
+    return [*CASES[script], *(["--out", str(tmp_path / "gpu")] if script.startswith("gpu_") else [])]
 
 
 def _problems(script: str, code, stdout: str, stderr: str) -> list[str]:

@@ -1,0 +1,213 @@
+"""Per-GPU batch sweep (issue 42): is a vlp step bound by the device or by Python?
+
+    python bench/gpu_sweep.py                     # on the GPU box (bench/gpu.sh runs it)
+    OMP_NUM_THREADS=1 python bench/gpu_sweep.py --cpu --tiny   # CPU smoke run (tests/test_bench_smoke.py)
+
+At each per-GPU batch (--batches, default 8,32,128,256), side by side in one process, on the same
+synthetic device tensors (bf16 autocast, ViT-B-32; no data loading):
+
+    vlp_eager          Trainer.train_step (today's step: one host read a step)
+    vlp_graphs         the same trainer with train.cuda_graphs's StaticStep (vlp/train/static_step.py):
+                       WARMUP_STEPS eager steps, one capture, then replays (on CPU: eager, no capture)
+    vlp_compile        train.compile=true (the towers through torch.compile), eager step   } batches in
+    vlp_compile_graphs the compiled towers inside the captured step                       } --compile-batches
+    open_clip          open_clip_train.train.train_one_epoch (bench/gpu_bench.py's setup)
+    bare               an independent loop: the same open_clip model, fused AdamW, open_clip's
+                       ClipLoss, autocast, tensors already on the device, nothing else
+
+Figures per (system, batch): ms/step, samples/s, MFU (FLOPs of one vlp step by FlopCounterMode /
+step time / --peak-tflops) and peak memory (torch.cuda.max_memory_allocated over the timed steps).
+With --cli-steps N it then runs `vlp train -c configs/gpu_vitb32.yaml` N steps on gpu_bench.py's
+JPEG shards, eager and with train.cuda_graphs=true, and reports the samples/s its log.jsonl shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import REPO, figure, header, jpeg_shards  # noqa: E402
+from bench.gpu_bench import (H200_BF16_DENSE_FLOPS, count_flops, open_clip_setup, open_clip_synthetic,  # noqa: E402
+                             peak_gib, reset_peak, sync, synthetic_batch)
+
+
+def vlp_trainer(args, spec: str, batch: int, compile_towers: bool):
+    from vlp.config import load_config
+    from vlp.train.loop import Trainer
+
+    cfg = load_config(None, [
+        f"model.name={args.model}", f"data.train_shards={spec}", f"data.batch_per_device={batch}",
+        "data.num_workers=0", f"train.precision={args.precision}", "train.samples=100000000",
+        "train.log_every=1000000", f"train.output_dir={tempfile.mkdtemp(prefix='gpu_sweep_')}",
+        "optim.lr=5e-4", "optim.weight_decay=0.2", "optim.warmup_steps=2", "optim.grad_clip=1.0",
+        f"train.compile={str(compile_towers).lower()}"])
+    return Trainer(cfg)
+
+
+def timed(step, steps: int, warmup: int, device) -> tuple[float, float]:
+    """(seconds per step over `steps` after `warmup`, peak GiB over the timed steps)."""
+    for _ in range(warmup):
+        step()
+    sync(device)
+    reset_peak(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(device)
+    return (time.perf_counter() - t0) / steps, peak_gib(device)
+
+
+def vlp_runs(args, spec, batch: dict, b: int, device, compile_towers: bool) -> dict:
+    """{system: (s/step, peak GiB)} of one trainer, eager then with the static step."""
+    from vlp.train.data import Batch
+    from vlp.train.static_step import WARMUP_STEPS, StaticStep
+
+    trainer = vlp_trainer(args, spec, b, compile_towers)
+    group = [Batch(batch["image"], batch["text"].cpu(), torch_arange(b))]  # tokens trimmed on the host
+    eager, graphs = ("vlp_compile", "vlp_compile_graphs") if compile_towers else ("vlp_eager", "vlp_graphs")
+    out = {eager: timed(lambda: trainer.train_step(group), args.steps, args.warmup, device)}
+    if not compile_towers:  # FLOPs of one eager step (a replayed graph runs no Python to count)
+        out["flops"] = count_flops(trainer, batch)
+    trainer.static_step = StaticStep(trainer, capture=device.type == "cuda")
+    out[graphs] = timed(lambda: trainer.train_step(group), args.steps, WARMUP_STEPS + 2, device)
+    return out
+
+
+def torch_arange(n: int):
+    import torch
+
+    return torch.arange(n)
+
+
+def bare_loop(args, batch: dict, device):
+    """One step of the bare loop (module docstring), as a closure."""
+    import open_clip
+    import torch
+
+    from vlp.train.optim import param_groups
+
+    model = open_clip.create_model(args.model, device=device, output_dict=True)
+    opt = torch.optim.AdamW(param_groups(model, 0.2), lr=5e-4, betas=(0.9, 0.98), eps=1e-6, fused=True)
+    loss_fn = open_clip.ClipLoss()
+    image, text = batch["image"], batch["text"]
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            out = model(image, text)
+            loss = loss_fn(out["image_features"], out["text_features"], out["logit_scale"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def sweep(args, spec: str, device) -> dict:
+    import vlp.models.model  # noqa: F401  registers vlp/models/model_configs (vlp-micro) with open_clip
+
+    results: dict = {}
+    flops = {}
+    for b in args.batches:
+        batch = synthetic_batch(args.model, b, device)
+        runs = vlp_runs(args, spec, batch, b, device, compile_towers=False)
+        flops[b] = runs.pop("flops")
+        if b in args.compile_batches:
+            runs.update(vlp_runs(args, spec, batch, b, device, compile_towers=True))
+        runs["open_clip"] = timed_open_clip(args, batch, b, device)
+        runs["bare"] = timed(bare_loop(args, batch, device), args.steps, args.warmup, device)
+        results[b] = runs
+        figure(f"gpu_sweep_flops_per_step b={b}", flops[b] / 1e9, "GFLOP")
+    for b, runs in results.items():
+        for system, (dt, mem) in runs.items():
+            mfu = flops[b] / dt / (args.peak_tflops * 1e12) if device.type == "cuda" else float("nan")
+            figure(f"gpu_sweep_samples_per_s {system} b={b}", b / dt, "samples/s",
+                   f"{1e3 * dt:.2f} ms/step, MFU {100 * mfu:.1f} %, peak {mem:.2f} GiB")
+            runs[system] = {"step_s": dt, "samples_per_s": b / dt, "mfu": mfu, "peak_mem_gib": mem}
+    return results
+
+
+def timed_open_clip(args, batch: dict, b: int, device) -> tuple[float, float]:
+    import argparse as _argparse
+
+    setup = open_clip_setup(_argparse.Namespace(**{**vars(args), "batch": b}), device)
+    dt = open_clip_synthetic(setup, batch, args.steps, args.warmup, device)
+    return dt, peak_gib(device)
+
+
+def cli_runs(args, spec: str, out: Path) -> dict:
+    """`vlp train -c configs/gpu_vitb32.yaml` for --cli-steps steps (eager, graphs): the mean
+    samples/s of its logged lines after the first."""
+    results = {}
+    batch = 256 if not args.tiny else 8
+    for name, extra in (("cli_eager", []), ("cli_graphs", ["train.cuda_graphs=true"])):
+        run = out / name
+        cmd = [sys.executable, "-m", "vlp", "train", "-c", str(REPO / "configs/gpu_vitb32.yaml"),
+               f"data.train_shards={spec}", "data.eval_shards=null", f"train.output_dir={run}",
+               "train.resume=null", f"train.samples={args.cli_steps * batch}", "train.eval_every=0",
+               "train.checkpoint_every=0", "train.save_final=false", f"train.log_every={max(1, args.cli_steps // 3)}",
+               f"data.num_workers={args.workers}", *(["model.name=vlp-micro", f"data.batch_per_device={batch}",
+                                                      "train.precision=fp32"] if args.tiny else []), *extra]
+        t0 = time.time()
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"  {name}: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}", flush=True)
+            results[name] = {"error": proc.stderr[-2000:]}
+            continue
+        logged = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
+        sps = [r["samples_per_s"] for r in logged if r.get("type") == "train"][1:] or [float("nan")]
+        results[name] = {"samples_per_s": sum(sps) / len(sps), "wall_s": time.time() - t0}
+        figure(f"gpu_cli_samples_per_s {name}", results[name]["samples_per_s"], "samples/s",
+               f"batch {batch}, {args.cli_steps} steps, {time.time() - t0:.0f} s wall")
+    return results
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="vlp-micro, batches 4,8, 3 steps, fp32")
+    ap.add_argument("--model", default="ViT-B-32")
+    ap.add_argument("--batches", default="8,32,128,256")
+    ap.add_argument("--compile-batches", default="32,256", help="batches also run with train.compile=true")
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--cli-steps", type=int, default=0, help="also run `vlp train` this many steps (0: no)")
+    ap.add_argument("--real-samples", type=int, default=12288, help="gpu_bench.py's shards (the CLI runs)")
+    ap.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
+    ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_FLOPS / 1e12)
+    ap.add_argument("--out", default=os.environ.get("OUT", str(REPO / "runs" / "gpu_bench")))
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.model, args.batches, args.compile_batches, args.steps, args.warmup = "vlp-micro", "4,8", "", 3, 1
+        args.precision, args.real_samples, args.workers = "fp32", 48, 1
+    args.batches = [int(x) for x in args.batches.split(",") if x]
+    args.compile_batches = [int(x) for x in args.compile_batches.split(",") if x]
+    import torch
+
+    if not args.cpu and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --cpu (and --tiny) for the CPU smoke run")
+    device = torch.device("cpu" if args.cpu else "cuda")
+    if args.cpu:
+        os.environ["ACCELERATE_USE_CPU"] = "true"
+    header(f"GPU sweep: {args.model}, {args.precision}, batches {args.batches}, device "
+           f"{torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    per_shard = max(8, args.real_samples // max(16, args.workers))  # gpu_bench.py's shards (cached)
+    spec = jpeg_shards(out / "shards", args.real_samples, per_shard, size=512, workers=os.cpu_count() or 1)
+    results = {"args": vars(args), "device": str(device), "sweep": sweep(args, spec, device)}
+    if args.cli_steps:
+        results["cli"] = cli_runs(args, spec, out)
+    (out / "gpu_sweep.json").write_text(json.dumps(results, indent=2, default=str))
+    print(f"# results in {out / 'gpu_sweep.json'}")
+
+
+if __name__ == "__main__":
+    main()
