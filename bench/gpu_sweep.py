@@ -152,8 +152,8 @@ def cli_runs(args, spec: str, out: Path) -> dict:
                f"data.train_shards={spec}", "data.eval_shards=null", f"train.output_dir={run}",
                "train.resume=null", f"train.samples={args.cli_steps * batch}", "train.eval_every=0",
                "train.checkpoint_every=0", "train.save_final=false", f"train.log_every={max(1, args.cli_steps // 3)}",
-               f"data.num_workers={args.workers}", *(["model.name=vlp-micro", f"data.batch_per_device={batch}",
-                                                      "train.precision=fp32"] if args.tiny else []), *extra]
+               *([f"data.num_workers={args.workers}", "model.name=vlp-micro", f"data.batch_per_device={batch}",
+                  "train.precision=fp32"] if args.tiny else []), *extra]  # else the config's own workers
         t0 = time.time()
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -204,7 +204,12 @@ def main(argv=None) -> None:
     spec = jpeg_shards(out / "shards", args.real_samples, per_shard, size=512, workers=os.cpu_count() or 1)
     results = {"args": vars(args), "device": str(device), "sweep": sweep(args, spec, device)}
     if args.cli_steps:
-        results["cli"] = cli_runs(args, spec, out)
+        results["cli"] = cli = cli_runs(args, spec, out)
+        bench = results["sweep"].get(args.batches[-1], {}).get("vlp_eager", {}).get("samples_per_s")
+        for name, run in cli.items():
+            if bench and "samples_per_s" in run:
+                figure(f"gpu_cli_ratio {name}/vlp_eager b={args.batches[-1]}", run["samples_per_s"] / bench, "x",
+                       "real shards through the CLI vs synthetic device tensors")
     (out / "gpu_sweep.json").write_text(json.dumps(results, indent=2, default=str))
     print(f"# results in {out / 'gpu_sweep.json'}")
 
