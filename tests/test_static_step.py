@@ -221,3 +221,25 @@ def test_decode_auto_resolves_by_device():
     assert image_output("auto", torch.device("cuda")) == "jpeg"
     assert image_output("auto", torch.device("cpu")) == "uint8"
     assert image_output("cpu", torch.device("cuda")) == "region"
+
+
+def test_a_run_of_nonfinite_steps_between_syncs_stops_the_run(tiny_shards, tmp_path):
+    """Through Trainer.train: NaN at steps 2..5 (4 in a row, max_nonfinite=3), finite after; the
+    counters are read at step 10 (log_every=10), which stops the run with the last good weights."""
+    import json
+
+    t = Trainer(_cfg(tiny_shards, tmp_path, "infonce", "train.log_every=10", "train.max_nonfinite=3",
+                     "train.save_final=false"))
+    t.static_step = StaticStep(t, capture=False)
+    real = t.loss_fn
+
+    def flaky(*args, **kw):
+        loss, metrics = real(*args, **kw)
+        return (loss * float("nan") if 1 <= t.step <= 4 else loss), metrics
+
+    t.loss_fn = flaky
+    with pytest.raises(FloatingPointError, match="4 non-finite losses in a row at step 10; saved the last good"):
+        t.train()
+    assert t.nonfinite_total == 4 and t.weights_finite()
+    log = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if r["type"] == "train"] == [10]

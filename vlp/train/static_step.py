@@ -71,7 +71,8 @@ class StaticStep:
         self.device = trainer.accelerator.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.found_inf = torch.zeros((), device=self.device)  # 1.0: this step's loss is not finite on some rank
-        self.skips = torch.zeros(2, device=self.device)  # skipped steps since the last sync, in a row
+        # skipped steps: since the last sync, in a row now, the longest run since the last sync
+        self.skips = torch.zeros(3, device=self.device)
         self.buffers: dict = {}  # text length -> static micro-batches
         self.graphs: dict = {}  # text length -> (CUDAGraph, its metrics)
         self.pool = None  # the graphs' shared memory pool
@@ -148,12 +149,13 @@ class StaticStep:
 
     def sync(self) -> bool:
         """Read the skip counters (one transfer) into the Trainer's, agree on a preemption
-        signal (one all-reduce); whether the last step was skipped."""
+        signal (one all-reduce at > 1 rank); whether the last step was skipped. The Trainer's
+        nonfinite_in_row becomes the longest run of skips since the last sync."""
         t = self.t
-        total, in_row = self.skips.tolist()
-        self.skips[0] = 0
+        total, in_row, longest = self.skips.tolist()
+        self.skips[0], self.skips[2] = 0, in_row  # fills: no read
         t.nonfinite_total += int(total)
-        t.nonfinite_in_row = int(in_row)
+        t.nonfinite_in_row = int(longest)  # max_nonfinite sees a run that ended between syncs too
         if t.world > 1:
             t.preemption.agree(all_reduce(torch.full((1,), t.preemption.local_flag(), device=self.device)).item())
         return in_row > 0
@@ -197,7 +199,8 @@ class StaticStep:
         if t.world > 1:
             bad = (all_reduce(bad.reshape(1)) > 0).float().reshape(())
         self.found_inf.copy_(bad)
-        self.skips.copy_(torch.stack([self.skips[0] + bad, (self.skips[1] + bad) * bad]))
+        in_row = (self.skips[1] + bad) * bad
+        self.skips.copy_(torch.stack([self.skips[0] + bad, in_row, torch.maximum(self.skips[2], in_row)]))
         t.strategy.finish_grads(t.model, t.cfg.optim.grad_clip)
         t.optimizer.step()
         t.temperature.clamp_(t.unwrapped.log_logit_scale)
