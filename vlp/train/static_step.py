@@ -122,10 +122,11 @@ class StaticStep:
         texts = trimmed_texts(batches, t.unwrapped.trim_text)  # as the eager step trims them
         length = texts[0].shape[1]
         static = self.buffers.get(length)
-        if static is None:
-            static = self.buffers[length] = [
-                replace(b, image=torch.empty_like(x, device=self.device), text=torch.empty_like(y, device=self.device))
-                for b, x, y in zip(batches, images, texts)]
+        if static is None:  # one image buffer for all lengths, one token buffer per length
+            shared = next(iter(self.buffers.values()), None) or [
+                replace(b, image=torch.empty_like(x, device=self.device)) for b, x in zip(batches, images)]
+            static = self.buffers[length] = [replace(s, text=torch.empty_like(y, device=self.device))
+                                             for s, y in zip(shared, texts)]
         for s, x, y in zip(static, images, texts):
             s.image.copy_(x, non_blocking=True)
             s.text.copy_(y, non_blocking=True)
@@ -178,7 +179,7 @@ class StaticStep:
         for group in self.t.torch_optimizer.param_groups:
             group["capturable"] = True  # fused AdamW under capture (its state is on the device already)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):  # loader threads
             # the graphs share one set of gradients: None before the first capture (allocated in
             # its pool), zeroed inside every later one (0 + g == g: the same step)
             opt.zero_grad(set_to_none=False)
