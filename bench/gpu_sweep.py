@@ -15,6 +15,10 @@ synthetic device tensors (bf16 autocast, ViT-B-32; no data loading):
     bare               an independent loop: the same open_clip model, fused AdamW, open_clip's
                        ClipLoss, autocast, tensors already on the device, nothing else
 
+First, parity (`graph_parity`): vlp-micro in fp32, 20 steps eager vs the static step (captured
+and replayed on CUDA), infonce and sogclr, a NaN image at step 15: the largest weight
+difference, whether the NaN step left the weights bit-equal, the skipped-step counts.
+
 Figures per (system, batch): ms/step, samples/s, MFU (FLOPs of one vlp step by FlopCounterMode /
 step time / --peak-tflops) and peak memory (torch.cuda.max_memory_allocated over the timed steps).
 With --cli-steps N it then runs `vlp train -c configs/gpu_vitb32.yaml` N steps on gpu_bench.py's
@@ -107,6 +111,57 @@ def bare_loop(args, batch: dict, device):
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step
+
+
+def graph_parity(args, spec: str, device, loss: str, steps: int = 20, bad: int = 15) -> dict:
+    """Replays equal eager steps: two vlp-micro fp32 trainers from the same weights over the same
+    batches, one eager, one with the static step (captured on CUDA after WARMUP_STEPS); step
+    `bad` gets a NaN image (under replay no Python runs: the skip must happen in the graph)."""
+    import torch
+
+    from vlp.config import load_config
+    from vlp.train.loop import Trainer
+    from vlp.train.static_step import StaticStep
+
+    def trainer():
+        return Trainer(load_config(None, [
+            "model.name=vlp-micro", f"data.train_shards={spec}", "data.batch_per_device=8", "data.num_workers=0",
+            f"loss.name={loss}", "train.samples=100000", "optim.grad_clip=1.0", "optim.warmup_steps=3",
+            f"train.output_dir={tempfile.mkdtemp(prefix='gpu_parity_')}", "train.log_every=5"]))
+
+    eager, static = trainer(), trainer()
+    static.unwrapped.load_state_dict(eager.unwrapped.state_dict())
+    static.static_step = StaticStep(static, capture=device.type == "cuda")
+    groups = eager.data.groups(1)
+    batches = [next(groups) for _ in range(steps)]
+    groups.close()
+    worst, untouched = 0.0, None
+    for i, group in enumerate(batches):
+        if i == bad:
+            group = nan_image(eager, group)
+            before = [p.detach().clone() for p in static.unwrapped.parameters()]
+        eager.train_step(group), static.train_step(group)
+        if i == bad:
+            untouched = all(torch.equal(a, p) for a, p in zip(before, static.unwrapped.parameters()))
+        worst = max(worst, max((a - b).abs().max().item() for a, b in zip(eager.unwrapped.parameters(),
+                                                                            static.unwrapped.parameters())))
+    figure(f"gpu_graphs_max_abs_diff {loss}", worst, "", f"{steps} steps, eager vs "
+           f"{'captured' if static.static_step.graphs else 'static (not captured)'}, fp32")
+    figure(f"gpu_graphs_nan_step_untouched {loss}", float(untouched), "", "1: weights bit-equal across the NaN step")
+    figure(f"gpu_graphs_skipped {loss}", static.nonfinite_total, "steps", f"eager skipped {eager.nonfinite_total}")
+    return {"max_abs_diff": worst, "nan_step_untouched": untouched, "captured": bool(static.static_step.graphs),
+            "skipped": [eager.nonfinite_total, static.nonfinite_total]}
+
+
+def nan_image(trainer, group: list) -> list:
+    """`group` with its images through the device transform (a float batch on the device, which
+    the step passes through) and every pixel of the first image NaN."""
+    from dataclasses import replace
+
+    batch = trainer.data.feed(group)[0]
+    image = trainer.data.device_images(batch.image).clone()
+    image[0] = float("nan")
+    return [replace(batch, image=image)]
 
 
 def sweep(args, spec: str, device) -> dict:
@@ -202,7 +257,9 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     per_shard = max(8, args.real_samples // max(16, args.workers))  # gpu_bench.py's shards (cached)
     spec = jpeg_shards(out / "shards", args.real_samples, per_shard, size=512, workers=os.cpu_count() or 1)
-    results = {"args": vars(args), "device": str(device), "sweep": sweep(args, spec, device)}
+    results = {"args": vars(args), "device": str(device),
+               "parity": {loss: graph_parity(args, spec, device, loss) for loss in ("infonce", "sogclr")},
+               "sweep": sweep(args, spec, device)}
     if args.cli_steps:
         results["cli"] = cli = cli_runs(args, spec, out)
         bench = results["sweep"].get(args.batches[-1], {}).get("vlp_eager", {}).get("samples_per_s")
