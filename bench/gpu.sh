@@ -12,7 +12,7 @@
 # (e.g. the device runner's carry=["bench/wheels"]); never commit it.
 #
 # On the box (repo root; results under $OUT or runs/gpu_bench), one run of at most 8 min on one H200:
-#   bash bench/gpu.sh                 # sweep + CLI runs (~4-5 min), then gpu_bench.py (~2-3 min)
+#   bash bench/gpu.sh                 # sweep + CLI + compiled runs (<= 320 s), then gpu_bench.py (<= 130 s)
 #   bash bench/gpu.sh --skip-real     # gpu_bench.py's synthetic section only (the sweep still runs)
 # 1. bench/gpu_sweep.py: per-GPU batch 8, 32, 128, 256; at each, vlp eager, vlp with
 #    train.cuda_graphs, open_clip_train and a bare loop side by side (+ train.compile=true with and
@@ -50,6 +50,6 @@ print(f"# torch {torch.__version__}, cuda {torch.version.cuda}, "
 PY
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv 2>/dev/null || true
 status=0
-timeout "${SWEEP_S:-300}" $PY bench/gpu_sweep.py --cli-steps 150 ${SWEEP_ARGS:-} || status=$?
-timeout "${BENCH_S:-170}" $PY bench/gpu_bench.py --rounds 1 "$@" || status=$?
+timeout "${SWEEP_S:-320}" $PY bench/gpu_sweep.py --cli-steps 150 ${SWEEP_ARGS:-} || status=$?
+timeout "${BENCH_S:-130}" $PY bench/gpu_bench.py --rounds 1 "$@" || status=$?
 exit $status

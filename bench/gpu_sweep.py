@@ -9,8 +9,8 @@ synthetic device tensors (bf16 autocast, ViT-B-32; no data loading):
     vlp_eager          Trainer.train_step (today's step: one host read a step)
     vlp_graphs         the same trainer with train.cuda_graphs's StaticStep (vlp/train/static_step.py):
                        WARMUP_STEPS eager steps, one capture, then replays (on CPU: eager, no capture)
-    vlp_compile        train.compile=true (the towers through torch.compile), eager step   } batches in
-    vlp_compile_graphs the compiled towers inside the captured step                       } --compile-batches
+    vlp_compile        train.compile=true (the towers through torch.compile), eager step   } --compile-batches,
+    vlp_compile_graphs the compiled towers inside the captured step                       } after the CLI runs
     open_clip          open_clip_train.train.train_one_epoch (bench/gpu_bench.py's setup)
     bare               an independent loop: the same open_clip model, fused AdamW, open_clip's
                        ClipLoss, autocast, tensors already on the device, nothing else
@@ -78,7 +78,7 @@ def vlp_runs(args, spec, batch: dict, b: int, device, compile_towers: bool) -> d
     group = [Batch(batch["image"], batch["text"].cpu(), torch_arange(b))]  # tokens trimmed on the host
     eager, graphs = ("vlp_compile", "vlp_compile_graphs") if compile_towers else ("vlp_eager", "vlp_graphs")
     out = {eager: timed(lambda: trainer.train_step(group), args.steps, args.warmup, device)}
-    if not compile_towers:  # FLOPs of one eager step (a replayed graph runs no Python to count)
+    if b not in args.flops:  # FLOPs of one eager step (a replayed graph runs no Python to count)
         out["flops"] = count_flops(trainer, batch)
     trainer.static_step = StaticStep(trainer, capture=device.type == "cuda")
     out[graphs] = timed(lambda: trainer.train_step(group), args.steps, WARMUP_STEPS + 2, device)
@@ -164,27 +164,26 @@ def nan_image(trainer, group: list) -> list:
     return [replace(batch, image=image)]
 
 
-def sweep(args, spec: str, device) -> dict:
+def sweep(args, spec: str, device, compiled: bool = False) -> dict:
+    """{batch: {system: figures}}; each printed as soon as measured (a run cut by gpu.sh's
+    timeout keeps what it printed). compiled: only the train.compile runs of --compile-batches."""
     import vlp.models.model  # noqa: F401  registers vlp/models/model_configs (vlp-micro) with open_clip
 
     results: dict = {}
-    flops = {}
-    for b in args.batches:
+    for b in args.compile_batches if compiled else args.batches:
         batch = synthetic_batch(args.model, b, device)
-        runs = vlp_runs(args, spec, batch, b, device, compile_towers=False)
-        flops[b] = runs.pop("flops")
-        if b in args.compile_batches:
-            runs.update(vlp_runs(args, spec, batch, b, device, compile_towers=True))
-        runs["open_clip"] = timed_open_clip(args, batch, b, device)
-        runs["bare"] = timed(bare_loop(args, batch, device), args.steps, args.warmup, device)
-        results[b] = runs
-        figure(f"gpu_sweep_flops_per_step b={b}", flops[b] / 1e9, "GFLOP")
-    for b, runs in results.items():
+        runs = vlp_runs(args, spec, batch, b, device, compile_towers=compiled)
+        if not compiled:
+            runs["open_clip"] = timed_open_clip(args, batch, b, device)
+            runs["bare"] = timed(bare_loop(args, batch, device), args.steps, args.warmup, device)
+        flops = args.flops[b] = runs.pop("flops", None) or args.flops.get(b)
+        figure(f"gpu_sweep_flops_per_step b={b}", flops / 1e9, "GFLOP")
         for system, (dt, mem) in runs.items():
-            mfu = flops[b] / dt / (args.peak_tflops * 1e12) if device.type == "cuda" else float("nan")
+            mfu = flops / dt / (args.peak_tflops * 1e12) if device.type == "cuda" else float("nan")
             figure(f"gpu_sweep_samples_per_s {system} b={b}", b / dt, "samples/s",
                    f"{1e3 * dt:.2f} ms/step, MFU {100 * mfu:.1f} %, peak {mem:.2f} GiB")
             runs[system] = {"step_s": dt, "samples_per_s": b / dt, "mfu": mfu, "peak_mem_gib": mem}
+        results[b] = runs
     return results
 
 
@@ -257,9 +256,11 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     per_shard = max(8, args.real_samples // max(16, args.workers))  # gpu_bench.py's shards (cached)
     spec = jpeg_shards(out / "shards", args.real_samples, per_shard, size=512, workers=os.cpu_count() or 1)
+    args.flops = {}  # batch -> FLOPs of one step
     results = {"args": vars(args), "device": str(device),
                "parity": {loss: graph_parity(args, spec, device, loss) for loss in ("infonce", "sogclr")},
                "sweep": sweep(args, spec, device)}
+    (out / "gpu_sweep.json").write_text(json.dumps(results, indent=2, default=str))
     if args.cli_steps:
         results["cli"] = cli = cli_runs(args, spec, out)
         bench = results["sweep"].get(args.batches[-1], {}).get("vlp_eager", {}).get("samples_per_s")
@@ -267,6 +268,8 @@ def main(argv=None) -> None:
             if bench and "samples_per_s" in run:
                 figure(f"gpu_cli_ratio {name}/vlp_eager b={args.batches[-1]}", run["samples_per_s"] / bench, "x",
                        "real shards through the CLI vs synthetic device tensors")
+    if args.compile_batches:  # last: torch.compile's first step takes about a minute per batch
+        results["compiled"] = sweep(args, spec, device, compiled=True)
     (out / "gpu_sweep.json").write_text(json.dumps(results, indent=2, default=str))
     print(f"# results in {out / 'gpu_sweep.json'}")
 
