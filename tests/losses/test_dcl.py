@@ -9,7 +9,10 @@ import torch
 import torch.nn.functional as F
 from naive_losses import both_directions, naive_loss
 
-from vlp.losses import dcl_loss, flatnce_loss, get_loss, infonce_loss
+from vlp.losses.dcl import dcl_loss
+from vlp.losses.flatnce import flatnce_loss
+from vlp.losses.infonce import infonce_loss
+from vlp.losses.registry import get_loss
 from vlp.losses.registry import get_spec
 from vlp.models.temperature import default_mode
 
