@@ -44,7 +44,7 @@ from bench.gpu_bench import (H200_BF16_DENSE_FLOPS, count_flops, open_clip_setup
 
 
 def vlp_trainer(args, spec: str, batch: int, compile_towers: bool):
-    from vlp.config import load_config
+    from vlp.experiment import load_config
     from vlp.train.loop import Trainer
 
     cfg = load_config(None, [
@@ -71,7 +71,7 @@ def timed(step, steps: int, warmup: int, device) -> tuple[float, float]:
 
 def vlp_runs(args, spec, batch: dict, b: int, device, compile_towers: bool) -> dict:
     """{system: (s/step, peak GiB)} of one trainer, eager then with the static step."""
-    from vlp.train.data import Batch
+    from vlp.data.train_data import Batch
     from vlp.train.static_step import WARMUP_STEPS, StaticStep
 
     trainer = vlp_trainer(args, spec, b, compile_towers)
@@ -119,7 +119,7 @@ def graph_parity(args, spec: str, device, loss: str, steps: int = 20, bad: int =
     `bad` gets a NaN image (under replay no Python runs: the skip must happen in the graph)."""
     import torch
 
-    from vlp.config import load_config
+    from vlp.experiment import load_config
     from vlp.train.loop import Trainer
     from vlp.train.static_step import StaticStep
 

@@ -7,7 +7,9 @@ import re
 
 import pytest
 
-from vlp.losses import LOSSES, get_loss
+from vlp.losses.registry import STATELESS, get_loss
+
+LOSSES = {name: get_loss(name) for name in STATELESS}  # the stateless losses by name
 
 
 @pytest.mark.parametrize("name", ["infonce", "flatnce", "siglip", "dcl"])

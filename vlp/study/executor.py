@@ -26,7 +26,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from vlp.config import from_dict
+from vlp.config import from_dict, global_batch, steps_for
+
+from vlp.experiment import check
 from vlp.study.plan import SPLITS
 from vlp.study.runs import run_one
 
@@ -115,8 +117,7 @@ class Executor:
                     on_done(job, rec)
             return
         # most steps first, so that no long run is left going alone at the end
-        longest_first = sorted(jobs, key=lambda j: -j.cfg.train.samples // (
-            j.cfg.data.batch_per_device * j.cfg.train.accum_steps))
+        longest_first = sorted(jobs, key=lambda j: -steps_for(j.cfg.train.samples, global_batch(j.cfg)))
         futures = {self._pool().submit(run_job, job): job for job in longest_first}
         for i, future in enumerate(as_completed(futures)):
             rec, job = future.result(), futures[future]
@@ -159,7 +160,7 @@ def warm_caches(bases: dict, grid, acc) -> None:
     any run: the training shards' and the val / test sets' stem outputs. Runs (and worker
     processes, from the cache folder) then only read them."""
     for tree, specs in bases.values():
-        cfg = from_dict(copy.deepcopy(tree)).validate()
+        cfg = check(from_dict(copy.deepcopy(tree)))
         if cfg.data.feature_cache:
             with threads(grid.workers if acc.num_processes == 1 else torch.get_num_threads()):
                 _warm(cfg, specs, acc)
@@ -181,7 +182,7 @@ def _warm(cfg, specs: dict, acc) -> None:
     """One regime's caches: its training shards' stem outputs (every rank) and its val and test
     sets' (main process)."""
     from vlp.models.model import build_model  # heavy (open_clip, the towers), as above
-    from vlp.train.data import TrainData
+    from vlp.data.train_data import TrainData
     from vlp.train.feature_cache import retrieval_features, training_features
 
     model, tokenizer, transform, eval_t = build_model(cfg.model, cfg.loss, data_cfg=cfg.data)

@@ -15,14 +15,16 @@ from typing import Any, Callable, Optional
 
 import yaml
 
-from vlp.config import Config, ConfigError, from_dict, set_dotted
-from vlp.data.shard_io import is_url
-from vlp.storage import RunFolder
+from vlp.config import Config, ConfigError, from_dict, global_batch, set_dotted, steps_for
+
+from vlp.experiment import check
+from vlp.util import is_url
+from vlp.checkpoint.storage import RunFolder
 from vlp.study.grid import flatten
-from vlp.train import resume as resume_rules
+from vlp.checkpoint import resume as resume_rules
 
 # Keys that may change between a finished run and a rerun without making the run stale: the
-# resume rules table's keys that do not change results (vlp.train.resume.RESUME_RULES).
+# resume rules table's keys that do not change results (vlp.checkpoint.resume.RESUME_RULES).
 HARMLESS_KEYS = tuple(k for k, rule in resume_rules.RESUME_RULES.items() if not rule.results)
 
 
@@ -35,20 +37,20 @@ def run_config(base: dict, grid, run, world: int = 1) -> Config:
     for key, value in sets.items():
         set_dotted(tree, key, value)
     cfg = from_dict(tree)
-    global_batch = run.batch_per_device * world * cfg.train.accum_steps
-    if cfg.train.samples < global_batch:
+    batch = global_batch(cfg, world)
+    if cfg.train.samples < batch:
         raise ConfigError(f"config: train.samples={cfg.train.samples} gives 0 steps for {run.name} "
-                          f"(global batch {global_batch}); raise the budget or drop the batch size")
+                          f"(global batch {batch}); raise the budget or drop the batch size")
     if grid.warmup_samples is not None:
-        cfg.optim.warmup_steps = grid.warmup_samples // global_batch
+        cfg.optim.warmup_steps = steps_for(grid.warmup_samples, batch)
     if grid.log_every_samples is not None:
-        cfg.train.log_every = max(1, grid.log_every_samples // global_batch)
+        cfg.train.log_every = max(1, steps_for(grid.log_every_samples, batch))
     if not getattr(grid, "keep_models", True):  # a study ranking the model in memory keeps no weights
         cfg.train.save_final = False
     points = getattr(grid, "budget_points", 1)
     if points > 1 and getattr(run, "accum", 1) == 1:  # a ranked study run: val and test at every point
-        cfg.train.eval_every = point_interval(cfg.train.samples // global_batch, points, run.name)
-    return cfg.validate()
+        cfg.train.eval_every = point_interval(steps_for(cfg.train.samples, batch), points, run.name)
+    return check(cfg)
 
 
 def point_interval(steps: int, points: int, name: str) -> int:
@@ -83,7 +85,7 @@ def plan_runs(runs: list, cfgs: dict[str, Config], out: Path, items: bool = Fals
     """(done flag per run, error); a run folder written under another config is an error, so
     results of two configs are never mixed in one table. items: done also needs eval_items.json
     (a study run's per-query ranks)."""
-    done, out = [], _folder(out)  # a local folder or a bucket (vlp.storage.RunFolder)
+    done, out = [], _folder(out)  # a local folder or a bucket (vlp.checkpoint.storage.RunFolder)
     for run in runs:
         try:
             saved = out.read_bytes(f"{run.name}/config.yaml").decode()

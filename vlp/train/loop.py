@@ -4,10 +4,10 @@
 
     train() -> train_step(micro_batches) -> compute_gradients -> the loss over the gathered batch
 
-The parts: `TrainData` (the stream and its position, vlp.train.data), the parallel strategy
+The parts: `TrainData` (the stream and its position, vlp.data.train_data), the parallel strategy
 (DDP or FSDP2: wrap, no_sync, gradient finish, full model; vlp.train.strategy), the loss from
 the registry (vlp.losses.registry), the `Evaluator` and the `RunLogger`. Each part that owns
-state registers it with the `Checkpointer` (vlp.train.checkpointer), which saves and resumes
+state registers it with the `Checkpointer` (vlp.checkpoint.checkpointer), which saves and resumes
 them without calling back into the loop.
 
 One optimizer step sees `accum_steps` micro-batches per rank; the contrastive batch is
@@ -28,19 +28,20 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, set_seed
 
 from vlp.eval import keys
-from vlp import records, storage
-from vlp.config import Config
+from vlp import records
+from vlp.checkpoint import lock as runlock, resume, storage
+from vlp.config import Config, global_batch, steps_for
 from vlp.distributed import (all_reduce, barrier, exit_with_launcher, gather_object, gather_with_grad, is_main,
                              positive_offset)
 from vlp.losses.registry import get_spec
 from vlp.models.model import DualEncoder, build_model
-from vlp.train import parallel, preempt, resume, runlock
+from vlp.train import parallel, preempt
 from vlp.losses.diagnostics import DeviceScalars
-from vlp.train.data import Batch, TrainData, sum_skipped
+from vlp.data.train_data import Batch, TrainData, relayout, sum_skipped
 from vlp.train.evaluator import Evaluator
 from vlp.train.feature_cache import training_features
 from vlp.train.logger import RunLogger, check_wandb, show_step
-from vlp.train.checkpointer import PER_RANK, RANK_FILES, Checkpointer
+from vlp.checkpoint.checkpointer import PER_RANK, RANK_FILES, Checkpointer
 from vlp.train.memory import StepMemory
 from vlp.train.optim import build_optimizer, build_scheduler, follow_config, param_groups
 from vlp.train.parts import RNG, Counters
@@ -54,7 +55,6 @@ def _counter(name: str) -> property:
 
 
 class Trainer:
-    data_class = TrainData  # the data part (a subclass may record or replace the stream)
     step, samples_seen, nonfinite_total = _counter("step"), _counter("samples_seen"), _counter("nonfinite_total")
 
     def __init__(self, cfg: Config, accelerator: Optional[Accelerator] = None):
@@ -70,12 +70,12 @@ class Trainer:
         )
         exit_with_launcher()
         check_wandb(cfg)
-        # the run folder: a local path or a bucket URL, checked before any work (vlp.storage)
+        # the run folder: a local path or a bucket URL, checked before any work (vlp.checkpoint.storage)
         self.folder = storage.open_run_folder(cfg.train.output_dir)
         set_seed(cfg.train.seed)
         self.world, self.accum = acc.num_processes, cfg.train.accum_steps
-        self.global_batch = cfg.data.batch_per_device * self.world * self.accum
-        self.total_steps = cfg.train.samples // self.global_batch
+        self.global_batch = global_batch(cfg, self.world)
+        self.total_steps = steps_for(cfg.train.samples, self.global_batch)
         self.counters = Counters()
         self.nonfinite_in_row = 0
         self.peak_step_bytes: Optional[int] = None  # of this process's second step (measured_step)
@@ -87,7 +87,7 @@ class Trainer:
         model, self.tokenizer, self.train_transform, self.eval_transform = build_model(cfg.model, cfg.loss,
                                                                                        data_cfg=cfg.data)
         self.preemption = preempt.Preemption()  # installed by train(); agreed on in _finite
-        self.data = self.data_class(cfg, self.train_transform, self.tokenizer, acc.process_index, self.world,
+        self.data = TrainData(cfg, self.train_transform, self.tokenizer, acc.process_index, self.world,
                                     device=acc.device)  # workers ship uint8, the device finishes (data.py)
         if cfg.data.feature_cache:  # LiT: the locked stems' outputs once per sample, reused every epoch
             self.data.features = training_features(cfg, model, self.train_transform, self.tokenizer,
@@ -96,7 +96,6 @@ class Trainer:
         self.strategy = make_strategy(cfg, acc)
         self.loss_spec = get_spec(cfg.loss.name)  # stateful: per-sample state, checkpointed
         self.loss = self.loss_spec.build(cfg.loss, self.data.num_samples, self.total_steps)
-        self.loss_fn = self.loss  # the callable the step uses (a test may wrap it)
         self.temperature = model.temperature  # build_model's policy: gradient routing and clamp of logit_scale
         # fused AdamW: one kernel over all parameters (1.3x end-to-end on CPU, BENCHMARKS.md)
         self.model, self.optimizer = self.strategy.prepare(model, lambda m: build_optimizer(
@@ -106,7 +105,7 @@ class Trainer:
         # another global batch (train.resume_mode=continue) keeps it continuous. Not prepared:
         # Accelerate would step it once per process.
         self.scheduler = build_scheduler(self.torch_optimizer, cfg.optim, lambda: (
-            self.samples_seen // self.global_batch, cfg.train.samples // self.global_batch))
+            steps_for(self.samples_seen, self.global_batch), steps_for(cfg.train.samples, self.global_batch)))
         self.checkpoints = self.checkpointer(cfg, acc)
         self.logger = RunLogger(self.folder, is_main(), cfg.train.wandb_project, cfg.to_dict())
         self.static_step = static_step(self)  # train.cuda_graphs: the step without host reads, else None
@@ -124,7 +123,7 @@ class Trainer:
             checkpoints.register("loss", self.loss, RANK_FILES)
         if acc.scaler is not None:
             checkpoints.register("scaler", acc.scaler)
-        checkpoints.register("data", self.data, PER_RANK)
+        checkpoints.register("data", self.data, PER_RANK, relayout)
         checkpoints.register("rng", RNG(cfg.train.seed, acc.process_index), PER_RANK)
         return checkpoints
 
@@ -143,8 +142,8 @@ class Trainer:
         img_global = gather_with_grad(img_local)
         txt_global = gather_with_grad(txt_local)
         offset = positive_offset(img_local.shape[0], img_global.shape[0])
-        return self.loss_fn(img_local, txt_local, img_global, txt_global, scale, bias,
-                            offset=offset, scale_grad=self.temperature.scale_grad, ids=ids)
+        return self.loss(img_local, txt_local, img_global, txt_global, scale, bias,
+                         offset=offset, scale_grad=self.temperature.scale_grad, ids=ids)
 
     def compute_gradients(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, dict]:
         """Backward of the global loss over all micro-batches (vlp.train.step); returns
@@ -237,17 +236,17 @@ class Trainer:
 
     def maybe_resume(self) -> None:
         """Resume from train.resume (the checkpointer loads every part), then the counters decide
-        the steps left and the optimizer follows changed settings (vlp.train.resume)."""
+        the steps left and the optimizer follows changed settings (vlp.checkpoint.resume)."""
         found = self.checkpoints.resume(self.cfg.train.resume, self.cfg)
         if found is not None:
             (path, state), d = found, self.data
-            self.total_steps = self.step + (self.cfg.train.samples - self.samples_seen) // self.global_batch
+            self.total_steps = self.step + steps_for(self.cfg.train.samples - self.samples_seen, self.global_batch)
             follow_config(self.torch_optimizer, self.scheduler, self.cfg.optim)  # not the saved lr, betas, ...
             changed = resume.layout_changes(state, self.cfg, self.world)  # e.g. world size: 2 -> 1
             if changed:  # train.resume_mode=continue (else refused in the checkpointer)
                 self.print(f"[vlp] layout changed since {path}: {'; '.join(changed)} (train.resume_mode=continue)")
             for line in resume.applied_lines(state, self.cfg):
-                self.print(line)  # e.g. "optim.lr 1e-3 -> 1e-5 from step 12" (vlp.train.resume.RESUME_RULES)
+                self.print(line)  # e.g. "optim.lr 1e-3 -> 1e-5 from step 12" (vlp.checkpoint.resume.RESUME_RULES)
             self.print(f"[vlp] resumed from {path} at step {self.step}, {self.samples_seen} samples seen (epoch "
                        f"{d.epoch}, batch {d.batch_in_epoch}{' of its rest under the new layout' if d.pieces else ''})")
 
