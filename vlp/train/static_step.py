@@ -13,7 +13,7 @@ The step is a function of static buffers and tensors that live on the device:
 - a non-finite loss (on any rank: one all-reduce inside the graph) sets `found_inf`, which fused
   AdamW takes as GradScaler hands it over: its kernel returns before touching a weight or a
   moment and the step counts are put back, so a skipped step leaves weights and optimizer state
-  bit-untouched (tests/test_static_step.py). Backward and clipping still run on the non-finite
+  bit-untouched (tests/train/test_static_step.py). Backward and clipping still run on the non-finite
   values (their results are thrown away);
 - counts of skipped steps (total, in a row) are device tensors, read on `sync` steps only (log,
   checkpoint, eval and the last step): max_nonfinite and the preemption agreement act there.
