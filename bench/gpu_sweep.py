@@ -52,8 +52,15 @@ def vlp_trainer(args, spec: str, batch: int, compile_towers: bool):
         "data.num_workers=0", f"train.precision={args.precision}", "train.samples=100000000",
         "train.log_every=1000000", f"train.output_dir={tempfile.mkdtemp(prefix='gpu_sweep_')}",
         "optim.lr=5e-4", "optim.weight_decay=0.2", "optim.warmup_steps=2", "optim.grad_clip=1.0",
-        f"train.compile={str(compile_towers).lower()}"])
+        f"train.compile={str(compile_towers).lower()}",
+        f"train.cuda_graphs={str(torch_cuda()).lower()}"])  # as the CLI builds it (refused on CPU)
     return Trainer(cfg)
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU") != "true"
 
 
 def timed(step, steps: int, warmup: int, device) -> tuple[float, float]:
@@ -75,12 +82,14 @@ def vlp_runs(args, spec, batch: dict, b: int, device, compile_towers: bool) -> d
     from vlp.train.static_step import WARMUP_STEPS, StaticStep
 
     trainer = vlp_trainer(args, spec, b, compile_towers)
+    static = trainer.static_step or StaticStep(trainer, capture=False)  # the CLI's (CUDA) or an eager one (CPU)
+    trainer.static_step = None  # first the eager step
     group = [Batch(batch["image"], batch["text"].cpu(), torch_arange(b))]  # tokens trimmed on the host
     eager, graphs = ("vlp_compile", "vlp_compile_graphs") if compile_towers else ("vlp_eager", "vlp_graphs")
     out = {eager: timed(lambda: trainer.train_step(group), args.steps, args.warmup, device)}
     if b not in args.flops:  # FLOPs of one eager step (a replayed graph runs no Python to count)
         out["flops"] = count_flops(trainer, batch)
-    trainer.static_step = StaticStep(trainer, capture=device.type == "cuda")
+    trainer.static_step = static
     out[graphs] = timed(lambda: trainer.train_step(group), args.steps, WARMUP_STEPS + 2, device)
     return out
 

@@ -172,14 +172,15 @@ class StaticStep:
         if not self.capture or self.eager_steps < WARMUP_STEPS:
             self.eager_steps += 1
             opt.zero_grad(set_to_none=True)  # a replay's gradients are no eager step's
-            with _side_stream(self.capture):
+            with on_capture_stream(self.device, self.capture):
                 metrics = self.device_step(static)
             opt.zero_grad(set_to_none=True)
             return metrics
         for group in self.t.torch_optimizer.param_groups:
             group["capturable"] = True  # fused AdamW under capture (its state is on the device already)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):  # loader threads
+        with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream(self.device),
+                              capture_error_mode="thread_local"):  # loader threads may pin memory meanwhile
             # the graphs share one set of gradients: None before the first capture (allocated in
             # its pool), zeroed inside every later one (0 + g == g: the same step)
             opt.zero_grad(set_to_none=False)
@@ -208,20 +209,33 @@ class StaticStep:
         return metrics
 
 
-class _side_stream:
-    """Eager warm-up steps on a side stream (PyTorch's CUDA graphs recipe); a no-op off CUDA."""
+_STREAMS: dict = {}
 
-    def __init__(self, on: bool):
-        self.on = on
+
+def capture_stream(device) -> Optional["torch.cuda.Stream"]:
+    """The one side stream of a CUDA device on which DDP is built, the warm-up steps run and the
+    step is captured (NVIDIA's checklist: DDP and the first backward on the capture's side stream,
+    not the default stream); None off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return _STREAMS.setdefault(device, torch.cuda.Stream(device))
+
+
+class on_capture_stream:
+    """Run a block on `capture_stream(device)` (it waits for the current stream, which waits for
+    it afterwards); a no-op off CUDA or when `on` is false."""
+
+    def __init__(self, device, on: bool = True):
+        self.stream = capture_stream(device) if on else None
 
     def __enter__(self):
-        if self.on:
-            self.stream = torch.cuda.Stream()
-            self.stream.wait_stream(torch.cuda.current_stream())
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
             self.ctx = torch.cuda.stream(self.stream)
             self.ctx.__enter__()
 
     def __exit__(self, *exc):
-        if self.on:
+        if self.stream is not None:
             self.ctx.__exit__(*exc)
-            torch.cuda.current_stream().wait_stream(self.stream)
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)

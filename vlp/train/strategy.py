@@ -23,6 +23,7 @@ from vlp.config import ConfigError
 from vlp.distributed import is_main
 from vlp.train import parallel
 from vlp.train.optim import optimizer_param_names
+from vlp.train.static_step import on_capture_stream
 
 
 class Replicated:
@@ -39,7 +40,8 @@ class Replicated:
         self.torch_optimizer = make_optimizer(model)
         if self.cfg.train.compile:
             model = torch.compile(model)
-        return self.acc.prepare(model, self.torch_optimizer)
+        with on_capture_stream(self.acc.device, self.cfg.train.cuda_graphs):  # DDP built where it is captured
+            return self.acc.prepare(model, self.torch_optimizer)
 
     def unwrap(self, model):
         return self.acc.unwrap_model(model)
