@@ -39,8 +39,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import REPO, figure, header, jpeg_shards  # noqa: E402
-from bench.gpu_bench import (H200_BF16_DENSE_FLOPS, count_flops, open_clip_setup, open_clip_synthetic,  # noqa: E402
-                             peak_gib, reset_peak, sync, synthetic_batch)
+from bench.gpu_bench import (H200_BF16_DENSE_FLOPS, count_flops, host_syncs, open_clip_setup,  # noqa: E402
+                             open_clip_synthetic, peak_gib, reset_peak, sync, synthetic_batch)
 
 
 def vlp_trainer(args, spec: str, batch: int, compile_towers: bool):
@@ -91,6 +91,10 @@ def vlp_runs(args, spec, batch: dict, b: int, device, compile_towers: bool) -> d
         out["flops"] = count_flops(trainer, batch)
     trainer.static_step = static
     out[graphs] = timed(lambda: trainer.train_step(group), args.steps, WARMUP_STEPS + 2, device)
+    if b == args.batches[0] and not compile_towers:  # no sync step among them (log_every is huge)
+        reads, syncs = host_syncs(trainer, batch, 5)
+        figure(f"gpu_sweep_host_syncs_per_step vlp_graphs b={b}", reads, "reads",
+               f"Python reads of tensor values; CUDA syncs (set_sync_debug_mode) {syncs:g}")
     return out
 
 

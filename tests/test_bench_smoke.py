@@ -83,7 +83,8 @@ EXPECTED = {
     "gpu_sweep.py": [f"gpu_sweep_samples_per_s {system} b={b}" for system in ("vlp_eager", "vlp_graphs", "open_clip",
                                                                                "bare") for b in (4, 8)]
                     + ["gpu_sweep_flops_per_step b=8", "gpu_cli_samples_per_s cli_eager",
-                       "gpu_graphs_max_abs_diff infonce", "gpu_graphs_nan_step_untouched sogclr", "gpu_graphs_skipped infonce"],
+                       "gpu_graphs_max_abs_diff infonce", "gpu_graphs_nan_step_untouched sogclr", "gpu_graphs_skipped infonce",
+                       "gpu_sweep_host_syncs_per_step vlp_graphs b=4"],
 }
 
 
