@@ -15,8 +15,9 @@ The step is a function of static buffers and tensors that live on the device:
   moment and the step counts are put back, so a skipped step leaves weights and optimizer state
   bit-untouched (tests/train/test_static_step.py). Backward and clipping still run on the non-finite
   values (their results are thrown away);
-- counts of skipped steps (total, in a row) are device tensors, read on `sync` steps only (log,
-  checkpoint, eval and the last step): max_nonfinite and the preemption agreement act there.
+- counts of skipped steps (total, in a row, the longest run) are device tensors, read on `sync`
+  steps only (log, checkpoint, eval and the last step): max_nonfinite (on the longest run since
+  the last sync) and, with > 1 rank, the preemption agreement act there.
 
 The graph covers the forward of both towers, the gather and the loss, backward (under DDP its
 gradient all-reduce), clipping, the optimizer step and the logit-scale clamp. Outside it: the
@@ -27,8 +28,8 @@ host read a step of these losses makes; the eager step makes it too).
 
 On CPU (and with `capture=False`) the same function runs eagerly with the same buffers, device lr
 and masked skip: that is what the CPU tests compare with Trainer.train_step. On CUDA the first
-`WARMUP_STEPS` steps run eagerly on a side stream (real steps; DDP needs 11 before a capture),
-then each text length is captured once and replayed.
+`WARMUP_STEPS` steps run eagerly on the capture's side stream (real steps; DDP needs 11 before a
+capture), then each text length is captured once and replayed.
 """
 
 from __future__ import annotations
