@@ -138,7 +138,8 @@ def test_cuda_graphs_on_cpu_is_one_error_line(tiny_shards, tmp_path):
 
 @pytest.mark.parametrize("extra,named", [("train.parallel=fsdp", "train.parallel=fsdp"),
                                          ("optim.name=lars", "optim.name=lars"),
-                                         ("train.precision=fp16", "train.precision=fp16")])
+                                         ("train.precision=fp16", "train.precision=fp16"),
+                                         ("loss.gamma_schedule=cosine", "loss.gamma_schedule=cosine")])
 def test_what_cannot_be_captured_is_refused_by_name(tiny_shards, tmp_path, extra, named):
     with pytest.raises(ConfigError, match=f"train.cuda_graphs=true does not run with {named}"):
         _cfg(tiny_shards, tmp_path, "infonce", "train.cuda_graphs=true", extra)
