@@ -39,6 +39,15 @@ def diff_cell(d: Optional[dict]) -> str:
     return f"{signed(d['mean'])}{ci}" + (" ✓" if d.get("resolved") else "")
 
 
+def boot_cell(d: Optional[dict]) -> str:
+    """The paired bootstrap over test items and seeds of a difference: '[lo, hi]' in points, ' ✓'
+    when it excludes 0; '—' without one (no per-item ranks, or one seed)."""
+    if d is None or d.get("boot_items") is None:
+        return "—"
+    lo, hi = d["boot_items"]
+    return f"[{signed(lo)}, {signed(hi)}]" + (" ✓" if lo > 0 or hi < 0 else "")
+
+
 def mean_cell(stat: Optional[dict], fmt: str = "{:.3g}") -> str:
     return "—" if stat is None else fmt.format(stat["mean"])
 
@@ -154,7 +163,7 @@ def final_markdown(table: list[dict], metrics: tuple[str, ...]) -> str:
     head = ["arm (loss/optimizer/batch)", "setting", "seeds"]
     for m in metrics:
         head += [f"test {m} (%) mean ± std [95 % CI]", f"per-run bootstrap 95 % ({m})", f"Δ vs infonce ({m}) [95 % CI]",
-                 f"Δ after Holm ({m})"]
+                 f"Δ after Holm ({m})", f"Δ bootstrap items × seeds ({m})"]
     head += ["grad_ratio", "logit_scale", "InfoNCE (last step)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in sorted(table, key=arm_order):
@@ -164,7 +173,8 @@ def final_markdown(table: list[dict], metrics: tuple[str, ...]) -> str:
             d = e.get(f"diff/{m}")
             cells += [pct(e.get(m)), "—" if boot is None else f"[{100 * boot[0]:.1f}, {100 * boot[1]:.1f}]",
                       "ref" if e["loss"] == REFERENCE_LOSS else diff_cell(d),
-                      "ref" if e["loss"] == REFERENCE_LOSS else holm_cell(d)]
+                      "ref" if e["loss"] == REFERENCE_LOSS else holm_cell(d),
+                      "ref" if e["loss"] == REFERENCE_LOSS else boot_cell(d)]
         cells += [mean_cell(e.get("grad_ratio")), mean_cell(e.get("logit_scale")), mean_cell(e.get("infonce"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -207,15 +217,17 @@ def map_markdown(table: list[dict], metric: str, only: Optional[list[tuple[str, 
     for group in (only or groups(table)):
         out += [f"**{group_label(group)}**", "",
                 f"| per-GPU batch | loss | optimizer | setting | seeds | test {metric} (%) mean ± std [95 % CI] | "
-                f"Δ vs {REFERENCE_LOSS} [95 % CI] | Δ after Holm [simultaneous CI] | σ(v) | logit_scale |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+                f"Δ vs {REFERENCE_LOSS} [95 % CI] | Δ after Holm [simultaneous CI] | σ(v) | logit_scale | "
+                "Δ bootstrap items × seeds |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for e in arm_cells(table, group):
             tag = setting_tag(e["setting"])
             d = e.get(f"diff/{metric}")
             diff, corrected = ("ref", "ref") if e["loss"] == REFERENCE_LOSS else (diff_cell(d), holm_cell(d, True))
             out.append(f"| {e['batch_per_device']} | {e['loss']} | {e['optim']} | {tag} | {e['n']} | "
                        f"{pct(e.get(metric))} | {diff} | {corrected} | {mean_cell(e.get('grad_ratio'), '{:.3f}')} | "
-                       f"{mean_cell(e.get('logit_scale'), '{:.1f}')} |")
+                       f"{mean_cell(e.get('logit_scale'), '{:.1f}')} | "
+                       f"{'ref' if e['loss'] == REFERENCE_LOSS else boot_cell(d)} |")
         out.append("")
     return "\n".join(out)
 
