@@ -1,6 +1,8 @@
 """Seeds where the answer is open (grid.seeds_until): after the final seeds, every paired Δ to
-InfoNCE whose interval still contains 0 and is wider than ± half_width points gets `step` more
-seeds, up to max_seeds; a settled comparison gets none. Pure functions of the GridSpec, the
+InfoNCE whose simultaneous interval (the map's "Δ after Holm" column: Bonferroni over its
+table's m cells and the K looks) still contains 0 and is wider than ± half_width points gets
+`step` more seeds, up to max_seeds; a settled comparison (resolved after the correction, or
+pinned within ± half_width) gets none. Pure functions of the GridSpec, the
 selection and the final table (vlp.study.study runs what they plan).
 
     looks_of(grid)                      the planned looks (1 without grid.seeds_until)
@@ -44,13 +46,14 @@ def seeds_of_look(grid, look: int) -> list[int]:
 
 
 def _is_open(d: dict, grid, looks: int) -> bool:
-    return d["n"] >= 2 and bool(seeds_open(d["mean"], d["std"], d["n"], grid.seeds_until["half_width"] / SCALE, looks))
+    return d["n"] >= 2 and bool(seeds_open(d["mean"], d["std"], d["n"], grid.seeds_until["half_width"] / SCALE, looks,
+                                           d.get("m") or 1))
 
 
 def open_arms(table: list[dict], grid, n: int) -> list[tuple]:
     """The arms (non-reference) whose paired Δ on grid.metric has exactly ``n`` seeds (it reached
-    this look) and is open: its look-corrected interval contains 0 and its half-width exceeds
-    grid.seeds_until.half_width points."""
+    this look) and is open: its simultaneous interval (over its table's m cells and the looks)
+    contains 0 and its half-width exceeds grid.seeds_until.half_width points."""
     looks = looks_of(grid)
     return [e["arm"] for e in table if (d := e.get(f"diff/{grid.metric}")) is not None and d["n"] == n
             and _is_open(d, grid, looks)]
@@ -73,9 +76,9 @@ def more_seed_runs(grid, best: dict, arms: list[tuple], seeds: list[int]) -> lis
 
 def seed_reasons(table: list[dict], grid) -> list[dict]:
     """Per comparison (non-reference arm with a paired Δ on grid.metric): {arm, n, reason}, the
-    reason one of 'resolved' (its interval excludes 0), 'within ± h' (pinned near 0), 'open at the
-    maximum' (max_seeds reached, still open), 'fewer seeds than planned' (failed runs), or
-    'no rule' (grid.seeds_until unset)."""
+    reason one of 'resolved' (its simultaneous interval excludes 0), 'within ± h' (pinned near 0),
+    'open at the maximum' (max_seeds reached, still open), 'fewer seeds than planned' (failed
+    runs), or 'no rule' (grid.seeds_until unset)."""
     looks, sizes, out = looks_of(grid), sizes_of(grid), []
     for e in table:
         d = e.get(f"diff/{grid.metric}")
@@ -83,8 +86,8 @@ def seed_reasons(table: list[dict], grid) -> list[dict]:
             continue
         if not grid.seeds_until:
             reason = "no rule (grid.seeds_until unset)"
-        elif d["resolved"]:
-            reason = "resolved (interval excludes 0)"
+        elif d.get("lo_sim") is not None and (d["lo_sim"] > 0 or d["hi_sim"] < 0):
+            reason = "resolved (simultaneous interval excludes 0)"
         elif d["n"] >= 2 and not _is_open(d, grid, looks):
             reason = f"settled: within ± {grid.seeds_until['half_width']:g} points"
         elif d["n"] >= sizes[-1]:

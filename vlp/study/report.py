@@ -148,12 +148,21 @@ def header_lines(grid, facts: dict) -> list[str]:
         f"seed(s){bounds}; final seeds {grid.final_seeds}. Every run sees the same budget of samples.", ""]
     if grid.datasets:
         lines += ["Data sets (each with its own fit / val / test split): "
-                  + "; ".join(f"{d}: " + ", ".join(f"{k} {v}" for k, v in sets.items() if v) if any(sets.values())
-                              else d for d, sets in grid.datasets.items()) + ".", ""]
+                  + "; ".join(dataset_text(d, sets) for d, sets in grid.datasets.items()) + ".", ""]
     if facts.get("fit_sizes"):
         lines += ["## Budget and epochs", "", transfer.epochs_markdown(
             list(facts["fit_sizes"]), facts["fit_sizes"], facts.get("points") or [], facts.get("budget") or 0), ""]
     return lines
+
+
+def dataset_text(name: str, sets: dict) -> str:
+    """'openclipart: regimes ['lit']', 'mine (your shards: train a/, val b/, test c/)' or 'one (your
+    shards s3://b/x/, split by caption hash)'."""
+    own = sets.get("shards") or {}
+    where = (f" (your shards: train {own['fit']}, val {own['val']}, test {own['test']})" if own else
+             f" (your shards {sets['source']}, split by caption hash)" if sets.get("source") else "")
+    subsets = ", ".join(f"{k} {sets[k]}" for k in ("batch_per_device", "regimes") if sets.get(k))
+    return name + where + (f": {subsets}" if subsets else "")
 
 
 def sweep_lines(sweep_rows: list[dict], best: dict, grid, notes: list[dict]) -> list[str]:

@@ -111,13 +111,15 @@ def sequential_p(p, looks: int):
     return np.minimum(1.0, looks * np.asarray(p, dtype=float))
 
 
-def seeds_open(mean, std, n, half_width: float, looks: int, level: float = LEVEL):
+def seeds_open(mean, std, n, half_width: float, looks: int, family: int = 1, level: float = LEVEL):
     """The stopping rule of grid.seeds_until (numpy arrays too): True where a comparison needs
-    more seeds, i.e. its interval at ``look_level(looks)`` contains 0 *and* its half-width
-    exceeds ``half_width`` (the same units as ``mean``); False once it is resolved or pinned
-    within ± half_width. n >= 2."""
+    more seeds, i.e. its simultaneous interval over ``family`` comparisons and ``looks`` looks
+    (Bonferroni, level 1 − (1 − level) / (family · looks): the study's "Δ after Holm" interval)
+    contains 0 *and* its half-width exceeds ``half_width`` (the units of ``mean``); False once
+    it is resolved or pinned within ± half_width. n >= 2. The rule may use any interval: the
+    looks' correction (``sequential_p``) keeps the tests valid whatever stops the seeds."""
     mean, std, n = np.broadcast_arrays(np.asarray(mean, float), np.asarray(std, float), np.asarray(n, float))
-    half = sps.t.ppf(1.0 - (1.0 - look_level(looks, level)) / 2.0, n - 1) * std / np.sqrt(n)
+    half = sps.t.ppf(1.0 - (1.0 - look_level(looks * family, level)) / 2.0, n - 1) * std / np.sqrt(n)
     return (np.abs(mean) <= half) & (half > half_width)
 
 
