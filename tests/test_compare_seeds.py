@@ -129,7 +129,7 @@ def test_an_open_comparison_gets_more_seeds_than_a_settled_one_up_to_the_maximum
 @pytest.mark.parametrize("raw, needle", [
     ({"half_width": 1.0, "max_seeds": 8}, "must give half_width"),
     ({"half_width": 0, "max_seeds": 8, "step": 2}, "half_width must be a number of points > 0"),
-    ({"half_width": 1.0, "max_seeds": 4, "step": 2}, "must exceed the 4 final seeds"),
+    ({"half_width": 1.0, "max_seeds": 4, "step": 2}, "must exceed the 4 final seed"),
     ({"half_width": 1.0, "max_seeds": 8, "step": 0}, "step must be a positive integer"),
 ])
 def test_seeds_until_refusals(raw, needle):
@@ -156,3 +156,14 @@ def test_small_test_set_is_not_judged_on_seed_variance_alone():
     assert d["std"] == 0.0 and d["resolved"]
     lo, hi = item_seed_bootstrap(arm, ref)
     assert lo < 0 < hi and lo <= 0.1 <= hi
+
+
+def test_one_final_seed_has_no_interval_so_every_comparison_gets_the_next_seed():
+    grid, log = _grid(final_seeds=[0], seeds_until={"half_width": 1.0, "max_seeds": 2, "step": 1}), []
+    assert sizes_of(grid) == [1, 2] and seeds_of_look(grid, 1) == [1]
+    best = {("", "", loss, "adamw", b): (("optim.lr", 1e-3),) for loss in ("infonce", "flatnce") for b in (8, 32, 128)}
+    walk = _fake_walk(log)
+    rows = add_seeds(walk, grid, ACC, best, walk(final_runs(grid, best)))
+    assert len(log) == 2 and len(log[1]) == 6 and all(name.endswith("_s1") for name in log[1])
+    table = final_table(report.test_rows(rows), ("mean_R@10",), looks=looks_of(grid))
+    assert {e["n"] for e in table} == {2}

@@ -46,14 +46,16 @@ def seeds_of_look(grid, look: int) -> list[int]:
 
 
 def _is_open(d: dict, grid, looks: int) -> bool:
-    return d["n"] >= 2 and bool(seeds_open(d["mean"], d["std"], d["n"], grid.seeds_until["half_width"] / SCALE, looks,
+    """One seed has no interval at all: open."""
+    return d["n"] < 2 or bool(seeds_open(d["mean"], d["std"], d["n"], grid.seeds_until["half_width"] / SCALE, looks,
                                            d.get("m") or 1))
 
 
 def open_arms(table: list[dict], grid, n: int) -> list[tuple]:
     """The arms (non-reference) whose paired Δ on grid.metric has exactly ``n`` seeds (it reached
     this look) and is open: its simultaneous interval (over its table's m cells and the looks)
-    contains 0 and its half-width exceeds grid.seeds_until.half_width points."""
+    contains 0 and its half-width exceeds grid.seeds_until.half_width points, or it has one seed
+    (no interval yet)."""
     looks = looks_of(grid)
     return [e["arm"] for e in table if (d := e.get(f"diff/{grid.metric}")) is not None and d["n"] == n
             and _is_open(d, grid, looks)]
@@ -88,7 +90,7 @@ def seed_reasons(table: list[dict], grid) -> list[dict]:
             reason = "no rule (grid.seeds_until unset)"
         elif d.get("lo_sim") is not None and (d["lo_sim"] > 0 or d["hi_sim"] < 0):
             reason = "resolved (simultaneous interval excludes 0)"
-        elif d["n"] >= 2 and not _is_open(d, grid, looks):
+        elif not _is_open(d, grid, looks):
             reason = f"settled: within ± {grid.seeds_until['half_width']:g} points"
         elif d["n"] >= sizes[-1]:
             reason = "open at the maximum (grid.seeds_until.max_seeds)"

@@ -334,9 +334,9 @@ def _parse_seeds_until(raw: Any, spec: GridSpec) -> dict[str, Any]:
     for key, value in (("max_seeds", most), ("step", step)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"config: grid.seeds_until.{key} must be a positive integer, got {value!r}")
-    if most <= len(spec.final_seeds) or len(spec.final_seeds) < 2:
+    if most <= len(spec.final_seeds):
         raise ConfigError(f"config: grid.seeds_until.max_seeds={most} must exceed the {len(spec.final_seeds)} final "
-                          "seeds (grid.final_seeds, at least 2: the first look needs an interval)")
+                          "seed(s) (grid.final_seeds)")
     return {"half_width": float(width), "max_seeds": most, "step": step}
 
 
