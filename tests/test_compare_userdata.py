@@ -149,3 +149,14 @@ def test_cli_map_on_two_user_data_sets_from_csvs(tmp_path):
     run = out / "set_b_scratch_infonce_adamw_b8_lr0.001_s0"
     items = json.loads((run / "eval_items.json").read_text())
     assert 0 < len(items["test"]["image_to_text"]) < 90  # set B's caption-hash test split
+
+
+def test_the_shipped_your_data_config_names_two_user_sets():
+    from vlp.study.compare import load_compare_config
+
+    for quick in (False, True):
+        base, grid = load_compare_config(REPO / "configs/compare_your_data.yaml", quick=quick)
+        assert grid.datasets["set_a"]["shards"] == {"fit": "shards/set_a/train", "val": "shards/set_a/val",
+                                                    "test": "shards/set_a/test"}
+        assert grid.datasets["set_b"]["source"] == "shards/set_b" and grid.seeds_until["max_seeds"] > len(grid.final_seeds)
+        assert list(grid.regimes) == ["lit"] and grid.sweep_bounds
