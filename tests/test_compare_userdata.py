@@ -160,3 +160,34 @@ def test_the_shipped_your_data_config_names_two_user_sets():
                                                     "test": "shards/set_a/test"}
         assert grid.datasets["set_b"]["source"] == "shards/set_b" and grid.seeds_until["max_seeds"] > len(grid.final_seeds)
         assert list(grid.regimes) == ["lit"] and grid.sweep_bounds
+
+
+@pytest.fixture
+def http_root(tmp_path):
+    """A folder served over HTTP on loopback (python's http.server, in a thread)."""
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    root = tmp_path / "www"
+    root.mkdir()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(SimpleHTTPRequestHandler, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_one_shard_set_at_an_http_url_is_read_and_split(tmp_path, http_root):
+    root, base = http_root
+    csv = write_csv(tmp_path / "b", "set_b", 0, 60)
+    shards_from_source(str(csv), root / "b", samples_per_shard=30, progress=False)
+    grid = _grid({"web": {"shards": f"{base}/b/shard-{{000000..000001}}.tar"}})
+    specs = user_specs("web", grid.datasets["web"], ACC, tmp_path / "cache")
+    local = user_specs("local", {"source": str(root / "b")}, ACC, tmp_path / "cache")
+    for split in ("fit", "val", "test"):  # the same pairs in the same splits as the local copy's
+        assert read_pairs(specs[split]) == read_pairs(local[split]) and not specs[split].startswith("http")
+    missing = _grid({"gone": {"shards": f"{base}/nothing-000000.tar"}})
+    with pytest.raises(ConfigError, match=r"^config: cannot read .*nothing-000000.tar"):
+        user_specs("gone", missing.datasets["gone"], ACC, tmp_path / "cache")
