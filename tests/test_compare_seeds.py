@@ -124,6 +124,10 @@ def test_an_open_comparison_gets_more_seeds_than_a_settled_one_up_to_the_maximum
                        128: (4, "resolved (simultaneous interval excludes 0)"), 32: (4, "settled: within ± 1 points")}
     d128 = next(e for e in table if e["arm"] == ("", "", "flatnce", "adamw", 128))["diff/mean_R@10"]
     assert d128["looks"] == 3 and d128["p"] == pytest.approx(3 * d128["p_t"], rel=1e-12)
+    from vlp.study import tables  # the report labels every paired interval with its level, 1 - 0.05 / 3
+    assert "Δ vs infonce [98.33 % CI]" in tables.map_markdown(table, "mean_R@10")
+    assert "resolved (98.33 % CI excludes 0): flatnce -26.0 points, 98.33 % CI [" in " ".join(
+        tables.verdicts(table, "mean_R@10"))
 
 
 @pytest.mark.parametrize("raw, needle", [

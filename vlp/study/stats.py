@@ -83,7 +83,8 @@ def paired_difference(arm: dict[int, float], reference: dict[int, float], looks:
     resolved = summary["lo"] is not None and (summary["lo"] > 0 or summary["hi"] < 0)
     p_t = t_test_p(summary["mean"], summary["std"], summary["n"])
     p = None if p_t is None else float(sequential_p(p_t, looks))
-    return {**summary, "diffs": diffs, "p": p, "p_t": p_t, "looks": looks, "resolved": resolved}
+    return {**summary, "diffs": diffs, "p": p, "p_t": p_t, "looks": looks, "level": look_level(looks),
+            "resolved": resolved}
 
 
 # ---------------------------------------------------------------------------- seeds where the answer is open
@@ -205,16 +206,22 @@ def signed(x: float, scale: float = 100.0) -> str:
     return f"{value:+.2f}" if value != 0 and abs(value) < 0.05 else f"{value:+.1f}"
 
 
+def ci_label(level: float = LEVEL) -> str:
+    """0.95 -> '95 %', 0.975 -> '97.5 %' (an interval's level as the report prints it)."""
+    return f"{100 * level:.4g} %"
+
+
 def verdict(differences: dict[str, Optional[dict]], reference: str, metric: str, scale: float = 100.0,
             unit: str = " points") -> str:
     """One sentence: for each arm, its paired difference to ``reference`` on ``metric`` with the
     95 % CI (and its Holm-adjusted p when the difference carries one), grouped into resolved (CI
     excludes 0) and not resolved."""
     resolved, unresolved = [], []
+    label = ci_label(next((d.get("level", LEVEL) for d in differences.values() if d), LEVEL))
     for arm, d in differences.items():
         if d is None:
             continue
-        ci = "" if d["lo"] is None else f", 95 % CI [{signed(d['lo'], scale)}, {signed(d['hi'], scale)}]"
+        ci = "" if d["lo"] is None else f", {label} CI [{signed(d['lo'], scale)}, {signed(d['hi'], scale)}]"
         holm_p = "" if d.get("p_holm") is None else f", Holm p={d['p_holm']:.2g}" + (" ✓" if d["holm"] else "")
         text = f"{arm} {signed(d['mean'], scale)}{unit}{ci}, n={d['n']}{holm_p}"
         (resolved if d["resolved"] else unresolved).append(text)
@@ -222,7 +229,7 @@ def verdict(differences: dict[str, Optional[dict]], reference: str, metric: str,
         return f"No paired differences to {reference} on {metric} yet."
     parts = []
     if resolved:
-        parts.append(f"resolved (95 % CI excludes 0): {'; '.join(resolved)}")
+        parts.append(f"resolved ({label} CI excludes 0): {'; '.join(resolved)}")
     if unresolved:
         parts.append(f"not resolved: {'; '.join(unresolved)}")
     return f"Paired by seed, {metric} minus {reference}'s: " + ". ".join(parts) + "."

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 from vlp.eval.keys import EVAL_KEYS
 from vlp.study.plan import REFERENCE_LOSS, arm_label, setting_tag
 from vlp.study.rows import DIAG_KEYS
-from vlp.study.stats import linear_fit, seed_summary, signed, verdict
+from vlp.study.stats import LEVEL, ci_label, linear_fit, seed_summary, signed, verdict
 
 CHALLENGER = "flatnce"
 """The loss whose mechanism (InfoNCE's gradient vanishing as σ(v) → 0) the map tests."""
@@ -159,10 +159,16 @@ def arm_order(e: dict) -> tuple:
     return (e.get("dataset", ""), e["regime"], e["batch_per_device"], e["optim"], e["loss"] != REFERENCE_LOSS, e["loss"])
 
 
+def diff_label(table: list[dict]) -> str:
+    """The level of the table's paired intervals ('95 %'; '97.5 %' with two looks of grid.seeds_until)."""
+    levels = [d["level"] for e in table for k, d in e.items() if k.startswith("diff/") and d and "level" in d]
+    return ci_label(levels[0] if levels else LEVEL)
+
+
 def final_markdown(table: list[dict], metrics: tuple[str, ...]) -> str:
-    head = ["arm (loss/optimizer/batch)", "setting", "seeds"]
+    head, label = ["arm (loss/optimizer/batch)", "setting", "seeds"], diff_label(table)
     for m in metrics:
-        head += [f"test {m} (%) mean ± std [95 % CI]", f"per-run bootstrap 95 % ({m})", f"Δ vs infonce ({m}) [95 % CI]",
+        head += [f"test {m} (%) mean ± std [95 % CI]", f"per-run bootstrap 95 % ({m})", f"Δ vs infonce ({m}) [{label} CI]",
                  f"Δ after Holm ({m})", f"Δ bootstrap items × seeds ({m})"]
     head += ["grad_ratio", "logit_scale", "InfoNCE (last step)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -217,7 +223,7 @@ def map_markdown(table: list[dict], metric: str, only: Optional[list[tuple[str, 
     for group in (only or groups(table)):
         out += [f"**{group_label(group)}**", "",
                 f"| per-GPU batch | loss | optimizer | setting | seeds | test {metric} (%) mean ± std [95 % CI] | "
-                f"Δ vs {REFERENCE_LOSS} [95 % CI] | Δ after Holm [simultaneous CI] | σ(v) | logit_scale | "
+                f"Δ vs {REFERENCE_LOSS} [{diff_label(table)} CI] | Δ after Holm [simultaneous CI] | σ(v) | logit_scale | "
                 "Δ bootstrap items × seeds |",
                 "|---|---|---|---|---|---|---|---|---|---|---|"]
         for e in arm_cells(table, group):
