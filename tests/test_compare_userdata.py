@@ -151,9 +151,17 @@ def test_cli_map_on_two_user_data_sets_from_csvs(tmp_path):
     assert 0 < len(items["test"]["image_to_text"]) < 90  # set B's caption-hash test split
 
 
-def test_the_shipped_your_data_config_names_two_user_sets():
+def test_the_shipped_your_data_config_names_two_user_sets(tmp_path, monkeypatch):
+    """Its shards are refused in one line until they exist (before any folder is made), then it loads."""
     from vlp.study.compare import load_compare_config
 
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="^config: grid.datasets.set_a.train: 1 shard\\(s\\) not found: shards/set_a/train$"):
+        load_compare_config(REPO / "configs/compare_your_data.yaml")
+    assert list(tmp_path.iterdir()) == []
+    csv = write_csv(tmp_path / "csv", "all", 0, 4)
+    for folder in ("set_a/train", "set_a/val", "set_a/test", "set_b"):
+        shards_from_source(str(csv), tmp_path / "shards" / folder, progress=False)
     for quick in (False, True):
         base, grid = load_compare_config(REPO / "configs/compare_your_data.yaml", quick=quick)
         assert grid.datasets["set_a"]["shards"] == {"fit": "shards/set_a/train", "val": "shards/set_a/val",

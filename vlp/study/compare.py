@@ -46,6 +46,7 @@ from vlp.study.rows import collect_rows
 from vlp.study.runs import broadcast, embedded_shards, plan_runs, run_config
 from vlp.study.study import run_study
 from vlp.study.tables import aggregate, markdown_table
+from vlp.study.userdata import check_datasets
 from vlp.train import runlock
 
 # = configs/compare_small_batch.yaml, shipped in the package (vlp/defaults/ links to configs/)
@@ -71,6 +72,7 @@ def load_compare_config(path: str | Path, overrides: Sequence[str] = (), quick: 
     cfg = from_dict(copy.deepcopy(data)).validate()  # fail on a bad base config before any run
     if grid.sweep and not grid.optimizers:
         grid.optimizers = [cfg.optim.name]
+    check_datasets(grid.datasets)  # your own data sets' local shards exist, before any folder is made
     return data, grid
 
 

@@ -94,6 +94,15 @@ def check_local(name: str, specs: dict[str, str]) -> None:
             raise ConfigError(f"config: grid.datasets.{name}.{key}: {e}") from None
 
 
+def check_datasets(datasets: dict[str, dict]) -> None:
+    """Every user data set's local shards exist (before any folder is made); one line."""
+    for name, entry in datasets.items():
+        if entry.get("shards"):
+            check_local(name, entry["shards"])
+        elif entry.get("source"):
+            check_local(name, {"shards": entry["source"]})
+
+
 def split_key(spec: str) -> str:
     """The cache folder's key of a split: the spec and, for its local shards, their sizes and
     modification times (a rewritten shard set is split again)."""
