@@ -11,7 +11,7 @@ two cores with the loop, which a real bucket would not.
 
 A "training loop" of ``--steps`` steps, each a fixed CPU workload of about ``--step-ms`` (a
 matmul chain on one thread: the model's compute, no data loading), saves a checkpoint every
-``--every`` steps through ``vlp.storage.RunFolder`` (stage, publish in the background, prune):
+``--every`` steps through ``vlp.checkpoint.storage.RunFolder`` (stage, publish in the background, prune):
 
   none    no saves (the reference step time)
   local   RunFolder(<tmp dir>): torch.save into a stage file beside the target, renamed in the background
@@ -76,7 +76,7 @@ def micro_state() -> dict:
     """vlp-micro's model and AdamW state after one optimizer step (what a checkpoint holds)."""
     import torch
 
-    from vlp.config import load_config
+    from vlp.experiment import load_config
     from vlp.models.model import build_model
 
     cfg = load_config(None, ["model.name=vlp-micro"])
@@ -112,7 +112,7 @@ def run_loop(step, steps: int, every: int, folder, state) -> tuple[float, list[f
     last upload: in a real run that one overlaps the final export and eval)."""
     import torch
 
-    from vlp.train.checkpointer import prune
+    from vlp.checkpoint.checkpointer import prune
 
     blocked = []
     t0 = time.perf_counter()
@@ -202,7 +202,7 @@ def synthetic_runs(args, endpoint: str) -> None:
     """The synthetic loop's figures (module docstring)."""
     import torch
 
-    from vlp.storage import RunFolder
+    from vlp.checkpoint.storage import RunFolder
 
     steps = args.steps or (30 if args.quick else 60)
     every = args.every or (10 if args.quick else 20)

@@ -1,4 +1,4 @@
-"""Checksum cost: what the SHA-256 manifest (vlp/integrity.py) adds to a checkpoint save and load.
+"""Checksum cost: what the SHA-256 manifest (vlp/checkpoint/integrity.py) adds to a checkpoint save and load.
 
     OMP_NUM_THREADS=1 python bench/checksum_cost.py           # vlp-micro state + ~500 MB, 3 rounds
     OMP_NUM_THREADS=1 python bench/checksum_cost.py --quick   # vlp-micro + 50 MB, 1 round
@@ -54,8 +54,8 @@ def measure(name: str, state: dict, folder: Path, rounds: int) -> None:
     import torch
 
     from vlp.util import atomic_write
-    from vlp.train import checkpoint as ckpt
-    from vlp import integrity
+    from vlp.checkpoint import files as ckpt
+    from vlp.checkpoint import integrity
 
     plain, checked = folder / f"{name}_plain.pt", folder / f"{name}_checked.pt"
     times: dict[str, list[float]] = {k: [] for k in ("save_plain", "save_checked", "load_plain",

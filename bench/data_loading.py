@@ -109,10 +109,11 @@ def time_batches(iterable, skip: int, n: int, batch: int = BATCH) -> tuple[float
 
 
 def vlp_rate(spec, transform, tokenizer, skip, n, output="region", buffer=1000, seed=0):
+    from vlp.config.keys import DataConfig
     from vlp.data.stream import make_loader
 
-    loader = make_loader(spec, batch_size=BATCH, transform=transform, tokenize=tokenizer, seed=seed,
-                         num_workers=1, mode="split", shuffle_buffer=buffer, image_output=output)
+    data = DataConfig(train_shards=spec, batch_per_device=BATCH, num_workers=1, mode="split", shuffle_buffer=buffer)
+    loader = make_loader(data, transform=transform, tokenize=tokenizer, seed=seed, image_output=output)
     if loader.num_batches < skip + n:
         raise ValueError(f"vlp: {loader.num_batches} batches per epoch < skip + n = {skip + n}")
     return time_batches(loader, skip, n)

@@ -38,6 +38,7 @@ def main(argv=None) -> None:
     import open_clip
     import torch
 
+    from vlp.config.keys import DataConfig
     from vlp.data.stream import make_loader
     from vlp.eval.retrieval import embed_retrieval
     from vlp.eval.zeroshot import build_classifier, load_templates
@@ -65,8 +66,8 @@ def main(argv=None) -> None:
     pairs = {}
 
     def retrieval_seconds(name):
-        loader = make_loader(pairs_spec, batch_size=256, transform=eval_tf, tokenize=tokenizer,
-                             mode="sequential")
+        loader = make_loader(DataConfig(train_shards=pairs_spec, batch_per_device=256, mode="sequential"),
+                             transform=eval_tf, tokenize=tokenizer)
         t0 = time.perf_counter()
         img, txt, _ = embed_retrieval(models[name], loader, "cpu", show_progress=False)
         pairs[name] = (txt.shape[0], txt)

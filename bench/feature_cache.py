@@ -8,7 +8,7 @@ all-MiniLM-L6-v2, both locked; only the projections and the temperature train), 
 made by scripts/prepare_lit.py from PyPI packages into a temp folder; the first --pairs OpenMoji
 training pairs at 128 px (vlp.data.sources.openmoji) as shards. One process, CPU, 0
 loader workers, batch 32, InfoNCE, data.train_transform=eval in both runs (the cache needs it),
-so both runs train on the same samples and give the same weights (tests/test_feature_cache.py).
+so both runs train on the same samples and give the same weights (tests/train/test_feature_cache.py).
 
 Reported: samples/s of each run's training loop (vlp's train_time_s: steps only, no start-up),
 the cache build (its own figure: once per key, then reused from the memo or the folder), the
@@ -62,7 +62,7 @@ def timed_builds() -> None:
 
 def run(trunk: Path, minilm: Path, spec: str, out: Path, samples: int, cached: bool) -> tuple[float, float]:
     """(seconds of the training loop, seconds of the Trainer's start-up)."""
-    from vlp.config import load_config
+    from vlp.experiment import load_config
     from vlp.train.loop import Trainer
 
     cfg = load_config(REPO / "configs" / "lit_openmoji.yaml", [

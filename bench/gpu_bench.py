@@ -86,7 +86,7 @@ def synthetic_batch(model_name: str, batch: int, device):
 
 # ----------------------------------------------------------------------------- vlp side
 def build_vlp_trainer(args, spec: str, out_dir: str):
-    from vlp.config import load_config
+    from vlp.experiment import load_config
     from vlp.train.loop import Trainer
 
     cfg = load_config(None, [
@@ -101,7 +101,7 @@ def build_vlp_trainer(args, spec: str, out_dir: str):
 def vlp_synthetic(trainer, batch: dict, steps: int, warmup: int) -> float:
     import torch
 
-    from vlp.train.data import Batch
+    from vlp.data.train_data import Batch
 
     device = trainer.accelerator.device
     batch = Batch(batch["image"], batch["text"], torch.arange(len(batch["image"])))
@@ -144,7 +144,7 @@ def host_syncs(trainer, batch: dict, steps: int) -> tuple[float, float]:
 
     import torch
 
-    from vlp.train.data import Batch
+    from vlp.data.train_data import Batch
 
     images = (batch["image"].clamp(-2, 2) * 50 + 128).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
     micro = Batch(images, batch["text"].cpu(), torch.arange(len(images)))
@@ -192,7 +192,7 @@ def count_flops(trainer, batch: dict) -> int:
 
     import torch
 
-    from vlp.train.data import Batch
+    from vlp.data.train_data import Batch
 
     batch = Batch(batch["image"], batch["text"], torch.arange(len(batch["image"])))
     with FlopCounterMode(display=False) as counter:

@@ -23,7 +23,7 @@ Part 1, training (`--only train`): for each of train.parallel=ddp and fsdp
   the whole job are printed; the launcher process is not counted in the per-rank figure.
 
 Part 2, collectives (`--only collectives`): torch.multiprocessing gloo workers (file
-rendezvous, as tests/_dist_utils.py), OMP_NUM_THREADS=1, for world 2, 4, 8:
+rendezvous, as tests/support/dist_utils.py), OMP_NUM_THREADS=1, for world 2, 4, 8:
 
   gather      vlp.distributed.gather_with_grad of (b, d) image and text features + backward
               (the trainer's two gathers per step; b=2, d=32: vlp-micro at batch 2)

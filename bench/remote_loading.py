@@ -59,10 +59,12 @@ class HttpServer:
 
 
 def loader_rate(spec, transform, tokenizer, skip, n, workers, buffer, seed=0):
+    from vlp.config.keys import DataConfig
     from vlp.data.stream import make_loader
 
-    loader = make_loader(spec, batch_size=BATCH, transform=transform, tokenize=tokenizer, seed=seed,
-                         num_workers=workers, mode="split", shuffle_buffer=buffer)
+    data = DataConfig(train_shards=spec, batch_per_device=BATCH, num_workers=workers, mode="split",
+                      shuffle_buffer=buffer)
+    loader = make_loader(data, transform=transform, tokenize=tokenizer, seed=seed)
     if loader.num_batches < skip + n:
         raise ValueError(f"{loader.num_batches} batches per epoch < skip + n = {skip + n}")
     return time_batches(loader, skip, n)

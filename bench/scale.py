@@ -91,6 +91,7 @@ def planning(spec: str) -> dict:
     import torch
 
     from vlp.data.shard_io import Retry
+    from vlp.config.keys import DataConfig
     from vlp.data.stream import make_loader
     from vlp.data.shard_list import expand_sources, shard_sizes
 
@@ -103,8 +104,8 @@ def planning(spec: str) -> dict:
     shard_sizes(paths, tables=tables, retry=Retry(1, 0.1))
     out["sizes_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    loader = make_loader(spec, batch_size=8, transform=lambda im: torch.zeros(1),
-                         tokenize=lambda caps: caps, num_workers=0)
+    loader = make_loader(DataConfig(train_shards=spec, batch_per_device=8),
+                         transform=lambda im: torch.zeros(1), tokenize=lambda caps: caps)
     out["loader_s"] = time.perf_counter() - t
     t = time.perf_counter()
     rest = loader.rest_of_epoch(0)
@@ -155,10 +156,11 @@ def late_rest_bytes(spec: str, batches: int = 400) -> int:
     buffer has churned, so its samples no longer form long runs (the bound, per worker)."""
     import torch
 
+    from vlp.config.keys import DataConfig
     from vlp.data.stream import make_loader
 
-    loader = make_loader(spec, batch_size=8, transform=lambda im: torch.zeros(1),
-                         tokenize=lambda caps: caps, num_workers=0, shuffle_buffer=1000)
+    loader = make_loader(DataConfig(train_shards=spec, batch_per_device=8, shuffle_buffer=1000),
+                         transform=lambda im: torch.zeros(1), tokenize=lambda caps: caps)
     stream = loader.epochs(0, 0)
     for _ in range(batches):
         next(stream)

@@ -86,15 +86,17 @@ def main(argv=None) -> None:
     import psutil
 
     from vlp.data.embedded import prepare_shards
+    from vlp.config.keys import DataConfig
     from vlp.data.stream import make_loader
-    from vlp.config import load_config
+    from vlp.experiment import load_config
     from vlp.models.model import build_model
 
     spec = prepare_shards(REPO / ".cache" / "shards" / "openmoji")["train"]
     cfg = load_config(REPO / "configs" / "demo.yaml", [f"model.name={args.model}"])
     _, tokenizer, transform, _ = build_model(cfg.model, cfg.loss)
-    loader = make_loader(spec, batch_size=args.batch, transform=transform, tokenize=tokenizer, seed=0,
-                         num_workers=args.workers, mode="resampled", shuffle_buffer=1000)
+    data = DataConfig(train_shards=spec, batch_per_device=args.batch, num_workers=args.workers, mode="resampled",
+                      shuffle_buffer=1000)
+    loader = make_loader(data, transform=transform, tokenize=tokenizer, seed=0)
     header(f"soak: {args.minutes:g} min, {args.workers} workers, resampled, batch {args.batch}, "
            f"{loader.num_batches} batches an epoch, {spec}")
     me = psutil.Process()

@@ -88,7 +88,8 @@ def worker(rank: int, world: int, args, tmp: str) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank,
                                          world_size=world, timeout=datetime.timedelta(seconds=300))
-    from vlp.losses.sogclr import SogCLRLoss, _all_gather
+    from vlp.losses.sharded import all_gather_ranks
+    from vlp.losses.sogclr import SogCLRLoss
 
     n = args.samples_per_rank * world
     sog = SogCLRLoss(n, rank=rank, world_size=world)
@@ -109,7 +110,7 @@ def worker(rank: int, world: int, args, tmp: str) -> None:
         torch.distributed.barrier()
         t3 = time.perf_counter()
         _ = replicated[ids]  # the replicated table's read, then its commit: 2 all_gathers, all rows written
-        replicated[_all_gather(ids, world)] = _all_gather(new, world)
+        replicated[all_gather_ranks(ids, world)] = all_gather_ranks(new, world)
         t4 = time.perf_counter()
         if step >= args.warmup:
             times["lookup"].append(t1 - t0)

@@ -1,4 +1,4 @@
-"""Write the list of config keys in docs/configuration.md from their declarations (vlp/config_keys.py).
+"""Write the list of config keys in docs/configuration.md from their declarations (vlp/config/keys.py).
 
     python scripts/config_keys.py           # rewrite the list between the page's two markers
     python scripts/config_keys.py --check   # exit 1 when the page is out of step (a test runs this)
@@ -17,15 +17,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's vlp, also where an installed one is older
 
-from vlp import config, config_keys, config_rules  # noqa: E402  (after the path line above)
+from vlp import config  # noqa: E402  (after the path line above)
+from vlp.config import keys as config_keys, rules as config_rules  # noqa: E402
 
 PAGE = REPO / "docs" / "configuration.md"
-BEGIN = "<!-- config keys: written by scripts/config_keys.py from vlp/config_keys.py; do not edit -->"
+BEGIN = "<!-- config keys: written by scripts/config_keys.py from vlp/config/keys.py; do not edit -->"
 END = "<!-- end of config keys -->"
 
 
 def docstrings() -> dict[str, str]:
-    """'Section.field' and 'Section' -> its docstring (one line), read from vlp/config_keys.py."""
+    """'Section.field' and 'Section' -> its docstring (one line), read from vlp/config/keys.py."""
     tree = ast.parse(Path(config_keys.__file__).read_text())
     out = {}
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
@@ -104,7 +105,7 @@ def main(argv: list[str]) -> int:
     fresh = with_keys(page)
     if "--check" in argv:
         if fresh != page:
-            print(f"{PAGE} is out of step with vlp/config_keys.py: run python scripts/config_keys.py", file=sys.stderr)
+            print(f"{PAGE} is out of step with vlp/config/keys.py: run python scripts/config_keys.py", file=sys.stderr)
             return 1
         return 0
     PAGE.write_text(fresh)

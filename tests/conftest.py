@@ -1,8 +1,13 @@
-"""Project-wide fixtures (tiny real shards shared by trainer/CLI tests), the test tiers
-(tests/tiers.py decides them, the hooks here apply them and report slow unlisted tests) and the
-pytest-xdist groups (tests that must share one worker: tests/tiers.py ``group``)."""
+"""Project-wide fixtures (tiny real shards shared by trainer/CLI tests), the test tiers (declared
+markers and tests/slow_tests.txt, read by tests/support/tiers.py; the hooks here apply them and
+report slow unlisted tests) and the pytest-xdist groups (tests that must share one worker:
+tests/support/tiers.py ``groups``). The tests' helpers live in tests/support/."""
 import os
 import resource
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))  # the tests' helpers: tests/support/
 
 import pytest
 from xdist.scheduler import LoadGroupScheduling

@@ -6,7 +6,7 @@ APIs and reports the figures BENCHMARKS.md quotes.
 
 One script runs as `python bench/SCRIPT` (the command line a person types); the others run in a
 few batches, each one process that imports torch, open_clip and vlp once and forks a child per
-script (tests/bench_batch.py): each script is still its own process with its own argv, minus the
+script (tests/support/bench_batch.py): each script is still its own process with its own argv, minus the
 ~6 CPU seconds of imports it would pay alone.
 """
 
@@ -124,6 +124,7 @@ def test_every_script_runs_once():
     assert sorted([CLI, *sum(BATCHES.values(), [])]) == sorted(CASES) == sorted(EXPECTED)
 
 
+@pytest.mark.multiproc
 def test_bench_quick_on_the_command_line(bench_data, tmp_path):
     """One script as a person runs it: its own Python, `python bench/SCRIPT ARGS`."""
     cmd = [sys.executable, str(REPO / "bench" / CLI), *_argv(CLI, tmp_path)]
@@ -135,15 +136,16 @@ def test_bench_quick_on_the_command_line(bench_data, tmp_path):
     assert not (problems := _problems(CLI, proc.returncode, proc.stdout, proc.stderr)), problems[0]
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("batch", list(BATCHES))
 def test_bench_quick(batch, bench_data, tmp_path):
-    """The batch's scripts, each its own forked process (tests/bench_batch.py); every script's
+    """The batch's scripts, each its own forked process (tests/support/bench_batch.py); every script's
     exit and figures are checked, and every failure is reported."""
     scripts = BATCHES[batch]
     logs = [tmp_path / script for script in scripts]  # LOG.out, LOG.err
     jobs = [[str(REPO / "bench" / s), _argv(s, tmp_path), str(log), BUDGET_S] for s, log in zip(scripts, logs)]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "bench_batch.py"), str(tmp_path / "jobs.json")],
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "support" / "bench_batch.py"), str(tmp_path / "jobs.json")],
                           cwd=REPO, env=run_env(), capture_output=True, text=True,
                           timeout=BUDGET_S * len(scripts) + 120)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,6 +1,7 @@
 """A non-editable install works outside the clone: build the wheel from a copy of the sources,
 install it into a fresh venv in a temp folder (its dependencies come from the test's own
 environment through a .pth line, so nothing is downloaded), and run the CLI from there."""
+import pytest
 import os
 import shutil
 import subprocess
@@ -10,6 +11,8 @@ import zipfile
 from pathlib import Path
 
 from vlp_testing import REPO
+
+pytestmark = pytest.mark.multiproc  # the tier (docs/testing.md): every test here starts processes
 
 SOURCES = ("pyproject.toml", "README.md", "vlp", "configs")
 

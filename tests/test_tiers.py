@@ -1,15 +1,12 @@
-"""The tiers stay honest: tests/slow_tests.txt names real tests, what a test reaches decides its
-markers (through fixtures, helpers and tables of helpers), and the tier rule holds for every
-collected item of this session."""
+"""The tiers stay honest: tests/slow_tests.txt names real tests, the tier rule holds for every
+collected item of this session (multiproc is slow), the markers are declared in the test files
+(no tier is inferred from the code), and xdist groups are files."""
 import ast
-import http.server
 import re
-import subprocess
 
 import pytest
 
-from tiers import SLOW_LIST, TESTS, TIERS, groups, kinds, plain_id, reached, read_list
-from object_store import start_gcs, start_s3
+from tiers import SLOW_LIST, TESTS, TIERS, groups, plain_id, read_list
 
 
 def _defined(path) -> set[str]:
@@ -37,63 +34,21 @@ def test_every_slow_entry_names_a_test_once():
     assert not missing, f"tests/slow_tests.txt names tests that do not exist (or with [params]): {missing}"
 
 
-# small stand-ins, defined here so the reader follows them like any test-side helper
-def _launches():
-    return subprocess.run(["true"])
-
-
-def _serves():
-    return http.server.ThreadingHTTPServer
-
-
-HELPERS = {"s3": start_s3, "gs": start_gcs}
-
-
-def _through_a_table(scheme):
-    return HELPERS[scheme]()
-
-
-def _through_a_closure():
-    inner = _launches
-
-    def run():
-        return inner()
-    return run
-
-
-def _imports_inside():
-    import subprocess as sp
-    return sp.run(["true"])
-
-
-def _imports_a_helper_inside():
-    from object_store import start_s3
-    return start_s3()
-
-
-def _plain(x):
-    return sorted(x)
-
-
-@pytest.mark.parametrize("fn, expected", [
-    (_launches, {"multiproc"}),
-    (_serves, {"server"}),
-    (_through_a_table, {"server", "multiproc"}),  # start_gcs runs fake-gcs-server as a process
-    (_through_a_closure(), {"multiproc"}),
-    (_imports_inside, {"multiproc"}),
-    (_imports_a_helper_inside, {"server"}),
-    (_plain, set()),
-])
-def test_markers_follow_what_a_test_reaches(fn, expected):
-    assert kinds(reached([fn])) == expected
-
-
 def test_the_tier_rule_holds_for_every_item_of_this_session(request):
     for item in request.session.items:
         names = {m.name for m in item.iter_markers()} & set(TIERS)
         assert "multiproc" not in names or "slow" in names, item.nodeid
     here = {m.name for m in request.node.iter_markers()} & set(TIERS)
-    assert here == set()  # this file only defines its stand-ins: it is in the fast tier
+    assert here == set()  # this file starts nothing: it is in the fast tier
+
+
+def test_the_fast_tier_is_selected_by_markers_the_files_declare(request):
+    """Which tests start processes or servers is written in the test files (pytestmark or a
+    decorator), where a reader sees it; the suite's process-starting files declare it."""
+    marked = {item.nodeid.split("::", 1)[0] for item in request.session.items
+              if item.get_closest_marker("multiproc") is not None}
+    for path in ("tests/cli/test_slurm.py", "tests/train/test_two_process.py", "tests/test_packaging.py"):
+        assert path in marked or not any(i.nodeid.startswith(path) for i in request.session.items), path
 
 
 def test_groups_are_the_files_of_module_fixtures_only(request):

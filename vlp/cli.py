@@ -12,7 +12,8 @@ import gc
 import os
 import sys
 
-from vlp.config import ConfigError, load_config, parse_overrides
+from vlp.config import ConfigError, parse_overrides
+from vlp.experiment import load_config
 
 USER_ERRORS = (ConfigError, FileNotFoundError, NotADirectoryError, ValueError, FloatingPointError,
                FileExistsError, IsADirectoryError, PermissionError)
@@ -49,9 +50,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def _local_only(value, option: str, hint: str) -> None:
     """Refuse a URL (s3://, gs://, ...) for an option that writes local files, in one line
     (never a local folder named 's3:')."""
-    from vlp.storage import is_remote_url
+    from vlp.util import is_remote
 
-    if is_remote_url(value):
+    if is_remote(value):
         raise ConfigError(f"{option} {value}: a URL is not supported here, only a local folder ({hint})")
 
 
@@ -252,7 +253,7 @@ def peer_failure(error: BaseException) -> bool:
     gloo's own words differ with where the wait ended: "Timed out waiting ...", "Connection reset
     by peer", "Socket closed", and "Application timeout caused pair closure" (a frozen peer, the
     timeout hit inside DDP's gradient all-reduce: a bare RuntimeError naming neither gloo nor a
-    time-out; tests/test_cluster.py [frozen])."""
+    time-out; tests/cli/test_cluster.py [frozen])."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and isinstance(error, getattr(dist, "DistError", ())):
         return True

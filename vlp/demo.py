@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Optional
 
 from vlp.eval import keys
-from vlp.config import PACKAGED_DEFAULTS, load_config
+from vlp.config import PACKAGED_DEFAULTS
+from vlp.experiment import load_config
 
 DEFAULT_CONFIG = PACKAGED_DEFAULTS / "demo.yaml"  # = configs/demo.yaml, shipped in the package
 LOSSES = ("infonce", "flatnce")

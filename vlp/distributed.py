@@ -40,7 +40,7 @@ process would compute on the concatenated batch of B = R*b pairs -- is L = (1/R)
 
 So each rank must return the *mean over its local anchors* (do not multiply by world size, do not
 sum), and after DDP averaging every parameter gradient equals the gradient of the global mean loss.
-tests/test_distributed.py checks this to 1e-6 (2 ranks x b versus 1 rank x 2b, float64).
+tests/train/test_distributed.py checks this to 1e-6 (2 ranks x b versus 1 rank x 2b, float64).
 
 Caveats: the backward pass runs a collective, so every rank must backpropagate through the gather
 the same way (same losses, same order); ``all_gather`` is not supported under ``torch.compile``.

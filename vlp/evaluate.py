@@ -10,9 +10,9 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from vlp.config import ConfigError, LossConfig, ModelConfig, from_dict
-from vlp.data.shard_io import is_url
-from vlp.storage import is_remote_url, open_run_folder
-from vlp.train import checkpoint as ckpt
+from vlp.util import is_remote, is_url
+from vlp.checkpoint.storage import open_run_folder
+from vlp.checkpoint import files as ckpt
 
 
 def load_model_from_checkpoint(path: str, model_name: Optional[str] = None, device: str = "cpu"):
@@ -172,12 +172,12 @@ def evaluate_checkpoint(checkpoint: Optional[str] = None, model_name: Optional[s
 def local_checkpoint(checkpoint: str) -> Iterator[str]:
     """A local path for --checkpoint while the block runs: the path itself, or for a URL (s3://,
     gs://) a download with its per-rank files, removed when the block ends (a checkpoint verifies
-    itself: vlp.train.checkpoint)."""
-    if not is_remote_url(checkpoint):
+    itself: vlp.checkpoint.files)."""
+    if not is_remote(checkpoint):
         yield checkpoint.removeprefix("file://")
         return
-    from vlp.storage import RunFolder
-    from vlp.train.checkpointer import fetch
+    from vlp.checkpoint.storage import RunFolder
+    from vlp.checkpoint.checkpointer import fetch
 
     folder, name = RunFolder.of(checkpoint)
     try:

@@ -1,6 +1,6 @@
 """DCL: its gradient is FlatNCE's exactly (both scale_grad modes), its value is mean_i v_i, and it
-matches the float64 per-anchor reference of tests/naive_losses.py to 1e-12. (2 ranks == 1 rank and
-the naive reference under DDP: tests/test_distributed.py; accumulation: tests/test_trainer_accum.py.)"""
+matches the float64 per-anchor reference of tests/support/naive_losses.py to 1e-12. (2 ranks == 1 rank and
+the naive reference under DDP: tests/train/test_distributed.py; accumulation: tests/train/test_trainer_accum.py.)"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """FastCLIP-v3's loss: with gamma = 1 its gradients are the exact gradients of the objective
 F = tau mean_i log g_i + tau rho (features and t) and its feature gradient is tau x SogCLR's; over
-several steps with a moving average it matches the float64 reference of tests/naive_losses.py to
+several steps with a moving average it matches the float64 reference of tests/support/naive_losses.py to
 1e-12. (2 ranks, resume, sharding, the trainer: tests/losses/test_moving_average_losses.py.)"""
 
 from __future__ import annotations

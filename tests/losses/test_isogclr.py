@@ -1,6 +1,6 @@
 """iSogCLR: with gamma = 1 its feature gradient and each sample's temperature gradient G_i are the
 exact gradients of F = mean_i tau_i log g_i(tau_i) + tau_i rho; over several steps (temperatures
-moving, clipped and clamped) it matches the float64 reference of tests/naive_losses.py to 1e-12.
+moving, clipped and clamped) it matches the float64 reference of tests/support/naive_losses.py to 1e-12.
 (2 ranks, resume, sharding, the trainer: tests/losses/test_moving_average_losses.py.)"""
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def test_fresh_rows_and_refusals():
 
 
 def test_config_refuses_a_start_outside_the_bounds():
-    from vlp.config import ConfigError, load_config
+    from vlp.config import ConfigError
+    from vlp.experiment import load_config
 
     with pytest.raises(ConfigError, match=r"loss.tau_min <= tau \(0.07\) <= loss.tau_max"):
         load_config(None, ["loss.name=isogclr", "loss.tau_min=0.1"])

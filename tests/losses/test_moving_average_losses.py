@@ -64,7 +64,7 @@ def _worker(rank, world, name, img, txt, ids):
 
 
 def reference(name, img, txt, ids):
-    """(value, gradients) per step from tests/naive_losses.py over the whole batch."""
+    """(value, gradients) per step from tests/support/naive_losses.py over the whole batch."""
     ref = NaiveFastCLIP(0.3, 2.0) if name == "fastclip" else NaiveISogCLR(0.3, **{
         "rho": RULE["rho"], "tau_init": RULE["tau_init"], "tau_lr": RULE["tau_lr"], "tau_min": RULE["tau_min"],
         "tau_max": RULE["tau_max"]})
@@ -86,12 +86,13 @@ def _at_step(name, step):
 
 @pytest.fixture(scope="module", params=NAMES)
 def two_ranks(request):
-    from _dist_utils import run_distributed
+    from dist_utils import run_distributed
 
     img, txt, ids = problem(seed=0)
     return request.param, (img, txt, ids), run_distributed(_worker, 2, args=(request.param, img, txt, ids))
 
 
+@pytest.mark.multiproc
 def test_two_ranks_equal_one_rank_and_the_reference(two_ranks):
     """Each rank's feature gradient is twice (all_gather's backward sums the ranks' mean losses)
     the rows of one rank's; t's gradient and the loss average over ranks to one rank's; one rank
@@ -118,6 +119,7 @@ def test_two_ranks_equal_one_rank_and_the_reference(two_ranks):
     assert torch.isfinite(one["state"][key][:, 0]).sum() > 8
 
 
+@pytest.mark.multiproc
 def test_state_is_sharded_by_owner(two_ranks):
     """Rank r holds the samples k % 2 == r only: ceil(N / 2) rows of WIDTH fp32 (O(N / world))."""
     name, _, ranks = two_ranks
@@ -129,6 +131,7 @@ def test_state_is_sharded_by_owner(two_ranks):
     assert [rows_on(r, 2, N) for r in range(2)] == [11, 10]
 
 
+@pytest.mark.multiproc
 def test_two_rank_shards_reload_on_one_and_three_ranks(two_ranks):
     name, _, ranks = two_ranks
     saved = [r["state"] for r in ranks]
@@ -169,7 +172,7 @@ def test_trainer_resume_restores_state_exactly(tiny_shards, tmp_path, name):
     """Through the Trainer's own checkpoint path (per-rank loss files): a run resumed from its
     step-6 checkpoint ends with the same per-sample state and weights as the uninterrupted one."""
     from vlp_testing import REPO
-    from vlp.config import load_config
+    from vlp.experiment import load_config
     from vlp.train.loop import Trainer
 
     def cfg(out, *extra):

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from vlp.losses import flatnce_loss
-from vlp.losses.sogclr import SogCLRLoss, gamma_at, update_log_u
+from vlp.losses.sharded import gamma_at, update_log_u
+from vlp.losses.sogclr import SogCLRLoss
 
 F64 = torch.float64
 
@@ -117,11 +118,12 @@ def _two_rank_worker(rank, world, img, txt, ids, steps):
     return {"grads": out, "log_u": sog.log_u, "state": sog.state_dict()}
 
 
+@pytest.mark.multiproc
 def test_two_ranks_equal_one_rank():
     """The table after 3 steps (the 2 ranks' shards put together) equals one rank's; each rank's
     feature gradient is twice (all_gather's backward sums the 2 ranks' mean losses) the rows of
     one rank's gradient of the global mean loss."""
-    from _dist_utils import run_distributed
+    from dist_utils import run_distributed
 
     gen = torch.Generator().manual_seed(0)
     steps, big_b = 3, 8
@@ -143,7 +145,7 @@ def test_trainer_resume_restores_u_exactly(tiny_shards, tmp_path):
     """A sogclr run resumed from its step-10 checkpoint ends with the same table and weights as the
     uninterrupted run (bit-identical on CPU); the table is samples x 2 and was filled."""
     from vlp_testing import REPO
-    from vlp.config import load_config
+    from vlp.experiment import load_config
     from vlp.train.loop import Trainer
 
     def cfg(out, *extra):
@@ -170,7 +172,7 @@ def test_trainer_gamma_one_trains_like_flatnce(tiny_shards, tmp_path):
     """Through the trainer (stream sample ids, default 'split' temperature for both), sogclr with
     gamma = 1 reaches FlatNCE's weights bit for bit."""
     from vlp_testing import REPO
-    from vlp.config import load_config
+    from vlp.experiment import load_config
     from vlp.train.loop import Trainer
 
     weights = {}

@@ -16,13 +16,10 @@ from torch import Tensor
 
 from vlp.losses.common import anchors, check_inputs, fp32_block
 from vlp.losses.diagnostics import diagnostics_from_softmax
-from vlp.losses.sogclr import (SogCLRLoss, _WeightedObjective, gamma_at, ids_on, local_row, owner_of,
-                               rows_on, shards_needed, update_log_u)
+from vlp.losses.sharded import gamma_at, ids_on, local_row, owner_of, rows_on, shards_needed, update_log_u
+from vlp.losses.sogclr import SogCLRLoss, _WeightedObjective
 
-try:  # tests/ as a package or as a plain directory on sys.path
-    from tests._dist_utils import run_distributed
-except ImportError:
-    from _dist_utils import run_distributed
+from dist_utils import run_distributed
 
 GAMMA_SCHEDULES = ("constant", "cosine")
 
@@ -212,6 +209,7 @@ def two_ranks():
     return run_distributed(_both_worker, 2, args=(img, txt, ids, None))
 
 
+@pytest.mark.multiproc
 def test_two_ranks_bit_identical_to_replicated(two_ranks):
     assert_same_runs(two_ranks)
     ref_u = two_ranks[0]["ref_state"]["log_u"]
@@ -223,6 +221,7 @@ def test_two_ranks_bit_identical_to_replicated(two_ranks):
         assert ranks_out["state"]["step"] == ranks_out["ref_state"]["step"] == STEPS - 1
 
 
+@pytest.mark.multiproc
 def test_three_ranks_resume_two_rank_shards_bit_identical(two_ranks):
     """Shards saved by 2 ranks, resumed by 3 (each reads only the saved shards it needs), then
     3 more steps: every loss, gradient and u equal the replicated table's resumed run."""
@@ -234,6 +233,7 @@ def test_three_ranks_resume_two_rank_shards_bit_identical(two_ranks):
     assert [r["state"]["log_u"].shape[0] for r in three] == [14, 13, 13]  # ceil(40 / 3) at most
 
 
+@pytest.mark.multiproc
 def test_reload_under_any_world_size_keeps_every_u(two_ranks):
     """2 -> 3, 2 -> 1, 2 -> 4 ranks (and back to 2): every sample's u where the new layout puts it."""
     saved = [r["state"] for r in two_ranks]
@@ -249,6 +249,7 @@ def test_reload_under_any_world_size_keeps_every_u(two_ranks):
     SogCLRLoss(N, rank=0, world_size=4).load_state_dict(saved[:1])  # 0 mod 4 ids: all in shard 0 of 2
 
 
+@pytest.mark.multiproc
 def test_replicated_checkpoint_format_loads(two_ranks):
     """A checkpoint of this release (the replicated {"log_u": (N, 2), "step"}) resumes under the
     sharded table at any world size; a wrong sample count is refused by name."""
@@ -303,6 +304,7 @@ def _big_worker(rank, world, img, txt, big_ids, small_ids, n_big):
             "max_row": int(rows.max()), "rss_gb": rss_gb}
 
 
+@pytest.mark.multiproc
 def test_three_billion_samples_ids_above_2_31():
     """N = 3e9 on 2 ranks (1.5e9 rows each, 12 GB of address space, touched pages only): ids
     above 2^31 give the same losses, gradients and u as the replicated table over compact ids."""

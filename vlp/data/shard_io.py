@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import io
 import os
-import re
 import signal
 import subprocess
 import tempfile
@@ -33,37 +32,14 @@ import time
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from vlp.util import is_url
+
 PIPE = "pipe:"
-_EXTRAS = {"s3": "vlp[s3]", "s3a": "vlp[s3]", "gs": "vlp[gcs]", "gcs": "vlp[gcs]"}  # pip extras of the backends
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
-def is_url(spec) -> bool:
-    """An fsspec URL ('s3://b/k', 'file:///d/x.tar', 'https://h/x.tar')."""
-    return bool(_SCHEME.match(str(spec)))
-
-
-def is_remote(spec: str) -> bool:
-    """Anything but a plain local path: a URL or a pipe: command."""
+def is_streamed(spec: str) -> bool:
+    """Read as a stream (a pipe: command or an fsspec URL, file:// included), not opened as a local file."""
     return spec.startswith(PIPE) or is_url(spec)
-
-
-def has_backend(url: str) -> bool:
-    """Whether fsspec can open this URL's scheme here (s3fs, gcsfs... installed)."""
-    import fsspec
-
-    try:
-        fsspec.get_filesystem_class(url.split("://", 1)[0])
-    except (ImportError, ValueError):
-        return False
-    return True
-
-
-def missing_backend(url: str) -> str:
-    """What to install when `has_backend(url)` is False, in words."""
-    scheme = url.split("://", 1)[0]
-    hint = f"pip install '{_EXTRAS[scheme]}'" if scheme in _EXTRAS else f"install the fsspec backend for {scheme}://"
-    return f"no storage backend for {scheme}:// is installed ({hint})"
 
 
 @dataclass(frozen=True)
@@ -307,7 +283,7 @@ def _close_quietly(raw) -> None:
 def open_shard(spec: str, retry: Retry = Retry()) -> BinaryIO:
     """A binary file over the shard's bytes: a plain file for a local path, else a
     ``ShardStream`` (raises ShardReadError when a remote shard cannot be opened)."""
-    if not is_remote(spec):
+    if not is_streamed(spec):
         return open(spec, "rb")
     return ShardStream(spec, retry)
 
@@ -315,7 +291,7 @@ def open_shard(spec: str, retry: Retry = Retry()) -> BinaryIO:
 def read_small(spec: str, retry: Retry = Retry()) -> bytes | None:
     """All bytes of a small file (sizes.json, *_stats.json, classnames.txt) at a local path or
     URL; None when it does not exist. Other failures raise after the retries."""
-    if not is_remote(spec):
+    if not is_streamed(spec):
         if not os.path.isfile(spec):
             return None
         with open(spec, "rb") as f:

@@ -10,7 +10,8 @@ import os
 import re
 import tarfile
 
-from vlp.data.shard_io import PIPE, Retry, ShardReadError, has_backend, is_remote, is_url, read_many, read_small
+from vlp.data.shard_io import PIPE, Retry, ShardReadError, is_streamed, read_many, read_small
+from vlp.util import has_backend, is_url
 from vlp.data.tars import describe_unreadable, read_head, split_name
 
 
@@ -66,7 +67,7 @@ def expand_sources(urls: str, *, retry: Retry = Retry(), tables: Tables | None =
             continue
         paths = []
         for path in brace_expand(part):
-            if _maybe_remote(path) and is_remote(path):
+            if _maybe_remote(path) and is_streamed(path):
                 paths += (_remote_dir(path, retry, tables) if path.endswith("/") and is_url(path)
                           else [path])
             elif _listed(path, tables):
@@ -94,7 +95,7 @@ def expand_sources(urls: str, *, retry: Retry = Retry(), tables: Tables | None =
 
 
 def _maybe_remote(path: str) -> bool:
-    """A cheap pre-check: is_remote(path) can only hold if this does."""
+    """A cheap pre-check: is_streamed(path) can only hold if this does."""
     return "://" in path or path.startswith(PIPE)
 
 
@@ -144,7 +145,7 @@ def _local_table(directory: str, tables: Tables) -> dict[str, int]:
 
 def _table(directory: str, retry: Retry, tables: Tables) -> dict[str, int]:
     """The sizes.json of a directory (local path or remote URL), read once per ``tables``."""
-    if not is_remote(directory):
+    if not is_streamed(directory):
         return _local_table(directory, tables)
     if directory not in tables:
         tables[directory] = _remote_sizes(directory, retry)
@@ -240,7 +241,7 @@ def _sizes_from_tables(paths: list[str], retry: Retry, tables: Tables
     local_dirs: dict[str, dict[str, int]] = {}  # directory as written -> its table
     remote_dirs: dict[str, dict[str, int]] = {}
     for i, path in enumerate(paths):
-        if not (_maybe_remote(path) and is_remote(path)):
+        if not (_maybe_remote(path) and is_streamed(path)):
             directory, name = _split(path)
             table = local_dirs.get(directory)
             if table is None:

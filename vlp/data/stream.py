@@ -1,7 +1,7 @@
 """Shards -> batches: split/resample by rank and worker, shuffle, decode, transform, tokenize.
 
-    loader = make_loader("/d/shard-{000000..000009}.tar", batch_size=256, transform=preprocess,
-                         tokenize=tokenizer, seed=0, rank=rank, world_size=world, num_workers=4)
+    data = DataConfig(train_shards="/d/shard-{000000..000009}.tar", batch_per_device=256, num_workers=4)
+    loader = make_loader(data, transform=preprocess, tokenize=tokenizer, seed=0, rank=rank, world_size=world)
     for epoch in range(n):
         loader.set_epoch(epoch)
         for batch in loader:  # {"image": [b,3,H,W], "text": [b,L], "key": [..], "skipped": {..}}
@@ -33,7 +33,7 @@ cheap check (``image_decodes``: JPEG entropy decoding at 1/8 scale), so a resume
 yields exactly the batches the uninterrupted one would have. An exact resume needs the same
 num_workers, world_size and batch_size. To go on under another layout, ``Loader.rest_of_epoch``
 names the pieces of the epoch not consumed yet (each batch carries its worker's), and
-``make_loader(pieces=...)`` reads them as the rest of that epoch (vlp/train/resume.py).
+``make_loader(pieces=...)`` reads them as the rest of that epoch (vlp/checkpoint/resume.py).
 
 Rooms: the epoch layout is vlp.data.layout, a worker's reading vlp.data.worker, and this module
 is the main side (Loader, make_loader).
@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from vlp.config.keys import DataConfig
 from vlp.data.layout import Plan, seeded_rng, seq_parts
 from vlp.data.pool import Leases
 from vlp.data.shard_io import Retry
@@ -150,7 +151,7 @@ class Loader:
         """Split mode: the shard pieces of ``epoch`` this rank has not consumed, as of the last
         batch ``epochs()`` yielded (None in resampled mode). The ranks' lists, concatenated in
         rank order, are the ``pieces`` with which another layout finishes the epoch without
-        repeating or skipping a sample (vlp.train.resume). Compact (see SEQ): 3 headers, <= 2 pieces
+        repeating or skipping a sample (vlp.checkpoint.resume). Compact (see SEQ): 3 headers, <= 2 pieces
         plus the shuffle buffer's runs per worker, whatever the shard count;
         ``rest_samples(pieces)`` counts what is left."""
         if self.plan.mode != "split":
@@ -215,31 +216,30 @@ def _report(item: dict) -> None:
         warn_bad_shard(line)
 
 
-def make_loader(urls: str, *, batch_size: int, transform: Callable | None,
-                tokenize: Callable[[list[str]], torch.Tensor], seed: int = 0, epoch: int = 0,
-                rank: int = 0, world_size: int = 1, num_workers: int = 0, mode: str = "split",
-                shuffle_buffer: int = 1000, num_samples: int | None = None, drop_last: bool = True,
-                start_batch: int = 0, weights: str | list[float] | None = None,
-                decode_size: int | None = None, pieces: list[tuple[int, int, int]] | None = None,
-                io_retries: int = 3, io_backoff_s: float = 1.0, image_output: str = "float",
-                pin_memory: bool = False) -> Loader:
-    """Build the batch stream of one rank over ``urls`` (brace spec, '::' joins sources).
+def make_loader(data: DataConfig, *, transform: Callable | None, tokenize: Callable[[list[str]], torch.Tensor],
+                seed: int = 0, rank: int = 0, world_size: int = 1, epoch: int = 0, start_batch: int = 0,
+                pieces: list[tuple[int, int, int]] | None = None, drop_last: bool = True,
+                image_output: str = "float", pin_memory: bool = False) -> Loader:
+    """Build the batch stream of one rank over ``data.train_shards`` (brace spec, '::' joins
+    sources) as the data section says: batch_per_device, num_workers, mode, shuffle_buffer,
+    num_samples, weights, decode_size, io_retries, io_backoff_s (vlp/config/keys.py). The rest is
+    this run's and this rank's:
 
-    mode:        'split' | 'resampled' | 'sequential' (module docstring).
+    data.mode:   'split' | 'resampled' | 'sequential' (module docstring).
     transform:   PIL image -> tensor; None: images are only checked (``image_decodes``, so the
                  same samples are used and replaced as with decoding) and each batch's "image"
                  is an empty (b, 0) tensor: for training on cached features (vlp.train.feature_cache).
-    urls:        each element a local path, an fsspec URL or 'pipe:COMMAND'
+    data.train_shards: each element a local path, an fsspec URL or 'pipe:COMMAND'
                  (vlp.data.shard_io); remote shards are streamed, never downloaded whole.
-    num_samples: samples per epoch over all ranks (default: total from sizes.json); also what
+    data.num_samples: samples per epoch over all ranks (default: total from sizes.json); also what
                  remote shards without sizes.json / *_stats.json are laid out by
                  (shard_list.shard_sizes: equal shares, an assumption).
     drop_last:   split mode only; False pads ranks by wrapping around (a few repeats) and
                  keeps a partial last batch.
     start_batch: skip this many batches of ``epoch`` (resume); see ``Loader.set_epoch``.
-    weights:     resampled mode: per-source weights, e.g. '1::2' (each shard of a source is
+    data.weights: resampled mode: per-source weights, e.g. '1::2' (each shard of a source is
                  drawn with its source's weight, like open_clip's upsampling factors).
-    decode_size: None (default): a transform that starts with a RandomResizedCrop takes the
+    data.decode_size: None (default): a transform that starts with a RandomResizedCrop takes the
                  crop-first JPEG decode (vlp/data/decode.py: the same crop boxes, the DCT
                  scale chosen from the box). An int forces the older whole-image DCT downscale
                  keeping both sides >= it, the box then drawn on the downscaled image.
@@ -247,28 +247,30 @@ def make_loader(urls: str, *, batch_size: int, transform: Callable | None,
                  of all shards (the rest of an epoch begun under another layout; see
                  ``Loader.rest_of_epoch``: explicit pieces, or its compact form with SEQ
                  pieces and headers, expanded here against the shards' sizes).
-    io_retries, io_backoff_s: a failed shard open or read is retried this often, waiting
+    data.io_retries, data.io_backoff_s: a failed shard open or read is retried this often, waiting
                  io_backoff_s * 2**k, continuing at the same byte; then it counts 'bad_shard'.
     image_output: what "image" holds: 'float' (the whole transform in the worker), 'uint8',
                  'region' or 'jpeg' (vlp/data/device.py: the rest runs on the device,
                  ``image_decoder(...).device_part()``).
     pin_memory:  the DataLoader's page-locked batches (CUDA: non-blocking copies to the device).
     """
+    urls, batch_size, num_workers, mode, weights = (data.train_shards, data.batch_per_device, data.num_workers,
+                                                     data.mode, data.weights)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size or num_workers < 0:
         raise ValueError(f"bad sizes: batch_size={batch_size} rank={rank} "
                          f"world_size={world_size} num_workers={num_workers}")
-    retry, tables = Retry(io_retries, io_backoff_s), {}
+    retry, tables = Retry(data.io_retries, data.io_backoff_s), {}
     sources = expand_sources(urls, retry=retry, tables=tables)  # each sizes.json read once
     source_weights = _parse_weights(weights, len(sources))
     if weights is not None and mode != "resampled" and len(set(source_weights)) > 1:
         raise ValueError("per-source weights need mode='resampled'")
     plan = Plan(sources, source_weights, mode, batch_size, world_size, rank, seed,
-                 num_samples, drop_last, shuffle_buffer, num_workers, pieces=pieces,
+                 data.num_samples, drop_last, data.shuffle_buffer, num_workers, pieces=pieces,
                  retry=retry, tables=tables)
     _probe(plan.paths, plan.retry)
-    return Loader(plan, transform, tokenize, epoch, start_batch, num_workers, decode_size, image_output,
+    return Loader(plan, transform, tokenize, epoch, start_batch, num_workers, data.decode_size, image_output,
                   pin_memory)
 
 

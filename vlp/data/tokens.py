@@ -12,7 +12,7 @@ unescaping, byte encoding and a vocabulary lookup per word, a torch op per row).
 * each word's ids are cached (open_clip caches the BPE merge, not the ids);
 * the rows are written through numpy, one tensor at the end.
 
-tests/data_pipelines/test_tokens.py checks the ids against open_clip's on awkward captions.
+tests/data/test_tokens.py checks the ids against open_clip's on awkward captions.
 """
 
 from __future__ import annotations

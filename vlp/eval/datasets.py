@@ -34,7 +34,8 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from vlp.data.shard_io import is_url, read_small
+from vlp.data.shard_io import read_small
+from vlp.util import is_url
 from vlp.data.shard_list import expand_sources
 from vlp.data.tars import IMAGE_EXTS, TEXT_EXTS, read_shard
 

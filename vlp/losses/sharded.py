@@ -89,7 +89,7 @@ def shards_needed(rank: int, world: int, saved_world: int) -> list[int]:
     return [r for r in range(saved_world) if r % g == rank % g]
 
 
-class _Table:
+class Table:
     """A rank's shard, (rows, width) fp32, stored as int32 bits XOR the bits of -inf so that zero
     memory reads as -inf ("not seen yet"): the table is calloc'ed (numpy zeros, pages mapped on
     first write) and grows in resident memory with the samples a run has visited."""
@@ -121,7 +121,7 @@ def _dist():
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
-def _all_gather(x: Tensor, world: int) -> Tensor:
+def all_gather_ranks(x: Tensor, world: int) -> Tensor:
     """(world * n, ...) concatenation over ranks in rank order of every rank's (n, ...) ``x``."""
     dist = _dist()
     out = x.new_empty((world * x.shape[0], *x.shape[1:]))
@@ -197,7 +197,7 @@ class ShardedState:
         self.num_samples = int(num_samples)
         self.gamma, self.schedule, self.total_steps = gamma, schedule, total_steps
         self.gamma_min = gamma if gamma_min is None else gamma_min
-        self.table = _Table(rows_on(self.rank, self.world, self.num_samples), self.WIDTH)
+        self.table = Table(rows_on(self.rank, self.world, self.num_samples), self.WIDTH)
         self.step = 0
         self.pending: Optional[_Pending] = None
 
@@ -223,7 +223,7 @@ class ShardedState:
         calls of a step get the same values."""
         if self.world == 1:
             return _Pending(ids, self.table.read(ids), None, None)
-        every = _all_gather(ids.to(device), self.world).cpu()  # (B,) int64 in rank order
+        every = all_gather_ranks(ids.to(device), self.world).cpu()  # (B,) int64 in rank order
         routes = _routes(every, self.rank, self.world)
         answers = self.table.read(routes.rows).to(device)  # asker-major: the order of `mine`
         got = _all_to_all(answers, routes.per_asker, routes.per_owner).cpu()  # owner-major

@@ -34,11 +34,7 @@ from torch import Tensor
 
 from vlp.losses.common import SCALE_GRAD_MODES, anchors, check_inputs, fp32_block, softplus_exact
 from vlp.losses.diagnostics import diagnostics_from_softmax
-from vlp.losses.sharded import (GAMMA_SCHEDULES, ShardedState, _all_gather, _Table, gamma_at, ids_on,
-                                local_row, owner_of, rows_on, shards_needed, update_log_u)
-
-__all__ = ["GAMMA_SCHEDULES", "SogCLRLoss", "gamma_at", "ids_on", "local_row", "owner_of", "rows_on",
-           "shards_needed", "update_log_u", "_Table", "_all_gather"]
+from vlp.losses.sharded import ShardedState, ids_on, update_log_u
 
 
 class _WeightedObjective(torch.autograd.Function):

@@ -49,7 +49,7 @@ class DualEncoder(nn.Module):
     built-in towers with its tokenizer), columns that are padding in every row cannot change any
     output or gradient. `trim_text` drops them (keeping a multiple of 8 columns; call it on the
     host, before the batch moves to the device) and `encode_text` runs the tower on the shorter
-    sequence: same features and gradients as open_clip's `encode_text` (tests/test_model.py),
+    sequence: same features and gradients as open_clip's `encode_text` (tests/models/test_model.py),
     at the cost of the batch's longest caption instead of the context length.
     """
 
@@ -311,7 +311,7 @@ def load_pretrained(clip: nn.Module, source: str, model_name: str = "") -> None:
     path = towers.resolve_weights(source, model_name) if model_name else source
     if not Path(path).is_file():
         raise FileNotFoundError(f"model.pretrained: no such file: {path}")
-    from vlp.integrity import verify
+    from vlp.checkpoint.integrity import verify
 
     verify(path, "model.pretrained")  # a vlp export's checksums, before unpickling
     try:
@@ -345,7 +345,7 @@ def export_open_clip(model: DualEncoder, path: str | Path) -> None:
     """Write the open_clip state dict so `open_clip.create_model(name, pretrained=path)` loads it;
     "preprocess_cfg" (open_clip's hub-config name) keeps the tower's image preprocessing for
     `vlp eval`."""
-    from vlp.integrity import manifest_path, write_manifest
+    from vlp.checkpoint.integrity import manifest_path, write_manifest
 
     state = {k: v.detach().cpu() for k, v in model.clip.state_dict().items()}
     manifest_path(path).unlink(missing_ok=True)  # an older export's: never beside the new bytes

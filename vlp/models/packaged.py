@@ -18,7 +18,7 @@ import shutil
 import zipfile
 from pathlib import Path
 
-PREFIX = "pypi:"
+from vlp.config.rules import PACKAGED as PREFIX, is_packaged  # noqa: F401  (one home of the prefix)
 PACKAGED_CACHE = Path(".cache") / "towers"
 
 
@@ -56,10 +56,6 @@ def _minilm(out: Path) -> Path:
 
 
 PACKAGES = {"efficientnet-lite0": _efficientnet_lite0, "all-minilm-l6-v2": _minilm}
-
-
-def is_packaged(source) -> bool:
-    return isinstance(source, str) and source.startswith(PREFIX)
 
 
 def problem(source: str) -> str | None:

@@ -28,13 +28,13 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from vlp.config import current_value
 from vlp.losses.registry import CLIP_TAU, REGISTRY, get_spec, resolve
 
 # torch (and the losses, which need it) are imported inside the functions that use them:
-# vlp.config validates with this module, and config errors must come before torch's import.
+# vlp.experiment checks configs with this module, and config errors must come before torch's import.
 MIN_LOG_SCALE = 0.0  # t >= 1 (tau <= 1): open_clip's clamp keeps the temperature at most 1
 MODES = ("learnable", "fixed", "split")
-RENAMED_MODES = {"infonce": "split"}  # old name -> current one (accepted with a note)
 # FlatNCE-gradient losses (their t-gradient does not calibrate): the registry's "split" defaults
 SPLIT_LOSSES = tuple(name for name, spec in REGISTRY.items() if spec.temperature == "split")
 
@@ -82,11 +82,11 @@ def temperature_policy(loss_cfg) -> TemperaturePolicy:
     LossConfig no policy fits (an unknown mode, split for a loss it does not apply to, an initial
     logit_scale above the clamp) is a one-line ValueError naming the keys.
 
-    The one place the policy is decided: vlp.config.Config.validate calls it to check the
+    The one place the policy is decided: vlp.experiment.check calls it to check the
     section and fill in the mode, build_model applies it and hands it on with the model
     (`DualEncoder.temperature`), and the trainer reads it from there."""
     mode = loss_cfg.temperature or default_mode(loss_cfg.name)
-    mode = RENAMED_MODES.get(mode, mode)
+    mode = current_value("loss.temperature", mode)
     if mode not in MODES:
         raise ValueError(f"loss.temperature must be one of {list(MODES)}, got {mode!r}")
     if mode == "split" and loss_cfg.name not in SPLIT_LOSSES:

@@ -144,7 +144,7 @@ def read_state_dict(path: str, what: str) -> dict:
     """name -> tensor from an open_clip / timm / torchvision / safetensors file or a vlp step_*.pt
     (its "model"); anything else is one ValueError line naming `what`."""
     from vlp.util import first_line
-    from vlp.integrity import verify
+    from vlp.checkpoint.integrity import verify
 
     verify(path, what)  # a vlp export's or checkpoint's checksums, before parsing
     try:

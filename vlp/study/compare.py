@@ -37,7 +37,9 @@ from typing import Sequence
 import yaml
 
 from vlp.config import PACKAGED_DEFAULTS, ConfigError, apply_overrides, from_dict, load_yaml, set_dotted
-from vlp.storage import RunFolder, open_run_folder
+
+from vlp.experiment import check
+from vlp.checkpoint.storage import RunFolder, open_run_folder
 from vlp.study.executor import Executor, Job
 from vlp.study.grid import GridSpec, parse_grid
 from vlp.study.plan import expand_grid
@@ -47,7 +49,7 @@ from vlp.study.runs import broadcast, embedded_shards, plan_runs, run_config
 from vlp.study.study import run_study
 from vlp.study.tables import aggregate, markdown_table
 from vlp.study.userdata import check_datasets
-from vlp.train import runlock
+from vlp.checkpoint import lock as runlock
 
 # = configs/compare_small_batch.yaml, shipped in the package (vlp/defaults/ links to configs/)
 DEFAULT_CONFIG = PACKAGED_DEFAULTS / "compare_small_batch.yaml"
@@ -69,7 +71,7 @@ def load_compare_config(path: str | Path, overrides: Sequence[str] = (), quick: 
             set_dotted(data, key, value)
     data = apply_overrides(data, list(overrides))
     grid = parse_grid(data.pop("grid", None))
-    cfg = from_dict(copy.deepcopy(data)).validate()  # fail on a bad base config before any run
+    cfg = check(from_dict(copy.deepcopy(data)))  # fail on a bad base config before any run
     if grid.sweep and not grid.optimizers:
         grid.optimizers = [cfg.optim.name]
     check_datasets(grid.datasets)  # your own data sets' local shards exist, before any folder is made

@@ -27,6 +27,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from vlp.config import from_dict
+
+from vlp.experiment import check
 from vlp.study.plan import SPLITS
 from vlp.study.runs import run_one
 
@@ -159,7 +161,7 @@ def warm_caches(bases: dict, grid, acc) -> None:
     any run: the training shards' and the val / test sets' stem outputs. Runs (and worker
     processes, from the cache folder) then only read them."""
     for tree, specs in bases.values():
-        cfg = from_dict(copy.deepcopy(tree)).validate()
+        cfg = check(from_dict(copy.deepcopy(tree)))
         if cfg.data.feature_cache:
             with threads(grid.workers if acc.num_processes == 1 else torch.get_num_threads()):
                 _warm(cfg, specs, acc)
@@ -181,7 +183,7 @@ def _warm(cfg, specs: dict, acc) -> None:
     """One regime's caches: its training shards' stem outputs (every rank) and its val and test
     sets' (main process)."""
     from vlp.models.model import build_model  # heavy (open_clip, the towers), as above
-    from vlp.train.data import TrainData
+    from vlp.data.train_data import TrainData
     from vlp.train.feature_cache import retrieval_features, training_features
 
     model, tokenizer, transform, eval_t = build_model(cfg.model, cfg.loss, data_cfg=cfg.data)

@@ -8,17 +8,16 @@ Pure functions of the YAML: nothing here trains, reads run folders or writes fil
 from __future__ import annotations
 
 import re
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from vlp.config import ConfigError, LossConfig
+from vlp.config import ConfigError
 from vlp.data.sources import PACKAGED
 from vlp.eval.keys import EVAL_KEYS
-from vlp.data.shard_io import is_url
+from vlp.losses.registry import NAMES as LOSS_NAMES
 from vlp.study.userdata import USER_KEYS, parse_user_dataset
+from vlp.util import is_url
 
-LOSS_NAMES = typing.get_args(typing.get_type_hints(LossConfig)["name"])
 # Grid-controlled keys: a per-loss override of these would silently break the grid.
 GRID_KEYS = ("loss.name", "data.batch_per_device", "train.seed", "train.output_dir", "train.resume")
 

@@ -18,7 +18,7 @@ from vlp import records
 from vlp.config import Config
 from vlp.eval import keys
 from vlp.eval.keys import RECALL_KS
-from vlp.storage import RunFolder
+from vlp.checkpoint.storage import RunFolder
 from vlp.study.plan import REFERENCE_LOSS, SPLITS, RunSpec, StudyRun
 from vlp.study.stats import (bootstrap_ci, holm, item_seed_bootstrap, look_level, paired_difference, seed_summary,
                              simultaneous_ci)

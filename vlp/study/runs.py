@@ -16,13 +16,15 @@ from typing import Any, Callable, Optional
 import yaml
 
 from vlp.config import Config, ConfigError, from_dict, set_dotted
-from vlp.data.shard_io import is_url
-from vlp.storage import RunFolder
+
+from vlp.experiment import check
+from vlp.util import is_url
+from vlp.checkpoint.storage import RunFolder
 from vlp.study.grid import flatten
-from vlp.train import resume as resume_rules
+from vlp.checkpoint import resume as resume_rules
 
 # Keys that may change between a finished run and a rerun without making the run stale: the
-# resume rules table's keys that do not change results (vlp.train.resume.RESUME_RULES).
+# resume rules table's keys that do not change results (vlp.checkpoint.resume.RESUME_RULES).
 HARMLESS_KEYS = tuple(k for k, rule in resume_rules.RESUME_RULES.items() if not rule.results)
 
 
@@ -48,7 +50,7 @@ def run_config(base: dict, grid, run, world: int = 1) -> Config:
     points = getattr(grid, "budget_points", 1)
     if points > 1 and getattr(run, "accum", 1) == 1:  # a ranked study run: val and test at every point
         cfg.train.eval_every = point_interval(cfg.train.samples // global_batch, points, run.name)
-    return cfg.validate()
+    return check(cfg)
 
 
 def point_interval(steps: int, points: int, name: str) -> int:
@@ -83,7 +85,7 @@ def plan_runs(runs: list, cfgs: dict[str, Config], out: Path, items: bool = Fals
     """(done flag per run, error); a run folder written under another config is an error, so
     results of two configs are never mixed in one table. items: done also needs eval_items.json
     (a study run's per-query ranks)."""
-    done, out = [], _folder(out)  # a local folder or a bucket (vlp.storage.RunFolder)
+    done, out = [], _folder(out)  # a local folder or a bucket (vlp.checkpoint.storage.RunFolder)
     for run in runs:
         try:
             saved = out.read_bytes(f"{run.name}/config.yaml").decode()

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from vlp.config import ConfigError
-from vlp.data.shard_io import has_backend, is_url, missing_backend
+from vlp.util import has_backend, is_url, missing_backend
 
 USER_KEYS = ("train", "val", "test", "shards")
 """The data keys of a user entry: train + val + test (three shard sets), or shards (one, split)."""

@@ -11,7 +11,7 @@ trainer computes them once and each step runs only the heads (`model(img, txt, f
     img_emb, txt_emb = embed_features(model, img_feat, txt_feat)   # normalized heads
 
 What equals what: a cached run gives the losses and weights of the uncached run with
-data.train_transform=eval (tests/test_feature_cache.py): the training stream is the same
+data.train_transform=eval (tests/train/test_feature_cache.py): the training stream is the same
 (`make_loader(transform=None)` checks images with the same rule instead of decoding them), and
 the cache is built from every training shard once, in order, decoded and transformed as the
 stream would (the eval transform, data.decode_size), the stems run under no_grad with the model

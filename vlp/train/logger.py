@@ -1,7 +1,7 @@
 """The run's records: config.yaml, log.jsonl (one JSON object per line), TensorBoard, Weights &
 Biases and result.json. Only the main process writes; files open on the first record.
 
-The run folder is a vlp.storage.RunFolder: a local folder gets plain files as they are written;
+The run folder is a vlp.checkpoint.storage.RunFolder: a local folder gets plain files as they are written;
 in a bucket log.jsonl is kept locally and uploaded whole every 30 s, at every checkpoint
 (`flush`) and at `close`, tb/ at `close`, config.yaml and result.json when written."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from vlp.config import save_config
-from vlp.storage import RunFolder
+from vlp.checkpoint.storage import RunFolder
 
 
 class RunLogger:

@@ -4,10 +4,10 @@
 
     train() -> train_step(micro_batches) -> compute_gradients -> the loss over the gathered batch
 
-The parts: `TrainData` (the stream and its position, vlp.train.data), the parallel strategy
+The parts: `TrainData` (the stream and its position, vlp.data.train_data), the parallel strategy
 (DDP or FSDP2: wrap, no_sync, gradient finish, full model; vlp.train.strategy), the loss from
 the registry (vlp.losses.registry), the `Evaluator` and the `RunLogger`. Each part that owns
-state registers it with the `Checkpointer` (vlp.train.checkpointer), which saves and resumes
+state registers it with the `Checkpointer` (vlp.checkpoint.checkpointer), which saves and resumes
 them without calling back into the loop.
 
 One optimizer step sees `accum_steps` micro-batches per rank; the contrastive batch is
@@ -28,19 +28,20 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, set_seed
 
 from vlp.eval import keys
-from vlp import records, storage
+from vlp import records
+from vlp.checkpoint import lock as runlock, resume, storage
 from vlp.config import Config
 from vlp.distributed import (all_reduce, barrier, exit_with_launcher, gather_object, gather_with_grad, is_main,
                              positive_offset)
 from vlp.losses.registry import get_spec
 from vlp.models.model import DualEncoder, build_model
-from vlp.train import parallel, preempt, resume, runlock
+from vlp.train import parallel, preempt
 from vlp.losses.diagnostics import DeviceScalars
-from vlp.train.data import Batch, TrainData, sum_skipped
+from vlp.data.train_data import Batch, TrainData, relayout, sum_skipped
 from vlp.train.evaluator import Evaluator
 from vlp.train.feature_cache import training_features
 from vlp.train.logger import RunLogger, check_wandb, show_step
-from vlp.train.checkpointer import PER_RANK, RANK_FILES, Checkpointer
+from vlp.checkpoint.checkpointer import PER_RANK, RANK_FILES, Checkpointer
 from vlp.train.memory import StepMemory
 from vlp.train.optim import build_optimizer, build_scheduler, follow_config, param_groups
 from vlp.train.parts import RNG, Counters
@@ -69,7 +70,7 @@ class Trainer:
         )
         exit_with_launcher()
         check_wandb(cfg)
-        # the run folder: a local path or a bucket URL, checked before any work (vlp.storage)
+        # the run folder: a local path or a bucket URL, checked before any work (vlp.checkpoint.storage)
         self.folder = storage.open_run_folder(cfg.train.output_dir)
         set_seed(cfg.train.seed)
         self.world, self.accum = acc.num_processes, cfg.train.accum_steps
@@ -122,7 +123,7 @@ class Trainer:
             checkpoints.register("loss", self.loss, RANK_FILES)
         if acc.scaler is not None:
             checkpoints.register("scaler", acc.scaler)
-        checkpoints.register("data", self.data, PER_RANK)
+        checkpoints.register("data", self.data, PER_RANK, relayout)
         checkpoints.register("rng", RNG(cfg.train.seed, acc.process_index), PER_RANK)
         return checkpoints
 
@@ -233,7 +234,7 @@ class Trainer:
 
     def maybe_resume(self) -> None:
         """Resume from train.resume (the checkpointer loads every part), then the counters decide
-        the steps left and the optimizer follows changed settings (vlp.train.resume)."""
+        the steps left and the optimizer follows changed settings (vlp.checkpoint.resume)."""
         found = self.checkpoints.resume(self.cfg.train.resume, self.cfg)
         if found is not None:
             (path, state), d = found, self.data
@@ -243,7 +244,7 @@ class Trainer:
             if changed:  # train.resume_mode=continue (else refused in the checkpointer)
                 self.print(f"[vlp] layout changed since {path}: {'; '.join(changed)} (train.resume_mode=continue)")
             for line in resume.applied_lines(state, self.cfg):
-                self.print(line)  # e.g. "optim.lr 1e-3 -> 1e-5 from step 12" (vlp.train.resume.RESUME_RULES)
+                self.print(line)  # e.g. "optim.lr 1e-3 -> 1e-5 from step 12" (vlp.checkpoint.resume.RESUME_RULES)
             self.print(f"[vlp] resumed from {path} at step {self.step}, {self.samples_seen} samples seen (epoch "
                        f"{d.epoch}, batch {d.batch_in_epoch}{' of its rest under the new layout' if d.pieces else ''})")
 

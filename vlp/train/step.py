@@ -3,7 +3,7 @@
 k = 1: one forward/backward. k > 1 (GradCache / open_clip accum_freq): embed every micro-batch
 without grad, then re-embed each with grad against the cached features of the others;
 micro-batch j's backward gives exactly the global loss's gradient w.r.t. its own features, so
-k micro-batches of b equal one batch of k·b (tests/test_trainer_accum.py). logit_scale/bias get
+k micro-batches of b equal one batch of k·b (tests/train/test_trainer_accum.py). logit_scale/bias get
 their gradient once (in the last micro-step). Gradients are synced only on the last backward.
 """
 

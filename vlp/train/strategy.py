@@ -114,7 +114,7 @@ class Sharded(Replicated):
 
 
 class Tensors:
-    """The model and optimizer as the checkpointer's weights part (vlp.train.checkpointer): full
+    """The model and optimizer as the checkpointer's weights part (vlp.checkpoint.checkpointer): full
     tensors for a .pt (the main process's) or DCP shards (each rank's own), loaded from either."""
 
     def __init__(self, strategy: Replicated, model, optimizer):

@@ -1,0 +1,246 @@
+"""Typed experiment config: its sections, YAML files and dotted command-line overrides.
+
+    cfg = load_config("configs/demo.yaml", ["loss.name=flatnce", "data.batch_per_device=32"])  # vlp.experiment
+
+Each key is declared once, as a field of its section in vlp/config/keys.py: type, default,
+validation rule, resume rule and a docstring. `KEYS` and `RULES` here (and vlp.checkpoint.resume's
+`RESUME_RULES`) are read from those fields. Unknown keys, wrong types, impossible values and
+malformed or repeated overrides raise `ConfigError` with one line that names the offending key
+(docs/configuration.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import yaml
+
+from vlp import util
+from vlp.config.keys import DataConfig, EvalConfig, LossConfig, ModelConfig, OptimConfig, TrainConfig
+from vlp.config.rules import ConfigError, KeyRule, Rule, check_type, short
+
+# the configs shipped in the package (symlinks to configs/*.yaml in the clone): vlp demo, vlp compare
+PACKAGED_DEFAULTS = Path(__file__).resolve().parent.parent / "defaults"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def check_keys(self) -> "Config":
+        """Check every key against its rule (RULES), then the rules that join keys. What needs the
+        registry of losses and models (a loss name, its temperature policy, a packaged tower) is
+        checked by the layer that builds them: vlp.experiment.check, which calls this first."""
+        for name, rule in RULES.items():
+            rule.check(name, get_dotted(self, name))
+        for why in (parallel_problem(self), feature_cache_problem(self)):
+            if why:
+                raise ConfigError(f"config: {why}")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def parallel_problem(cfg: "Config") -> Optional[str]:
+    """Why train.parallel cannot be used with this config (one line), else None."""
+    t = cfg.train
+    if t.parallel == "fsdp" and (t.precision == "fp16" or t.compile):
+        what = "precision=fp16 (use bf16)" if t.precision == "fp16" else "compile=true"
+        return f"train.parallel=fsdp does not support train.{what}"
+    return None
+
+
+def feature_cache_problem(cfg: "Config") -> Optional[str]:
+    """Why data.feature_cache cannot be used with this config (one line), else None: cached
+    features must be a pure function of the sample, so the transform is deterministic and no
+    part of the cached towers trains."""
+    d, m = cfg.data, cfg.model
+    if not d.feature_cache:
+        return None
+    if d.train_transform == "augment":
+        return ("data.feature_cache needs data.train_transform=eval: the augment transform is random "
+                "(a new crop every epoch), cached features would not be")
+    training = [name for name, value in (("model.lock_image=false", not m.lock_image),
+                                         ("model.lock_text=false", not m.lock_text),
+                                         (f"model.lock_image_unlocked_groups={m.lock_image_unlocked_groups}",
+                                          m.lock_image_unlocked_groups > 0),
+                                         (f"model.lock_text_unlocked_layers={m.lock_text_unlocked_layers}",
+                                          m.lock_text_unlocked_layers > 0)) if value]
+    if training:
+        return (f"data.feature_cache caches the locked towers, but a tower trains ({', '.join(training)}): "
+                "lock both towers whole")
+    if cfg.train.parallel == "fsdp":
+        return "data.feature_cache supports train.parallel=ddp only"
+    return None
+
+
+# ----------------------------------------------------------------------------- the keys
+@dataclass(frozen=True)
+class ConfigKey:
+    """One config key as its field declares it (vlp/config/keys.py)."""
+
+    name: str  # dotted: "data.batch_per_device"
+    type: Any  # the field's annotation, resolved
+    default: Any
+    rule: Rule  # what it accepts (vlp.config.rules)
+    resume: KeyRule  # what a resume does with a changed value (vlp.checkpoint.resume)
+
+
+def declared_keys(cls: type, prefix: str = "") -> Iterator[ConfigKey]:
+    """The keys of config dataclass `cls` (its sections' too), read from their fields; a field
+    declared without `key(default, rule, resume)` is a TypeError (it would have no rule)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name, tp = f"{prefix}{f.name}", hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from declared_keys(tp, f"{name}.")
+        elif "rule" in f.metadata and "resume" in f.metadata:
+            yield ConfigKey(name, tp, f.default, f.metadata["rule"], f.metadata["resume"])
+        else:
+            raise TypeError(f"config key {name} is declared without vlp.config.rules.key(default, rule, resume)")
+
+
+KEYS: dict[str, ConfigKey] = {k.name: k for k in declared_keys(Config)}
+"""Every config key in section order, e.g. KEYS["data.batch_per_device"].rule."""
+
+RULES: dict[str, Rule] = {name: k.rule for name, k in KEYS.items()}
+"""What each key accepts: the validation table, read from the fields."""
+
+
+def get_dotted(tree: Any, dotted: str, missing: Any = AttributeError) -> Any:
+    """tree.a.b (a Config) or tree["a"]["b"] (its dict) for 'a.b': the one walk that reads a
+    dotted key. missing: returned where a part is absent (default: raise)."""
+    for part in dotted.split("."):
+        if isinstance(tree, dict) and part in tree:
+            tree = tree[part]
+        elif not isinstance(tree, dict) and hasattr(tree, part):
+            tree = getattr(tree, part)
+        elif missing is AttributeError:
+            raise AttributeError(f"config has no key {dotted!r}")
+        else:
+            return missing
+    return tree
+
+
+RENAMED_VALUES: dict[str, dict[str, str]] = {"loss.temperature": {"infonce": "split"}}
+"""Old values still read (older runs' configs and checkpoints), mapped to their new names: the
+one home of a rename (configs, checkpoints' configs and the temperature policy read it)."""
+
+
+def current_value(key: str, value: Any) -> Any:
+    """`value` of dotted `key` under its current name (RENAMED_VALUES), else unchanged."""
+    return RENAMED_VALUES.get(key, {}).get(value, value) if isinstance(value, str) else value
+
+
+def from_dict(data: dict, cls: type = Config, prefix: str = "") -> Any:
+    """Build a dataclass tree from nested dicts, rejecting unknown keys and bad types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {prefix.rstrip('.') or 'top level'} must be a mapping, got {short(data)}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(f"config: unknown key '{prefix}{key}' (valid: {', '.join(sorted(names))})")
+        tp = hints[key]
+        renamed = RENAMED_VALUES.get(f"{prefix}{key}", {})
+        if isinstance(value, str) and value in renamed:
+            print(f"vlp: note: {prefix}{key}={value} is now called {renamed[value]!r}", file=sys.stderr)
+            value = renamed[value]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = from_dict(value, tp, f"{prefix}{key}.")
+        else:
+            kwargs[key] = check_type(f"{prefix}{key}", value, tp)
+    return cls(**kwargs)
+
+
+def parse_overrides(overrides: Sequence[str], once: bool = False) -> list[tuple[str, Any]]:
+    """(key, value) of each `a.b=value` override, the value parsed as YAML. Refused in one line:
+    an item without '=' and one holding a line break (YAML would fold it into a space without a
+    word). once: also two overrides of one key, or of a key and the section holding it, where
+    the last would win without a word (`data.train_shards=A data.train_shards=B` trains on B
+    alone): the rule of a user's command line (vlp.cli). Without it a later item replaces an
+    earlier one (a program adding its own settings to a base list)."""
+    pairs: list[tuple[str, Any]] = []
+    given: dict[str, str] = {}  # key -> the override that set it
+    for item in overrides:
+        if "\n" in item or "\r" in item:
+            raise ConfigError(f"config: override {short(item)} holds a line break: give each override on one line")
+        if "=" not in item:
+            raise ConfigError(f"config: override '{item}' must look like key.sub=value")
+        key, raw = item.split("=", 1)
+        for other, first in given.items() if once else ():
+            if key == other or key.startswith(f"{other}.") or other.startswith(f"{key}."):
+                raise ConfigError(f"config: overrides {short(first)} and {short(item)} both set "
+                                  f"{max(key, other, key=len)}: give each key once")
+        given[key] = item
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            value = raw
+        pairs.append((key, value))
+    return pairs
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    """Apply `a.b=value` overrides (parse_overrides) onto a nested dict, in order."""
+    for key, value in parse_overrides(overrides):
+        set_dotted(data, key, value)
+    return data
+
+
+def set_dotted(tree: dict, key: str, value: Any) -> None:
+    """tree[a][b] = value for key 'a.b', creating sections; a key through a non-section is a
+    ConfigError (the one walk for command-line, compare-grid and per-run overrides)."""
+    node = tree
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"config: override '{key}': '{part}' is not a section")
+    node[parts[-1]] = value
+
+
+def load_yaml(text: str, source: str = "config") -> Any:
+    """Parse YAML like yaml.safe_load, but a mapping with a duplicate key is a ConfigError
+    '<source>: duplicate key 'lr' on line 9 (first on line 4)' (for config, suite and compare files)."""
+    try:
+        return util.load_yaml(text)
+    except util.DuplicateKey as e:
+        raise ConfigError(f"config: {source}: {e}") from None
+
+
+def read_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
+    """YAML file (optional) + dotted overrides → a Config whose keys passed their rules. Commands
+    use vlp.experiment.load_config, which also checks it against the registry."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config: no such file: {path}")
+        try:
+            data = load_yaml(path.read_text(), str(path)) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config: {path} is not valid YAML: {short(str(e).splitlines()[0], 200)}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config: {path} is not UTF-8 text") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config: top level of {path} must be a mapping of sections, "
+                              f"got {type(data).__name__} {short(data)}")
+    data = apply_overrides(data, list(overrides or []))
+    return from_dict(data).check_keys()
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
