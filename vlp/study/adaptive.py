@@ -14,7 +14,7 @@ The rule is honest under this data-dependent stopping: a comparison may stop at 
 planned looks (n0, n0 + step, ..., max_seeds), so every interval of the study is at level
 1 − 0.05 / K and every p-value is min(1, K·p) (a Bonferroni split of alpha over the looks,
 vlp.study.stats.look_level / sequential_p); Holm then runs over each table's cells as before.
-tests/test_compare_seeds.py checks by simulation that a null effect is resolved in at most 5 %
+tests/study/test_compare_seeds.py checks by simulation that a null effect is resolved in at most 5 %
 of maps.
 """
 
