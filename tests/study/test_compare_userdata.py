@@ -201,3 +201,13 @@ def test_one_shard_set_at_an_http_url_is_read_and_split(tmp_path, http_root):
     missing = _grid({"gone": {"shards": f"{base}/nothing-000000.tar"}})
     with pytest.raises(ConfigError, match=r"^config: cannot read .*nothing-000000.tar"):
         user_specs("gone", missing.datasets["gone"], ACC, tmp_path / "cache")
+
+
+def test_a_split_with_an_empty_split_is_one_line_and_leaves_no_shard(tmp_path):
+    csv = write_csv(tmp_path / "c", "tiny", 3, 3)  # captions 3-5: all "fit" by their hash
+    shards_from_source(str(csv), tmp_path / "tiny", progress=False)
+    grid = _grid({"tiny": {"shards": str(tmp_path / "tiny")}})
+    with pytest.raises(ConfigError, match=r"^config: grid.datasets.tiny.shards: 3 pairs give no val or test pair by caption "
+                                          r"hash \(~10 % each\): give more pairs, or train, val and test shard specs$"):
+        user_specs("tiny", grid.datasets["tiny"], ACC, tmp_path / "cache")
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]

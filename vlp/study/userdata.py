@@ -23,7 +23,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from vlp.config import ConfigError
 from vlp.util import has_backend, is_url, missing_backend
@@ -110,44 +110,62 @@ def split_key(spec: str) -> str:
     return hashlib.sha1(json.dumps([spec, stamp]).encode()).hexdigest()[:12]
 
 
-def read_pairs(spec: str) -> list[tuple[bytes, str]]:
-    """(image bytes, caption) of every usable sample of a shard spec, in order (vlp.data's reader:
-    local paths and URLs; a bad shard is one line)."""
+def iter_pairs(spec: str) -> Iterator[tuple[bytes, str]]:
+    """(image bytes, caption) of every usable sample of a shard spec, streamed in order (vlp.data's
+    reader: local paths and URLs); ValueError naming the first unreadable shard."""
     from collections import Counter
 
     from vlp.data.shard_list import expand_sources
     from vlp.data.tars import check_sample, read_shard
 
-    pairs, skipped, errors = [], Counter(), []
+    skipped, errors = Counter(), []
     for paths in expand_sources(spec):
         for path in paths:
             for _, key, members in read_shard(path, 0, None, skipped, errors=errors):
                 sample = check_sample(key, members, path)
                 if not isinstance(sample, str):
-                    pairs.append((sample[1], sample[2]))
-    if errors:
-        raise ValueError(f"cannot read {errors[0]}")
-    return pairs
+                    yield sample[1], sample[2]
+            if errors:
+                raise ValueError(f"cannot read {errors[0]}")
+
+
+def read_pairs(spec: str) -> list[tuple[bytes, str]]:
+    """Every (image bytes, caption) of a shard spec, in order (iter_pairs)."""
+    return list(iter_pairs(spec))
 
 
 def write_split(name: str, spec: str, root: Path) -> dict[str, str]:
-    """Split one shard set by caption hash into fit / val / test shards under ``root`` (once: a
-    folder with its sizes.json is reused); {split: spec}. ValueError when a split is empty."""
+    """Split one shard set by caption hash into fit / val / test shards under ``root`` in one
+    streaming pass (once: a folder with its sizes.json is reused); {split: spec}. ValueError when
+    a split is empty; a failure leaves no shard behind."""
+    from collections import Counter
+
+    from vlp.data.encode import encode_pair
     from vlp.data.sources import Pair
     from vlp.data.sources.splits import study_split
-    from vlp.data.write import shard_spec, write_shards
+    from vlp.data.write import ShardWriter, shard_spec
 
     splits = ("fit", "val", "test")
     if not all((root / split / "sizes.json").is_file() for split in splits):
-        pairs = read_pairs(spec)
-        parts = {split: [(i, p) for i, p in enumerate(pairs) if study_split(p[1]) == split] for split in splits}
-        empty = [split for split in splits if not parts[split]]
-        if empty:
-            raise ValueError(f"grid.datasets.{name}.shards: {len(pairs)} pairs give no {' or '.join(empty)} pair by "
-                             "caption hash (~10 % each): give more pairs, or train, val and test shard specs")
-        for split in splits:
-            write_shards((Pair(f"{i:08d}", image, caption) for i, (image, caption) in parts[split]), root / split,
-                         prefix=split, samples_per_shard=1000, overwrite=True)
+        writers = {split: ShardWriter(root / split, split, 1000, overwrite=True) for split in splits}
+        counts: Counter = Counter()
+        try:
+            for i, (image, caption) in enumerate(iter_pairs(spec)):
+                sample = encode_pair(Pair(f"{i:08d}", image, caption))
+                if not isinstance(sample, str):
+                    writers[study_split(caption)].write(sample)
+                    counts[study_split(caption)] += 1
+            empty = [split for split in splits if not counts[split]]
+            if empty:
+                raise ValueError(f"grid.datasets.{name}.shards: {sum(counts.values())} pairs give no "
+                                 f"{' or '.join(empty)} pair by caption hash (~10 % each): give more pairs, or "
+                                 "train, val and test shard specs")
+        except BaseException:
+            for writer in writers.values():
+                writer.abort()
+            raise
+        for writer in writers.values():
+            writer.close()
     return {split: shard_spec(root / split, prefix=split) for split in splits}
 
 
