@@ -211,3 +211,29 @@ def test_a_split_with_an_empty_split_is_one_line_and_leaves_no_shard(tmp_path):
                                           r"hash \(~10 % each\): give more pairs, or train, val and test shard specs$"):
         user_specs("tiny", grid.datasets["tiny"], ACC, tmp_path / "cache")
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_user_data_sets_in_a_bucket_are_read_and_split(scheme, tmp_path):
+    """Three shard sets and one set to split, in moto's S3 or fake-gcs-server on loopback: the
+    three are taken as named (URLs ending in '/' stand for their sizes.json's shards) and the one
+    is split exactly as its local copy."""
+    from object_store import start_gcs, start_s3
+
+    store = {"s3": start_s3, "gs": start_gcs}[scheme]()
+    try:
+        store.make_bucket("data")
+        shards_from_source(str(write_csv(tmp_path / "b", "set_b", 0, 60)), tmp_path / "b_shards", progress=False)
+        url = store.upload_dir(tmp_path / "b_shards", "data", "set_b") + "/"
+        grid = _grid({"remote": {"shards": url}, "three": {"train": url, "val": f"{url}shard-000000.tar",
+                                                           "test": f"{scheme}://data/set_b/"
+                                                                   "shard-{000000..000000}.tar"}})
+        specs = user_specs("remote", grid.datasets["remote"], ACC, tmp_path / "cache")
+        local = user_specs("local", {"source": str(tmp_path / "b_shards")}, ACC, tmp_path / "cache")
+        for split in ("fit", "val", "test"):
+            assert read_pairs(specs[split]) == read_pairs(local[split])
+        three = user_specs("three", grid.datasets["three"], ACC, tmp_path / "cache")
+        assert three["fit"] == url and len(read_pairs(three["test"])) == 60
+    finally:
+        store.stop()
