@@ -182,3 +182,18 @@ def jpeg_shards(root: str | Path, count: int, per_shard: int, size: int = 512, w
             (p for c in range((count + _CHUNK - 1) // _CHUNK) for p in _jpeg_chunk((c, count, size)))
         write_shards(pairs, root, prefix="shard", samples_per_shard=per_shard)
     return shard_spec(root, prefix="shard")
+
+
+def rank_bytes(model, optimizer) -> tuple[int, int]:
+    """(parameter bytes, optimizer-state bytes) held by this rank: the local shards under FSDP."""
+    import torch
+
+    from vlp.train.parallel import local
+
+    def nbytes(t) -> int:
+        t = local(t)
+        return t.numel() * t.element_size()
+
+    params = sum(nbytes(p) for p in model.parameters())
+    state = sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    return params, state

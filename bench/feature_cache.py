@@ -5,7 +5,7 @@
 
 Model: configs/lit_openmoji.yaml's vlp-lit-lite0 (EfficientNet-Lite0 trunk at 128 px and
 all-MiniLM-L6-v2, both locked; only the projections and the temperature train), its towers
-made by scripts/prepare_lit.py from PyPI packages into a temp folder; the first --pairs OpenMoji
+made by data_pipelines/prepare_lit.py from PyPI packages into a temp folder; the first --pairs OpenMoji
 training pairs at 128 px (vlp.data.sources.openmoji) as shards. One process, CPU, 0
 loader workers, batch 32, InfoNCE, data.train_transform=eval in both runs (the cache needs it),
 so both runs train on the same samples and give the same weights (tests/train/test_feature_cache.py).
@@ -30,7 +30,7 @@ from bench._common import REPO, figure, header, pin_threads  # noqa: E402
 
 def prepare(root: Path, pairs: int) -> tuple[Path, Path, str]:
     """(timm trunk file, MiniLM folder, train shard spec) under root."""
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "data_pipelines"))
     from prepare_lit import convert_efficientnet, extract_minilm
 
     from vlp.data.sources.openmoji import load_pairs

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._common import figure, header, median, paired_ratio, spread  # noqa: E402
+from bench._common import figure, header, median, paired_ratio, rank_bytes, spread  # noqa: E402
 
 WORLD = 2
 
@@ -37,7 +37,7 @@ def make_variant(mode: str, model_name: str, batch: int):
     from vlp.train import parallel
     from vlp.config import LossConfig, ModelConfig
     from vlp.distributed import gather_with_grad, positive_offset
-    from vlp.losses import get_loss
+    from vlp.losses.registry import get_loss
     from vlp.models.model import build_model
     from vlp.train.optim import param_groups
 
@@ -99,7 +99,7 @@ def worker(rank: int, args, tmp: str) -> None:
         order = list(variants)[r % 2:] + list(variants)[:r % 2]
         for mode in order:
             per_step[mode].append(timed(variants[mode][0], args.steps))
-    nbytes = {mode: parallel.local_bytes(model, opt) for mode, (_, model, opt) in variants.items()}
+    nbytes = {mode: rank_bytes(model, opt) for mode, (_, model, opt) in variants.items()}
     gathered = [None] * WORLD
     torch.distributed.all_gather_object(gathered, nbytes)
     if rank == 0:

@@ -60,7 +60,10 @@ def make_step(variant: str, img, txt, log_scale, bias, b: int, offset: int):
     """A callable doing one forward+backward of `variant` with b local rows at `offset`."""
     import torch
 
-    from vlp.losses import diagnostics_from_logits, flatnce_loss, infonce_loss, siglip_loss
+    from vlp.losses.diagnostics import diagnostics_from_logits
+    from vlp.losses.flatnce import flatnce_loss
+    from vlp.losses.infonce import infonce_loss
+    from vlp.losses.siglip import siglip_loss
 
     params = [img, txt, log_scale, bias]
 

@@ -30,7 +30,7 @@ VARIANTS = {  # name: (loss, temperature)
 
 def make_step(variant: str, model_name: str):
     from vlp.config import LossConfig, ModelConfig
-    from vlp.losses import get_loss
+    from vlp.losses.registry import get_loss
     from vlp.train.optim import param_groups
 
     loss_name, temperature = VARIANTS[variant]

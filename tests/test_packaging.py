@@ -14,7 +14,7 @@ from vlp_testing import REPO
 
 pytestmark = pytest.mark.multiproc  # the tier (docs/testing.md): every test here starts processes
 
-SOURCES = ("pyproject.toml", "README.md", "vlp", "configs")
+SOURCES = ("pyproject.toml", "README.md", "vlp", "data_pipelines", "configs", "eval", "launch")  # the card's folders
 
 
 def _run(cmd, cwd, **kw):
@@ -39,7 +39,7 @@ def test_wheel_installed_outside_the_clone_runs_the_cli(tmp_path):
     assert {"vlp/defaults/demo.yaml", "vlp/defaults/compare_small_batch.yaml",
             "vlp/models/model_configs/vlp-tiny.json", "vlp/eval/imagenet_synsets.txt"} <= set(names)
     tops = {n.split("/")[0] for n in names if not n.startswith("vlp-")}
-    assert tops == {"vlp"}, tops  # no generic top-level packages (eval, data_pipelines) in site-packages
+    assert tops == {"vlp"}, tops  # the card's data_pipelines/ and eval/ stay in the clone: no generic top-level names
 
     venv = tmp_path / "venv"
     made = _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path)
@@ -61,3 +61,14 @@ def test_wheel_installed_outside_the_clone_runs_the_cli(tmp_path):
     for command in ("demo", "compare", "eval"):
         out = _run([str(venv / "bin" / "vlp"), command, "--help"], cwd=tmp_path)
         assert out.returncode == 0 and out.stdout.startswith(f"usage: vlp {command}"), (command, out.stderr[-1000:])
+
+
+def test_the_cards_top_level_folders_are_there_and_not_packages():
+    """shared/DESIGN.md's layout: vlp/ data_pipelines/ configs/ eval/ tests/ launch/. data_pipelines/
+    (data-preparation recipes) and eval/ (eval suites) are folders a newcomer reads, each with a
+    README, never importable packages (an installed `eval` or `data_pipelines` would shadow others')."""
+    for name in ("vlp", "data_pipelines", "configs", "eval", "tests", "launch"):
+        assert (REPO / name).is_dir(), name
+    for name in ("data_pipelines", "eval"):
+        assert (REPO / name / "README.md").is_file() and not (REPO / name / "__init__.py").exists(), name
+

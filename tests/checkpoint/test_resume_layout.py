@@ -8,7 +8,6 @@ import pytest
 from vlp_testing import REPO
 from vlp.config import ConfigError
 from vlp.experiment import load_config
-from vlp.data.train_data import TrainData
 from vlp.train.loop import Trainer
 
 TINY = ["model.name=vlp-micro", "optim.lr=1e-3", "optim.warmup_steps=2", "train.log_every=1",
@@ -21,27 +20,22 @@ def _cfg(shards, out, *extra):
         *TINY, *extra])
 
 
-class _KeyRecordingData(TrainData):
-    def stream(self):
-        self.keys = []
-        for batch in super().stream():
-            self.keys.append((batch["epoch"], list(batch["key"])))
+def _key_recorder(cfg) -> Trainer:
+    """A Trainer whose `keys` records the keys of every batch it trains on, (epoch, keys)."""
+    t = Trainer(cfg)
+    t.keys, stream = [], t.data.stream
+
+    def recording():
+        for batch in stream():
+            t.keys.append((batch["epoch"], list(batch["key"])))
             yield batch
-
-
-class _KeyRecorder(Trainer):
-    """Records the keys of every batch the run trains on."""
-
-    data_class = _KeyRecordingData
-
-    @property
-    def keys(self):
-        return self.data.keys
+    t.data.stream = recording
+    return t
 
 
 def test_changed_batch_is_refused_by_name_then_continues_the_epoch(tiny_shards, tmp_path):
     # 160 training pairs; batch 8 -> 20 batches per epoch; stop after 8 of them (64 samples)
-    first = _KeyRecorder(_cfg(tiny_shards, tmp_path, "data.batch_per_device=8", "train.samples=64"))
+    first = _key_recorder(_cfg(tiny_shards, tmp_path, "data.batch_per_device=8", "train.samples=64"))
     first.train()
 
     with pytest.raises(ConfigError, match=r"data.batch_per_device: 8 -> 12.*"
@@ -49,7 +43,7 @@ def test_changed_batch_is_refused_by_name_then_continues_the_epoch(tiny_shards, 
         Trainer(_cfg(tiny_shards, tmp_path, "data.batch_per_device=12", "train.samples=160",
                      "train.resume=latest")).train()
 
-    second = _KeyRecorder(_cfg(tiny_shards, tmp_path, "data.batch_per_device=12", "data.num_workers=2",
+    second = _key_recorder(_cfg(tiny_shards, tmp_path, "data.batch_per_device=12", "data.num_workers=2",
                                "train.samples=160", "train.resume=latest", "train.resume_mode=continue"))
     result = second.train()
     # 96 samples were left of epoch 0: exactly 8 batches of 12, read under the new layout

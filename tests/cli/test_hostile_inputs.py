@@ -297,13 +297,13 @@ def test_disk_full_while_logging_is_one_line(capsys, tiny_shards, tmp_path):
 
 
 def _nan_after(trainer, step):
-    real = trainer.loss_fn
+    real = trainer.loss.fn
 
     def loss_fn(*args, **kw):
         loss, metrics = real(*args, **kw)
         return (loss * float("nan"), metrics) if trainer.step >= step else (loss, metrics)
 
-    trainer.loss_fn = loss_fn
+    trainer.loss.fn = loss_fn
 
 
 def test_nonfinite_stop_saves_last_good_state_without_checkpoint_every(tiny_shards, tmp_path):

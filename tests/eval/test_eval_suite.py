@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from vlp.eval import datasets as D
-from vlp.eval import run_eval_suite
+from vlp.eval.suite import run_eval_suite
 from vlp.eval.retrieval import embed_retrieval, retrieval_metrics
 from vlp.eval.report import markdown_tables
 from eval_helpers import random_png, write_class_folders, write_tar

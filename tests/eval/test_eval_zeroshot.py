@@ -3,8 +3,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from vlp.eval.zeroshot import (build_classifier, fill_template, load_templates, mean_per_class_recall,
-                           topk_accuracy, zeroshot_classify)
+from vlp.eval.zeroshot import (accuracy_from_ranks, build_classifier, fill_template, load_templates,
+                               mean_per_class_recall, target_ranks, zeroshot_classify)
 
 CLASSNAMES = ["cat", "dog", "goldfish", "red panda", "toilet paper", "bus", "tree", "car", "ship", "frog"]
 
@@ -22,8 +22,8 @@ def hand_logits():
 
 def test_topk_hand_computed():
     logits, targets = hand_logits()
-    assert topk_accuracy(logits, targets, ks=(1, 2, 3)) == {"top1": 2 / 5, "top2": 3 / 5, "top3": 1.0}
-    assert topk_accuracy(logits, targets, ks=(5,)) == {"top5": 1.0}   # k > C: everything hits
+    assert accuracy_from_ranks(target_ranks(logits, targets), (1, 2, 3)) == {"top1": 2 / 5, "top2": 3 / 5, "top3": 1.0}
+    assert accuracy_from_ranks(target_ranks(logits, targets), (5,)) == {"top5": 1.0}   # k > C: everything hits
 
 
 def test_mean_per_class_recall_hand_computed():
@@ -99,7 +99,7 @@ def test_zeroshot_classify_matches_open_clip_reference(tiny_clip):
 
     with torch.no_grad():
         logits = model.encode_image(images, normalize=True) @ clf
-    assert topk_accuracy(logits, targets) == {"top1": ref1 / 40, "top5": ref5 / 40}
+    assert accuracy_from_ranks(target_ranks(logits, targets), (1, 5)) == {"top1": ref1 / 40, "top5": ref5 / 40}
     assert ours["mean_per_class_recall"] == pytest.approx(mean_per_class_recall(logits, targets, len(CLASSNAMES)))
 
 

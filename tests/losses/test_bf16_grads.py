@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlp.losses import get_loss
+from vlp.losses.registry import get_loss
 
 CASES = [("infonce", "same"), ("flatnce", "same"), ("flatnce", "split"), ("siglip", "same")]
 FEATURE_TOL = 2.0 ** -7  # of max |grad|: two bf16 roundings of the gradient

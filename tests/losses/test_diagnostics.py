@@ -8,7 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlp.losses import LOSSES, contrastive_diagnostics
+from vlp.losses.diagnostics import contrastive_diagnostics
+from vlp.losses.registry import STATELESS, get_loss
+
+LOSSES = {name: get_loss(name) for name in STATELESS}  # the stateless losses by name
 
 KEYS = {
     "infonce", "log_xi", "grad_ratio", "frac_saturated", "ess_neg", "acc", "mi_nce", "mi_loo",

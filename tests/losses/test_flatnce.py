@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlp.losses import flatnce_loss, infonce_loss
+from vlp.losses.flatnce import flatnce_loss
+from vlp.losses.infonce import infonce_loss
 from vlp.losses.common import negative_lse, positive_index, positive_mask
 
 F64 = torch.float64

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlp.losses import infonce_loss
+from vlp.losses.infonce import infonce_loss
 
 F64 = torch.float64
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlp.losses import siglip_init, siglip_loss
+from vlp.losses.siglip import siglip_init, siglip_loss
 
 F64 = torch.float64
 

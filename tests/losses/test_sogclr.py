@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlp.losses import flatnce_loss
+from vlp.losses.flatnce import flatnce_loss
 from vlp.losses.sharded import gamma_at, update_log_u
 from vlp.losses.sogclr import SogCLRLoss
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vlp.config import LossConfig, ModelConfig
-from vlp.losses import siglip_init
+from vlp.losses.siglip import siglip_init
 from vlp.models.model import DualEncoderOutput, build_model
 
 

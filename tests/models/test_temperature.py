@@ -6,7 +6,7 @@ import torch
 
 from vlp.config import ConfigError, LossConfig
 from vlp.experiment import load_config
-from vlp.losses import siglip_init
+from vlp.losses.siglip import siglip_init
 from vlp.models.temperature import MIN_LOG_SCALE, temperature_policy
 
 

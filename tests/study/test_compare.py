@@ -11,7 +11,8 @@ from vlp.eval.keys import EVAL_KEYS
 from vlp.study import executor, plots
 from vlp.study.compare import load_compare_config, run_grid
 from vlp.study.grid import parse_grid
-from vlp.study.plan import expand_grid, steps_for
+from vlp.config import steps_for
+from vlp.study.plan import expand_grid
 from vlp.study.plots import mean_curve, plot_curves, plot_metric_vs_batch
 from vlp.study.rows import DIAG_KEYS, read_log
 from vlp.study.runs import run_config, stale_key
@@ -137,7 +138,7 @@ def test_rerun_with_a_changed_budget_refuses_to_mix_results(tiny_shards, tmp_pat
 
 def test_equal_budget_arithmetic(tiny_shards, tmp_path):
     assert steps_for(12288, 8) == 1536 and steps_for(12288, 128) == 96
-    assert steps_for(12288, 32, world=4) == 96 and steps_for(12288, 32, world=4, accum=2) == 48
+    assert steps_for(12288, 32 * 4) == 96 and steps_for(12288, 32 * 4 * 2) == 48
     assert steps_for(1000, 128) == 7  # samples actually seen: 896, reported as such
     grid = _grid(tmp_path, warmup_samples=64, log_every_samples=16, batch_per_device=[2, 8])
     base = _base(tiny_shards, samples=128)

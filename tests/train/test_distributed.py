@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from vlp.distributed import gather_with_grad, get_rank, get_world_size, positive_offset
-from vlp.losses import get_loss, infonce_loss, siglip_loss
+from vlp.losses.infonce import infonce_loss
+from vlp.losses.registry import get_loss
+from vlp.losses.siglip import siglip_loss
 
 from dist_utils import run_distributed
 from naive_losses import naive_loss

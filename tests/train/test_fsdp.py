@@ -65,7 +65,9 @@ def _trainer_runs(rank, world, shards, root):
     fsdp = run("fsdp", "fsdp")
     kinds = sorted({type(p).__name__ for p in fsdp.model.parameters()})
     local = sum(parallel.local(p).numel() for p in fsdp.model.parameters())
-    params, optim = parallel.local_bytes(fsdp.model, fsdp.torch_optimizer)
+    from bench._common import rank_bytes  # the benchmark's measure (bench/fsdp_cost.py)
+
+    params, optim = rank_bytes(fsdp.model, fsdp.torch_optimizer)
     full = get_state_dict(fsdp.model, fsdp.torch_optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save(full, root / "fsdp_full_state.pt")

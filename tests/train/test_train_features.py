@@ -40,7 +40,7 @@ def test_lit_unlocked_groups_and_text_lock(tiny_shards, tmp_path):
 
 def test_nonfinite_losses_skip_then_stop_with_valid_checkpoint(tiny_shards, tmp_path):
     t = Trainer(_cfg(tiny_shards, tmp_path, "train.samples=320", "train.checkpoint_every=2", "train.max_nonfinite=3"))
-    real = t.loss_fn
+    real = t.loss.fn
     calls = {"n": 0}
 
     def flaky(*args, **kw):
@@ -50,7 +50,7 @@ def test_nonfinite_losses_skip_then_stop_with_valid_checkpoint(tiny_shards, tmp_
             loss = loss * float("nan")
         return loss, m
 
-    t.loss_fn = flaky
+    t.loss.fn = flaky
     with pytest.raises(FloatingPointError, match="3 non-finite losses in a row at step 9"):
         t.train()
     assert t.nonfinite_total == 4

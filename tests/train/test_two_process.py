@@ -7,13 +7,14 @@ import os
 import signal
 import subprocess
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 from vlp_testing import REPO, accelerate_cmd, run_env, run_launch
 from vlp.experiment import load_config
-from vlp.data.train_data import TrainData
+from vlp.data.stream import make_loader
 from vlp.train.loop import Trainer
 
 pytestmark = pytest.mark.multiproc  # the tier (docs/testing.md): every test here starts processes
@@ -52,20 +53,14 @@ class _TwoRankStream:
                    "epoch": parts[0]["epoch"], "index": parts[0]["index"]}
 
 
-class _TwoRankData(TrainData):
-    def make_loader(self, **extra):
-        from loaders import make_loader
-
-        d = self.cfg.data
-        return _TwoRankStream([
-            make_loader(d.train_shards, batch_size=d.batch_per_device // 2, transform=self.transform,
-                        tokenize=self.tokenize, seed=self.cfg.train.seed, rank=r, world_size=2,
-                        num_workers=d.num_workers, mode=d.mode, shuffle_buffer=d.shuffle_buffer)
-            for r in range(2)])
-
-
-class _OneProcessReference(Trainer):
-    data_class = _TwoRankData
+def _one_process_reference(cfg) -> Trainer:
+    """A 1-process Trainer whose batches of 16 are the two ranks' batches of 8, side by side."""
+    t = Trainer(cfg)
+    d = replace(cfg.data, batch_per_device=cfg.data.batch_per_device // 2)
+    t.data.loader = t.data.current = _TwoRankStream([
+        make_loader(d, transform=t.data.transform, tokenize=t.data.tokenize, seed=cfg.train.seed, rank=r, world_size=2)
+        for r in range(2)])
+    return t
 
 
 @pytest.mark.parametrize("loss", ["flatnce"])
@@ -97,7 +92,7 @@ def test_two_processes_train_resume_and_match_one_process(tiny_shards, tmp_path,
     cfg = load_config(REPO / "configs/demo.yaml", [
         f"data.train_shards={tiny_shards['train']}", f"train.output_dir={ref_dir}", *COMMON,
         "data.batch_per_device=16", f"loss.name={loss}"])
-    _OneProcessReference(cfg).train()
+    _one_process_reference(cfg).train()
 
     ref = torch.load(ref_dir / "open_clip_model.pt", weights_only=True)["state_dict"]
     for name in ("full", "killed"):

@@ -52,6 +52,17 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def global_batch(cfg: "Config", world: int = 1) -> int:
+    """Samples per optimizer step: data.batch_per_device x processes x train.accum_steps."""
+    return cfg.data.batch_per_device * world * cfg.train.accum_steps
+
+
+def steps_for(samples: int, batch: int) -> int:
+    """Optimizer steps a sample budget makes at global batch `batch`: samples // batch (the rest,
+    under one batch, is not trained). The one rule: the Trainer, the study's plans and its budgets."""
+    return samples // batch
+
+
 def parallel_problem(cfg: "Config") -> Optional[str]:
     """Why train.parallel cannot be used with this config (one line), else None."""
     t = cfg.train

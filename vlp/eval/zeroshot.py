@@ -126,11 +126,6 @@ def recall_from_predictions(preds: torch.Tensor, targets: torch.Tensor, num_clas
     return float((correct_c[present] / count_c[present]).mean())
 
 
-def topk_accuracy(logits: torch.Tensor, targets: torch.Tensor, ks: Sequence[int] = (1, 5)) -> dict[str, float]:
-    """{"top{k}": fraction of rows whose target ranks within the top k} for logits [N, C]."""
-    return accuracy_from_ranks(target_ranks(logits, targets), ks)
-
-
 def mean_per_class_recall(logits: torch.Tensor, targets: torch.Tensor, num_classes: int) -> float:
     return recall_from_predictions(predictions(logits), targets, num_classes)
 

@@ -9,59 +9,8 @@ global column of local row 0's positive (vlp.distributed.positive_offset). ``los
 this rank's anchors (see vlp/distributed.py for why that is the right scale under DDP); ``metrics``
 holds "loss" plus the diagnostics of vlp.losses.diagnostics as Python floats.
 
-The names, and what each loss needs, are vlp.losses.registry's (the one source); the
-functions are imported on first use, so `import vlp.losses.registry` (vlp.config) loads no torch.
+The names, and what each loss needs, are vlp.losses.registry's (the one source: get_loss, get_spec,
+build_loss); each loss is defined in its own module (vlp.losses.infonce, .flatnce, .dcl, .siglip,
+.sogclr, .fastclip, .isogclr). `import vlp.losses.registry` loads no torch: vlp.experiment checks
+configs with it before any work. Import from the module that defines a name.
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any, Protocol
-
-from vlp.losses.registry import NAMES, REGISTRY, STATELESS, LossSpec, build_loss, get_loss, get_spec
-
-if TYPE_CHECKING:
-    from torch import Tensor
-
-
-class LossFn(Protocol):
-    """The shared signature of every stateless loss in LOSSES."""
-
-    def __call__(
-        self,
-        img_local: Tensor,
-        txt_local: Tensor,
-        img_global: Tensor,
-        txt_global: Tensor,
-        logit_scale: Tensor,
-        logit_bias: Tensor | None = None,
-        *,
-        offset: int = 0,
-        scale_grad: str = "same",
-    ) -> tuple[Tensor, dict[str, float]]: ...
-
-
-_LAZY = {
-    "infonce_loss": "vlp.losses.infonce",
-    "flatnce_loss": "vlp.losses.flatnce",
-    "dcl_loss": "vlp.losses.dcl",
-    "siglip_loss": "vlp.losses.siglip",
-    "siglip_init": "vlp.losses.siglip",
-    "contrastive_diagnostics": "vlp.losses.diagnostics",
-    "diagnostics_from_logits": "vlp.losses.diagnostics",
-}
-
-
-def __getattr__(name: str) -> Any:
-    """The loss functions (and ``LOSSES``, name -> function of the stateless losses), on first use."""
-    if name == "LOSSES":
-        return {n: get_loss(n) for n in STATELESS}
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = [
-    "LOSSES", "NAMES", "REGISTRY", "LossFn", "LossSpec", "build_loss", "get_loss", "get_spec",
-    *_LAZY,
-]

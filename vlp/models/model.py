@@ -351,7 +351,3 @@ def export_open_clip(model: DualEncoder, path: str | Path) -> None:
     manifest_path(path).unlink(missing_ok=True)  # an older export's: never beside the new bytes
     torch.save({"state_dict": state, "preprocess_cfg": dict(model.preprocess)}, path)
     write_manifest(path)  # last: readers (vlp eval, model.pretrained) check the bytes against it
-
-
-def save_model_config(name: str, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(model_config_dict(name), indent=2))

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from vlp.config import from_dict
+from vlp.config import from_dict, global_batch, steps_for
 
 from vlp.experiment import check
 from vlp.study.plan import SPLITS
@@ -117,8 +117,7 @@ class Executor:
                     on_done(job, rec)
             return
         # most steps first, so that no long run is left going alone at the end
-        longest_first = sorted(jobs, key=lambda j: -j.cfg.train.samples // (
-            j.cfg.data.batch_per_device * j.cfg.train.accum_steps))
+        longest_first = sorted(jobs, key=lambda j: -steps_for(j.cfg.train.samples, global_batch(j.cfg)))
         futures = {self._pool().submit(run_job, job): job for job in longest_first}
         for i, future in enumerate(as_completed(futures)):
             rec, job = future.result(), futures[future]

@@ -28,11 +28,6 @@ SPLITS = ("val", "test")
 """A study selects on val and reports on test."""
 
 
-def steps_for(samples: int, batch_per_device: int, world: int = 1, accum: int = 1) -> int:
-    """Optimizer steps for a sample budget: samples // global batch (the Trainer's rule)."""
-    return samples // (batch_per_device * world * accum)
-
-
 # ---------------------------------------------------------------------------- plain grid
 @dataclass(frozen=True)
 class RunSpec:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 import yaml
 
-from vlp.config import Config, ConfigError, from_dict, set_dotted
+from vlp.config import Config, ConfigError, from_dict, global_batch, set_dotted, steps_for
 
 from vlp.experiment import check
 from vlp.util import is_url
@@ -37,19 +37,19 @@ def run_config(base: dict, grid, run, world: int = 1) -> Config:
     for key, value in sets.items():
         set_dotted(tree, key, value)
     cfg = from_dict(tree)
-    global_batch = run.batch_per_device * world * cfg.train.accum_steps
-    if cfg.train.samples < global_batch:
+    batch = global_batch(cfg, world)
+    if cfg.train.samples < batch:
         raise ConfigError(f"config: train.samples={cfg.train.samples} gives 0 steps for {run.name} "
-                          f"(global batch {global_batch}); raise the budget or drop the batch size")
+                          f"(global batch {batch}); raise the budget or drop the batch size")
     if grid.warmup_samples is not None:
-        cfg.optim.warmup_steps = grid.warmup_samples // global_batch
+        cfg.optim.warmup_steps = steps_for(grid.warmup_samples, batch)
     if grid.log_every_samples is not None:
-        cfg.train.log_every = max(1, grid.log_every_samples // global_batch)
+        cfg.train.log_every = max(1, steps_for(grid.log_every_samples, batch))
     if not getattr(grid, "keep_models", True):  # a study ranking the model in memory keeps no weights
         cfg.train.save_final = False
     points = getattr(grid, "budget_points", 1)
     if points > 1 and getattr(run, "accum", 1) == 1:  # a ranked study run: val and test at every point
-        cfg.train.eval_every = point_interval(cfg.train.samples // global_batch, points, run.name)
+        cfg.train.eval_every = point_interval(steps_for(cfg.train.samples, batch), points, run.name)
     return check(cfg)
 
 

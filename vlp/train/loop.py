@@ -30,7 +30,7 @@ from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwar
 from vlp.eval import keys
 from vlp import records
 from vlp.checkpoint import lock as runlock, resume, storage
-from vlp.config import Config
+from vlp.config import Config, global_batch, steps_for
 from vlp.distributed import (all_reduce, barrier, exit_with_launcher, gather_object, gather_with_grad, is_main,
                              positive_offset)
 from vlp.losses.registry import get_spec
@@ -54,7 +54,6 @@ def _counter(name: str) -> property:
 
 
 class Trainer:
-    data_class = TrainData  # the data part (a subclass may record or replace the stream)
     step, samples_seen, nonfinite_total = _counter("step"), _counter("samples_seen"), _counter("nonfinite_total")
 
     def __init__(self, cfg: Config, accelerator: Optional[Accelerator] = None):
@@ -74,8 +73,8 @@ class Trainer:
         self.folder = storage.open_run_folder(cfg.train.output_dir)
         set_seed(cfg.train.seed)
         self.world, self.accum = acc.num_processes, cfg.train.accum_steps
-        self.global_batch = cfg.data.batch_per_device * self.world * self.accum
-        self.total_steps = cfg.train.samples // self.global_batch
+        self.global_batch = global_batch(cfg, self.world)
+        self.total_steps = steps_for(cfg.train.samples, self.global_batch)
         self.counters = Counters()
         self.nonfinite_in_row = 0
         self.peak_step_bytes: Optional[int] = None  # of this process's second step (measured_step)
@@ -86,18 +85,17 @@ class Trainer:
         # the model, its temperature policy and the train transform (data.train_transform), chosen once
         model, self.tokenizer, self.train_transform, self.eval_transform = build_model(cfg.model, cfg.loss,
                                                                                        data_cfg=cfg.data)
-        self.preemption = preempt.Preemption()  # installed by train(); agreed on in _finite
-        self.data = self.data_class(cfg, self.train_transform, self.tokenizer, acc.process_index, self.world,
-                                    device=acc.device)  # workers ship uint8, the device finishes (data.py)
+        self.data = TrainData(cfg, self.train_transform, self.tokenizer, acc.process_index, self.world,
+                              device=acc.device)  # workers ship uint8, the device finishes (vlp.data.train_data)
+        self.loss_spec = get_spec(cfg.loss.name)  # stateful: per-sample state, checkpointed
+        self.loss = self.loss_spec.build(cfg.loss, self.data.num_samples, self.total_steps)
+        self.temperature = model.temperature  # build_model's policy: gradient routing and clamp of logit_scale
         if cfg.data.feature_cache:  # LiT: the locked stems' outputs once per sample, reused every epoch
             self.data.features = training_features(cfg, model, self.train_transform, self.tokenizer,
                                                    self.data.loader.plan, acc.device)
         self.evaluator = Evaluator(cfg, self.tokenizer, self.eval_transform, self.folder)
+        self.preemption = preempt.Preemption()  # installed by train(); agreed on in _finite
         self.strategy = make_strategy(cfg, acc)
-        self.loss_spec = get_spec(cfg.loss.name)  # stateful: per-sample state, checkpointed
-        self.loss = self.loss_spec.build(cfg.loss, self.data.num_samples, self.total_steps)
-        self.loss_fn = self.loss  # the callable the step uses (a test may wrap it)
-        self.temperature = model.temperature  # build_model's policy: gradient routing and clamp of logit_scale
         # fused AdamW: one kernel over all parameters (1.3x end-to-end on CPU, BENCHMARKS.md)
         self.model, self.optimizer = self.strategy.prepare(model, lambda m: build_optimizer(
             param_groups(m, cfg.optim.weight_decay), cfg.optim, acc.device.type))
@@ -106,7 +104,7 @@ class Trainer:
         # another global batch (train.resume_mode=continue) keeps it continuous. Not prepared:
         # Accelerate would step it once per process.
         self.scheduler = build_scheduler(self.torch_optimizer, cfg.optim, lambda: (
-            self.samples_seen // self.global_batch, cfg.train.samples // self.global_batch))
+            steps_for(self.samples_seen, self.global_batch), steps_for(cfg.train.samples, self.global_batch)))
         self.checkpoints = self.checkpointer(cfg, acc)
         self.logger = RunLogger(self.folder, is_main(), cfg.train.wandb_project, cfg.to_dict())
 
@@ -142,8 +140,8 @@ class Trainer:
         img_global = gather_with_grad(img_local)
         txt_global = gather_with_grad(txt_local)
         offset = positive_offset(img_local.shape[0], img_global.shape[0])
-        return self.loss_fn(img_local, txt_local, img_global, txt_global, scale, bias,
-                            offset=offset, scale_grad=self.temperature.scale_grad, ids=ids)
+        return self.loss(img_local, txt_local, img_global, txt_global, scale, bias,
+                         offset=offset, scale_grad=self.temperature.scale_grad, ids=ids)
 
     def compute_gradients(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, dict]:
         """Backward of the global loss over all micro-batches (vlp.train.step); returns
@@ -238,7 +236,7 @@ class Trainer:
         found = self.checkpoints.resume(self.cfg.train.resume, self.cfg)
         if found is not None:
             (path, state), d = found, self.data
-            self.total_steps = self.step + (self.cfg.train.samples - self.samples_seen) // self.global_batch
+            self.total_steps = self.step + steps_for(self.cfg.train.samples - self.samples_seen, self.global_batch)
             follow_config(self.torch_optimizer, self.scheduler, self.cfg.optim)  # not the saved lr, betas, ...
             changed = resume.layout_changes(state, self.cfg, self.world)  # e.g. world size: 2 -> 1
             if changed:  # train.resume_mode=continue (else refused in the checkpointer)

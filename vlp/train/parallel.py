@@ -176,18 +176,6 @@ def full_model_state(model: nn.Module) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
-    """(parameter bytes, optimizer-state bytes) held by this rank: the local shards under FSDP."""
-
-    def nbytes(t: torch.Tensor) -> int:
-        t = local(t)
-        return t.numel() * t.element_size()
-
-    params = sum(nbytes(p) for p in model.parameters())
-    state = sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-    return params, state
-
-
 def name_keyed_optimizer_state(optim_state: dict, names: list[str]) -> dict:
     """A torch optimizer state dict (parameters numbered 0.. across groups) keyed by parameter
     name instead: the form `set_full_state` takes. `names[i]` is the name of parameter i."""

