@@ -14,7 +14,6 @@ from vlp.losses.flatnce import flatnce_loss
 from vlp.losses.infonce import infonce_loss
 from vlp.losses.registry import get_loss
 from vlp.losses.registry import get_spec
-from vlp.models.temperature import default_mode
 
 F64 = torch.float64
 
@@ -73,4 +72,4 @@ def test_infonce_gradient_is_dcl_gradient_damped_by_sigma():
 def test_registry_entry():
     fn = get_loss("dcl")
     assert fn is dcl_loss and fn.__module__ == "vlp.losses.dcl"
-    assert not get_spec("dcl").stateful and default_mode("dcl") == "split"
+    assert not get_spec("dcl").stateful and get_spec("dcl").temperature == "split"

@@ -15,7 +15,6 @@ from naive_losses import NaiveFastCLIP
 from vlp.losses.fastclip import FastCLIPLoss
 from vlp.losses.registry import get_spec
 from vlp.losses.sogclr import SogCLRLoss
-from vlp.models.temperature import default_mode
 
 F64 = torch.float64
 
@@ -91,7 +90,7 @@ def test_steps_match_the_float64_reference():
 
 def test_registry_entry_and_scale_grad():
     spec = get_spec("fastclip")
-    assert spec.stateful and default_mode("fastclip") == "learnable"
+    assert spec.stateful and get_spec("fastclip").temperature == "learnable"
     img, txt = features(4, seed=0)
     with pytest.raises(ValueError, match="scale_grad"):
         FastCLIPLoss(4)(img, txt, img, txt, torch.tensor(5.0), scale_grad="split", ids=torch.arange(4))

@@ -12,7 +12,6 @@ from naive_losses import NaiveISogCLR
 
 from vlp.losses.isogclr import MOMENTUM, ISogCLRLoss, TemperatureRule
 from vlp.losses.registry import get_spec
-from vlp.models.temperature import default_mode
 
 F64 = torch.float64
 
@@ -99,7 +98,7 @@ def test_fresh_rows_and_refusals():
     with pytest.raises(ValueError, match="scale_grad"):
         iso(img, txt, img, txt, torch.tensor(5.0), scale_grad="split", ids=torch.arange(4))
     spec = get_spec("isogclr")
-    assert spec.stateful and default_mode("isogclr") == "fixed"
+    assert spec.stateful and get_spec("isogclr").temperature == "fixed"
 
 
 def test_config_refuses_a_start_outside_the_bounds():

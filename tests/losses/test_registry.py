@@ -38,7 +38,7 @@ def test_compare_grids_name_every_registered_loss():
     """`vlp compare` takes its loss names from the registry: a grid of the new losses expands to
     one run per loss, each a valid config with that loss and its default temperature mode."""
     from vlp.losses.registry import NAMES
-    from vlp.models.temperature import default_mode
+    from vlp.losses.registry import get_spec
     from vlp.study.compare import expand_grid, parse_grid, run_config
 
     assert {"dcl", "fastclip", "isogclr"} <= set(NAMES)
@@ -48,6 +48,6 @@ def test_compare_grids_name_every_registered_loss():
     assert sorted(runs) == ["dcl", "fastclip", "isogclr"]
     for name, run in runs.items():
         cfg = run_config({"train": {"samples": 64}}, grid, run)
-        assert cfg.loss.name == name and cfg.loss.temperature == default_mode(name)
+        assert cfg.loss.name == name and cfg.loss.temperature == get_spec(name).temperature
     iso = run_config({"train": {"samples": 64}}, grid, runs["isogclr"]).loss
     assert (iso.rho, iso.tau_lr) == (1.0, 1e-3)

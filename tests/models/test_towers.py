@@ -15,21 +15,11 @@ from vlp.config import LossConfig, ModelConfig
 from vlp.experiment import load_config
 from vlp.models.model import build_model, export_open_clip
 import forked
+from lit_fixtures import bert_dir, timm_json  # noqa: F401  (fixtures: a timm tower config, a tiny BERT)
 from vlp_testing import REPO, run_env
 
 MICRO = json.loads((REPO / "vlp/models/model_configs/vlp-micro.json").read_text())
 CLIP_MEAN = [float(x) for x in open_clip.OPENAI_DATASET_MEAN]
-
-
-@pytest.fixture(scope="module")
-def timm_json(tmp_path_factory):
-    """A model JSON: timm's test_efficientnet (BatchNorm + fused activations) at 32 px as the
-    image tower, vlp-micro's text tower."""
-    path = tmp_path_factory.mktemp("cfg") / "vlp-timm-test.json"
-    path.write_text(json.dumps({"embed_dim": 32, "text_cfg": MICRO["text_cfg"], "vision_cfg": {
-        "timm_model_name": "test_efficientnet", "timm_model_pretrained": False, "timm_pool": "avg",
-        "timm_proj": "linear", "image_size": 32}}))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -284,23 +274,6 @@ def test_unlocked_groups_on_a_timm_tower(tiny_shards, tmp_path, timm_json):
     in_last = {k for k in before if groups.get(k[2:].rsplit(".", 1)[0]) == last}
     assert changed and changed <= in_last
     assert not (set(before) - in_last) & changed
-
-
-@pytest.fixture(scope="module")
-def bert_dir(tmp_path_factory):
-    """A tiny BERT saved like a sentence-transformers folder (weights, tokenizer, 1_Pooling)."""
-    from transformers import BertConfig, BertModel, BertTokenizerFast
-
-    root = tmp_path_factory.mktemp("bert")
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "red", "heart", "emoji", "of", "cat", "dog"]
-    (root / "vocab.txt").write_text("\n".join(words) + "\n")
-    BertTokenizerFast(vocab_file=str(root / "vocab.txt")).save_pretrained(root)
-    torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=64, max_position_embeddings=40)).save_pretrained(root)
-    (root / "1_Pooling").mkdir()
-    (root / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
-    return str(root)
 
 
 def test_locked_hf_text_tower_keeps_every_tensor(tiny_shards, tmp_path, bert_dir):

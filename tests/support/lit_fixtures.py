@@ -1,5 +1,5 @@
 """A tiny LiT model as fixtures: a timm image tower config and a tiny BERT sentence-transformers folder
-(tests/train/test_feature_cache.py, tests/study/test_compare_map.py)."""
+(tests/models/test_towers.py, tests/train/test_feature_cache.py, tests/study/test_compare_map.py)."""
 import json
 
 import pytest
@@ -26,7 +26,8 @@ def bert_dir(tmp_path_factory):
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     root = tmp_path_factory.mktemp("bert")
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "red", "heart", "face", "of", "cat", "flag", "man"]
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "red", "heart", "face", "of", "cat", "flag", "man",
+             "emoji", "dog"]
     (root / "vocab.txt").write_text("\n".join(words) + "\n")
     BertTokenizerFast(vocab_file=str(root / "vocab.txt")).save_pretrained(root)
     torch.manual_seed(0)

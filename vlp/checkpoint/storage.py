@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional
 
-from vlp.util import atomic_write, has_backend, is_remote, missing_backend, pid_alive
+from vlp.util import atomic_write, missing_backend, pid_alive
 
 CACHE_PREFIX = "vlp-run-"  # $TMPDIR/vlp-run-PID-XXXX: a bucket folder's stage and downloads
 SIDECAR = ".manifest.json"  # a single file's checksums beside it (vlp.checkpoint.integrity)
@@ -54,11 +54,12 @@ class RunFolder:
         import fsspec
 
         self.url = str(url_or_path).rstrip("/") or "/"
-        self.remote = is_remote(self.url)
         try:
             self.fs, root = fsspec.core.url_to_fs(self.url, **storage_options)
         except ImportError:
             raise StorageError(f"{self.url}: {missing_backend(self.url)}") from None
+        protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
+        self.remote = "file" not in protocols  # not this machine's file system (a bucket, memory://)
         self.root = root.rstrip("/")
         self._cache: Optional[Path] = None
         self._thread: Optional[threading.Thread] = None
@@ -271,12 +272,17 @@ def _cause(error: BaseException) -> str:
 
 
 def open_run_folder(url_or_path, option: str = "train.output_dir") -> RunFolder:
-    """The RunFolder of a run's output; a bucket is checked first (`check_writable`: one line
-    naming ``option`` before anything is written). A local path is not touched here."""
-    if is_remote(url_or_path):
-        check_writable(url_or_path, option=option)
+    """The RunFolder of a run's output; a bucket is checked first (its backend installed, then
+    `check_writable`: one line naming ``option`` before anything is written). A local path is
+    not touched here."""
+    try:
+        folder = RunFolder(url_or_path)
+    except StorageError as e:  # no backend for the URL's scheme
+        raise StorageError(f"{option}={e}") from None
+    if folder.remote:
+        check_writable(folder.url, option=option)
         remove_dead_caches()  # stage copies and downloads of runs that were killed
-    return RunFolder(url_or_path)
+    return folder
 
 
 def _probe(url: str, probe: str) -> str:
@@ -302,8 +308,6 @@ def check_writable(url, timeout_s: Optional[float] = None, option: str = "train.
     url = str(url).rstrip("/")
     timeout_s = float(os.environ.get("VLP_STORAGE_TIMEOUT_S", 30)) if timeout_s is None else timeout_s
     probe = f".vlp-write-check-{os.uname().nodename}-{os.getpid()}"
-    if not has_backend(url):
-        raise StorageError(f"{option}={url}: {missing_backend(url)}")
     outcome: list[str] = []
     thread = threading.Thread(target=lambda: outcome.append(_probe(url, probe)), daemon=True)
     thread.start()

@@ -39,11 +39,6 @@ MODES = ("learnable", "fixed", "split")
 SPLIT_LOSSES = tuple(name for name, spec in REGISTRY.items() if spec.temperature == "split")
 
 
-def default_mode(loss_name: str) -> str:
-    """The temperature mode used when `loss.temperature` is unset (the loss's registry entry)."""
-    return get_spec(loss_name).temperature
-
-
 @dataclass(frozen=True)
 class TemperaturePolicy:
     """Everything about logit_scale / logit_bias a LossConfig decides."""
@@ -63,18 +58,12 @@ class TemperaturePolicy:
             log_scale.clamp_(MIN_LOG_SCALE, self.max_log_scale)
 
 
-def initial_log_scale(loss_name: str, tau: Optional[float]) -> float:
-    """log t at initialisation: log(1/tau) for a set tau, else the loss's published init."""
+def initial_log_scale(init, tau: Optional[float]) -> float:
+    """log t at initialisation: log(1/tau) for a set tau, else the loss's published init
+    (`init`, its registry entry's; None: CLIP's)."""
     if tau is not None:
         return math.log(1.0 / tau)
-    init = published_init(loss_name)
     return init.logit_scale if init is not None else math.log(1.0 / CLIP_TAU)
-
-
-def published_init(loss_name: str):
-    """The loss's own (logit_scale, logit_bias) init from its registry entry, or None (CLIP's)."""
-    spec = get_spec(loss_name)
-    return resolve(spec.init)() if spec.init else None
 
 
 def temperature_policy(loss_cfg) -> TemperaturePolicy:
@@ -85,19 +74,19 @@ def temperature_policy(loss_cfg) -> TemperaturePolicy:
     The one place the policy is decided: vlp.experiment.check calls it to check the
     section and fill in the mode, build_model applies it and hands it on with the model
     (`DualEncoder.temperature`), and the trainer reads it from there."""
-    mode = loss_cfg.temperature or default_mode(loss_cfg.name)
-    mode = current_value("loss.temperature", mode)
+    spec = get_spec(loss_cfg.name)  # the loss's default mode and published init
+    init = resolve(spec.init)() if spec.init else None
+    mode = current_value("loss.temperature", loss_cfg.temperature or spec.temperature)
     if mode not in MODES:
         raise ValueError(f"loss.temperature must be one of {list(MODES)}, got {mode!r}")
     if mode == "split" and loss_cfg.name not in SPLIT_LOSSES:
         raise ValueError(f"loss.temperature=split only applies to loss.name={' or '.join(SPLIT_LOSSES)}")
-    init_log_scale = initial_log_scale(loss_cfg.name, loss_cfg.tau)
+    init_log_scale = initial_log_scale(init, loss_cfg.tau)
     scale = math.exp(init_log_scale)
     if scale > loss_cfg.max_logit_scale * (1 + 1e-9):
         raise ValueError(f"loss.tau={loss_cfg.tau!r} gives initial logit_scale {scale:.4g} above "
                          f"loss.max_logit_scale={loss_cfg.max_logit_scale!r}: the clamp would change it silently; "
                          "raise loss.max_logit_scale or set tau")
-    init = published_init(loss_cfg.name)
     return TemperaturePolicy(
         mode=mode,
         init_log_scale=init_log_scale,

@@ -48,6 +48,7 @@ from vlp.study.rows import collect_rows
 from vlp.study.runs import broadcast, embedded_shards, plan_runs, run_config
 from vlp.study.study import run_study
 from vlp.study.tables import aggregate, markdown_table
+from vlp.study.userdata import check_datasets
 from vlp.checkpoint import lock as runlock
 
 # = configs/compare_small_batch.yaml, shipped in the package (vlp/defaults/ links to configs/)
@@ -73,6 +74,7 @@ def load_compare_config(path: str | Path, overrides: Sequence[str] = (), quick: 
     cfg = check(from_dict(copy.deepcopy(data)))  # fail on a bad base config before any run
     if grid.sweep and not grid.optimizers:
         grid.optimizers = [cfg.optim.name]
+    check_datasets(grid.datasets)  # your own data sets' local shards exist, before any folder is made
     return data, grid
 
 

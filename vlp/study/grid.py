@@ -15,6 +15,7 @@ from vlp.config import ConfigError
 from vlp.data.sources import PACKAGED
 from vlp.eval.keys import EVAL_KEYS
 from vlp.losses.registry import NAMES as LOSS_NAMES
+from vlp.study.userdata import USER_KEYS, parse_user_dataset
 from vlp.util import is_url
 
 # Grid-controlled keys: a per-loss override of these would silently break the grid.
@@ -73,10 +74,18 @@ class GridSpec:
     """Study on one process: run this many runs at once in worker processes (2 on a 2-core CPU
     with OMP_NUM_THREADS=1). Results do not depend on it; samples/s share the cores."""
     datasets: dict[str, dict] = field(default_factory=dict)
-    """Study: the packaged data sets, an axis of the map ({}: the data config as given). A list
-    of names, or {name: {batch_per_device: [...], regimes: [...]}} to run a data set on a subset
-    of the grid's batches or regimes. Each replaces the name in data.train_shards ('openmoji:128'
-    -> 'openclipart:128'). Parsed to {name: {"batch_per_device": list or None, "regimes": list or None}}."""
+    """Study: the data sets, an axis of the map ({}: the data config as given). A list of packaged
+    names, or {name: {batch_per_device: [...], regimes: [...]}} to run a data set on a subset of
+    the grid's batches or regimes. A packaged set replaces the name in data.train_shards
+    ('openmoji:128' -> 'openclipart:128'); any other name is your own data (vlp.study.userdata):
+    {train: spec, val: spec, test: spec} or {shards: spec} split by caption hash. Parsed to {name:
+    {"batch_per_device": list or None, "regimes": list or None}}, your own data set's with
+    "shards": {fit, val, test} or None and "source": spec or None besides."""
+    seeds_until: dict[str, Any] = field(default_factory=dict)
+    """Study: seeds where the answer is open, {half_width: points, max_seeds: n, step: k}: after
+    the final seeds, every paired Δ (grid.metric) whose interval still contains 0 and is wider
+    than ± half_width points gets k more seeds, up to max_seeds; every interval and p-value of the
+    study is then corrected for the planned looks (vlp.study.stats.look_level). {}: none."""
     sweep_bounds: dict[str, list] = field(default_factory=dict)
     """Study: {dotted key: [low, high]} (e.g. {optim.lr: [1e-4, 0.1]}): an arm selected at an edge
     of its values of that key gets one more value beyond the edge (x3 or /3) until its selection is
@@ -203,12 +212,13 @@ def _parse_study(raw: dict, spec: GridSpec) -> None:
         raise ConfigError(f"config: grid.select_metric must be one of {list(EVAL_KEYS)}, got {spec.select_metric!r}")
     if spec.test_shards is not None and (not isinstance(spec.test_shards, str) or not spec.test_shards):
         raise ConfigError(f"config: grid.test_shards must be a shard spec, got {spec.test_shards!r}")
-    for key in ("regimes", "accum_price", "datasets", "sweep_bounds"):
+    for key in ("regimes", "accum_price", "datasets", "sweep_bounds", "seeds_until"):
         if raw.get(key) and not sweep:
             raise ConfigError(f"config: grid.{key} needs a tuned study (grid.sweep)")
     spec.regimes = _parse_regimes(raw.get("regimes"))
     spec.accum_price = _parse_price(raw.get("accum_price"), spec)
     spec.datasets = _parse_datasets(raw.get("datasets"), spec)
+    spec.seeds_until = _parse_seeds_until(raw.get("seeds_until"), spec)
     spec.sweep_bounds = _parse_bounds(raw.get("sweep_bounds"))
     _check_in_bounds(spec)
     points = raw.get("budget_points", 1)
@@ -277,8 +287,9 @@ def _parse_price(raw: Any, spec: GridSpec) -> dict[str, Any]:
 
 
 def _parse_datasets(raw: Any, spec: GridSpec) -> dict[str, dict]:
-    """grid.datasets (a list of packaged data set names, or {name: {batch_per_device, regimes}})
-    -> {name: {"batch_per_device": subset or None, "regimes": subset or None}}."""
+    """grid.datasets (a list of packaged data set names, or {name: {batch_per_device, regimes} and,
+    for your own data, train / val / test or shards}) -> {name: {"batch_per_device": subset or
+    None, "regimes": subset or None}, and for your own data "shards" and "source"} (vlp.study.userdata)."""
     if not raw:
         return {}
     table = {name: {} for name in raw} if isinstance(raw, list) else raw
@@ -286,11 +297,17 @@ def _parse_datasets(raw: Any, spec: GridSpec) -> dict[str, dict]:
         raise ConfigError(f"config: grid.datasets must be a list of distinct names or a mapping, got {raw!r}")
     out = {}
     for name, sets in table.items():
-        if name not in PACKAGED:
-            raise ConfigError(f"config: grid.datasets: {name!r} is not a packaged data set ({', '.join(PACKAGED)})")
         sets = sets or {}
+        user = {}
+        if name not in PACKAGED:
+            if not isinstance(sets, dict):
+                raise ConfigError(f"config: grid.datasets.{name} must map train / val / test (or shards) to shard "
+                                  f"specs, got {sets!r}")
+            user = parse_user_dataset(name, sets)
+            sets = {k: v for k, v in sets.items() if k not in USER_KEYS}
         if not isinstance(sets, dict) or set(sets) - {"batch_per_device", "regimes"}:
-            raise ConfigError(f"config: grid.datasets.{name} may set batch_per_device and regimes only, got {sets!r}")
+            where = "and regimes only" if name in PACKAGED else "and regimes besides its shards"
+            raise ConfigError(f"config: grid.datasets.{name} may set batch_per_device {where}, got {sets!r}")
         batches = _int_list(sets, "batch_per_device", 1) if sets.get("batch_per_device") is not None else None
         if batches and set(batches) - set(spec.batch_per_device):
             raise ConfigError(f"config: grid.datasets.{name}.batch_per_device {batches} must be a subset of "
@@ -300,8 +317,26 @@ def _parse_datasets(raw: Any, spec: GridSpec) -> dict[str, dict]:
                                     or set(regimes) - set(spec.regimes)):
             raise ConfigError(f"config: grid.datasets.{name}.regimes must be a non-empty subset of grid.regimes "
                               f"{list(spec.regimes)}, got {regimes!r}")
-        out[name] = {"batch_per_device": batches, "regimes": regimes}
+        out[name] = {"batch_per_device": batches, "regimes": regimes, **user}
     return out
+
+
+def _parse_seeds_until(raw: Any, spec: GridSpec) -> dict[str, Any]:
+    """grid.seeds_until -> {half_width: points > 0, max_seeds: > len(final_seeds), step: >= 1}."""
+    if not raw:
+        return {}
+    if not isinstance(raw, dict) or set(raw) != {"half_width", "max_seeds", "step"}:
+        raise ConfigError(f"config: grid.seeds_until must give half_width (points), max_seeds and step, got {raw!r}")
+    width, most, step = raw["half_width"], raw["max_seeds"], raw["step"]
+    if not isinstance(width, (int, float)) or isinstance(width, bool) or not width > 0:
+        raise ConfigError(f"config: grid.seeds_until.half_width must be a number of points > 0, got {width!r}")
+    for key, value in (("max_seeds", most), ("step", step)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"config: grid.seeds_until.{key} must be a positive integer, got {value!r}")
+    if most <= len(spec.final_seeds):
+        raise ConfigError(f"config: grid.seeds_until.max_seeds={most} must exceed the {len(spec.final_seeds)} final "
+                          "seed(s) (grid.final_seeds)")
+    return {"half_width": float(width), "max_seeds": most, "step": step}
 
 
 def _parse_bounds(raw: Any) -> dict[str, list]:

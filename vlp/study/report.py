@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Optional
 
 from vlp.eval.keys import CHANCE_R1, EVAL_KEYS
-from vlp.study import plots, tables, transfer, tuning
+from vlp.study import adaptive, plots, tables, transfer, tuning
+from vlp.study.plan import arm_label
 from vlp.study.rows import DIAG_KEYS, final_table, read_log
 
 CSV_COLUMNS = ("run", "loss", "temperature", "batch_per_device", "global_batch", "seed", "steps",
@@ -65,7 +66,8 @@ def write_report(out: Path, rows: list[dict], grid, total_runs: int) -> None:
 def test_rows(final_rows: list[dict]) -> list[dict]:
     """The final rows with their test metrics (and per-run bootstraps) under the metric's name."""
     return [{**r, **{m: r.get(f"test/{m}") for m in STUDY_METRICS},
-             **{f"boot/{m}": r.get(f"boot/test/{m}") for m in STUDY_METRICS}} for r in final_rows]
+             **{f"boot/{m}": r.get(f"boot/test/{m}") for m in STUDY_METRICS},
+             **{f"hits/{m}": r.get(f"hits/test/{m}") for m in STUDY_METRICS}} for r in final_rows]
 
 
 def write_study_report(out: Path, sweep_rows: list[dict], final_rows: list[dict], best: dict, grid,
@@ -78,15 +80,19 @@ def write_study_report(out: Path, sweep_rows: list[dict], final_rows: list[dict]
     facts["notes"] = tuning.edge_notes(grid, best, facts["tried"])
     facts.setdefault("points", transfer.point_fractions(final_rows))
     facts.setdefault("budget", max((r.get("samples_seen") or 0 for r in final_rows), default=0))
-    table = final_table(test_rows(final_rows), STUDY_METRICS)
+    looks = adaptive.looks_of(grid)
+    table = final_table(test_rows(final_rows), STUDY_METRICS, looks=looks)
     choice = transfer.point_choice(final_rows, grid.select_metric)
-    at_best = final_table(transfer.rows_at(final_rows, choice, STUDY_METRICS), STUDY_METRICS) if choice else []
+    at_best = final_table(transfer.rows_at(final_rows, choice, STUDY_METRICS), STUDY_METRICS, looks=looks) \
+        if choice else []
+    facts["seeds"] = adaptive.seed_reasons(table, grid)
     text = study_markdown(table, at_best, sweep_rows, final_rows, price_rows, best, grid, facts)
     (out / "study.md").write_text(text)
     (out / "study.json").write_text(json.dumps({
         "best": [{"arm": list(a), "setting": [list(kv) for kv in s]} for a, s in best.items()],
         "edges": [{**n, "arm": list(n["arm"])} for n in facts["notes"]],
         "val_best_point": [{"arm": list(a), "samples": s} for a, s in choice.items()],
+        "seeds": [{**n, "arm": list(n["arm"])} for n in facts["seeds"]],
         "final": [{k: v for k, v in e.items() if k != "arm"} for e in table],
         "final_at_val_best_point": [{k: v for k, v in e.items() if k != "arm"} for e in at_best],
         "price": tables.price_table(price_rows)}, indent=1, default=str))
@@ -122,7 +128,9 @@ FINAL_LEGEND = (
     "t-test's p-value adjusted by Holm-Bonferroni over the cells of the same (data set, regime) table (every loss, "
     "optimizer and batch compared with infonce, per metric; ✓ = adjusted p ≤ 0.05: resolved once the number of "
     "cells is accounted for); in the map, the simultaneous 95 % CI of that family (Bonferroni, level 1 − 0.05/m); "
-    "diagnostics from the last training step.")
+    "Δ bootstrap items × seeds: the paired percentile bootstrap of Δ resampling test items and seeds together "
+    "(✓ = it excludes 0, not corrected for the number of cells), beside the t-interval, which sees seed "
+    "variance only; diagnostics from the last training step.")
 
 
 def header_lines(grid, facts: dict) -> list[str]:
@@ -140,12 +148,21 @@ def header_lines(grid, facts: dict) -> list[str]:
         f"seed(s){bounds}; final seeds {grid.final_seeds}. Every run sees the same budget of samples.", ""]
     if grid.datasets:
         lines += ["Data sets (each with its own fit / val / test split): "
-                  + "; ".join(f"{d}: " + ", ".join(f"{k} {v}" for k, v in sets.items() if v) if any(sets.values())
-                              else d for d, sets in grid.datasets.items()) + ".", ""]
+                  + "; ".join(dataset_text(d, sets) for d, sets in grid.datasets.items()) + ".", ""]
     if facts.get("fit_sizes"):
         lines += ["## Budget and epochs", "", transfer.epochs_markdown(
             list(facts["fit_sizes"]), facts["fit_sizes"], facts.get("points") or [], facts.get("budget") or 0), ""]
     return lines
+
+
+def dataset_text(name: str, sets: dict) -> str:
+    """'openclipart: regimes ['lit']', 'mine (your shards: train a/, val b/, test c/)' or 'one (your
+    shards s3://b/x/, split by caption hash)'."""
+    own = sets.get("shards") or {}
+    where = (f" (your shards: train {own['fit']}, val {own['val']}, test {own['test']})" if own else
+             f" (your shards {sets['source']}, split by caption hash)" if sets.get("source") else "")
+    subsets = ", ".join(f"{k} {sets[k]}" for k in ("batch_per_device", "regimes") if sets.get(k))
+    return name + where + (f": {subsets}" if subsets else "")
 
 
 def sweep_lines(sweep_rows: list[dict], best: dict, grid, notes: list[dict]) -> list[str]:
@@ -176,8 +193,8 @@ def study_markdown(table: list[dict], at_best: list[dict], sweep_rows: list[dict
     the map per data set, the verdicts across data sets and budget points, cost, mechanism."""
     failed = [f"{r['run']} ({r.get('error', '')})" for r in sweep_rows + final_rows + price_rows if r["status"] != "ok"]
     lines = [*header_lines(grid, facts), *sweep_lines(sweep_rows, best, grid, facts["notes"]),
-             "## Final (test)", "", FINAL_LEGEND, "", tables.final_markdown(table, STUDY_METRICS), "",
-             *[f"- {v}" for v in tables.verdicts(table, grid.metric)], ""]
+             "## Final (test)", "", FINAL_LEGEND, "", *looks_lines(grid), tables.final_markdown(table, STUDY_METRICS), "",
+             *[f"- {v}" for v in tables.verdicts(table, grid.metric)], "", *seeds_lines(facts["seeds"], grid)]
     if is_map(grid):
         lines += map_lines(table, price_rows, grid)
         lines += points_lines(table, at_best, grid)
@@ -191,6 +208,30 @@ def study_markdown(table: list[dict], at_best: list[dict], sweep_rows: list[dict
     if failed:
         lines += ["Failed runs: " + "; ".join(failed), ""]
     return "\n".join(lines)
+
+
+def looks_lines(grid) -> list[str]:
+    """With grid.seeds_until: the stopping rule and the correction every interval carries."""
+    rule = grid.seeds_until
+    if not rule:
+        return []
+    looks = adaptive.looks_of(grid)
+    return [f"Seeds where the answer is open (grid.seeds_until): after the final seeds, a paired Δ on {grid.metric} "
+            f"whose interval contains 0 and is wider than ± {rule['half_width']:g} points gets {rule['step']} more "
+            f"seed(s), up to {rule['max_seeds']} (looks at {adaptive.sizes_of(grid)} seeds). Because the number of "
+            f"seeds depends on the data, every interval below is at level 1 − 0.05/{looks} "
+            f"({100 * (1 - 0.05 / looks):.2f} %) and every p-value is min(1, {looks}·p) (Bonferroni over the "
+            f"{looks} planned looks), before Holm over each table's cells.", ""]
+
+
+def seeds_lines(reasons: list[dict], grid) -> list[str]:
+    """Per comparison: its seeds and why (grid.seeds_until)."""
+    if not grid.seeds_until or not reasons:
+        return []
+    lines = ["## Seeds per comparison (test)", "", f"| comparison (Δ vs infonce, {grid.metric}) | seeds | why |",
+             "|---|---|---|"]
+    lines += [f"| {arm_label(n['arm'])} | {n['n']} | {n['reason']} |" for n in reasons]
+    return lines + [""]
 
 
 def map_lines(table: list[dict], price_rows: list[dict], grid) -> list[str]:

@@ -20,7 +20,8 @@ from vlp.eval import keys
 from vlp.eval.keys import RECALL_KS
 from vlp.checkpoint.storage import RunFolder
 from vlp.study.plan import REFERENCE_LOSS, SPLITS, RunSpec, StudyRun
-from vlp.study.stats import bootstrap_ci, holm, paired_difference, seed_summary, simultaneous_ci
+from vlp.study.stats import (bootstrap_ci, holm, item_seed_bootstrap, look_level, paired_difference, seed_summary,
+                             simultaneous_ci)
 
 KS = (1, 5, 10)
 DIAG_KEYS = ("infonce", "log_xi", "grad_ratio", "frac_saturated", "ess_neg", "acc", "logit_scale")
@@ -123,7 +124,8 @@ def study_row(run: StudyRun, run_dir: Path, metric_keys: tuple[str, ...], n_boot
             row.update({f"{split}/{k}": v for k, v in split_metrics(ranks[split]).items()})
         for key in metric_keys:  # e.g. mean_R@10 -> bootstrap over the test items
             k = int(key.rsplit("@", 1)[1])
-            row[f"boot/test/{key}"] = bootstrap_ci(item_hits(ranks["test"], k), n_boot=n_boot, seed=run.seed)
+            row[f"hits/test/{key}"] = item_hits(ranks["test"], k)  # per test item: the paired bootstrap's input
+            row[f"boot/test/{key}"] = bootstrap_ci(row[f"hits/test/{key}"], n_boot=n_boot, seed=run.seed)
         row["points"] = point_metrics(run_dir / "eval_points.json")
     log = read_log(run_dir / "log.jsonl")
     last = log[-1] if log else {}
@@ -147,10 +149,14 @@ def point_metrics(path: Path) -> dict[int, dict[str, float]]:
             for samples, items in sorted(points.items(), key=lambda kv: int(kv[0]))}
 
 
-def final_table(rows: list[dict], metrics: tuple[str, ...], reference: str = REFERENCE_LOSS) -> list[dict]:
+def final_table(rows: list[dict], metrics: tuple[str, ...], reference: str = REFERENCE_LOSS,
+                looks: int = 1) -> list[dict]:
     """One entry per arm: seed summaries of each test metric and diagnostic, mean per-run
     bootstrap interval, and the paired difference to ``reference`` (same data set, regime,
-    optimizer and batch) with its Holm-adjusted p over the table's cells (``correct_per_table``)."""
+    optimizer and batch) with its Holm-adjusted p over the table's cells (``correct_per_table``)
+    and, where the rows carry per-item hits (``hits/<metric>``), the paired bootstrap over test
+    items and seeds (``boot_items``). ``looks``: the planned looks of grid.seeds_until (1: none),
+    which every interval and p-value is corrected for (vlp.study.stats.look_level)."""
     by_arm: dict[tuple, list[dict]] = {}
     for row in rows:
         if row["status"] == "ok":
@@ -169,18 +175,23 @@ def final_table(rows: list[dict], metrics: tuple[str, ...], reference: str = REF
                 if boot else None
             ref = {r["seed"]: r.get(key) for r in by_arm.get((dataset, regime, reference, optim, batch), [])}
             entry[f"diff/{key}"] = None if loss == reference else paired_difference(
-                {r["seed"]: r.get(key) for r in members}, ref)
+                {r["seed"]: r.get(key) for r in members}, ref, looks)
+            if entry[f"diff/{key}"] is not None:
+                entry[f"diff/{key}"]["boot_items"] = item_seed_bootstrap(
+                    {r["seed"]: r.get(f"hits/{key}") for r in members},
+                    {r["seed"]: r.get(f"hits/{key}") for r in by_arm.get((dataset, regime, reference, optim, batch), [])},
+                    level=look_level(looks))
         table.append(entry)
-    correct_per_table(table, metrics)
+    correct_per_table(table, metrics, looks)
     return table
 
 
-def correct_per_table(table: list[dict], metrics: tuple[str, ...]) -> None:
+def correct_per_table(table: list[dict], metrics: tuple[str, ...], looks: int = 1) -> None:
     """Holm-Bonferroni per metric over the cells of one (data set, regime) table (every loss,
     optimizer and batch with a paired difference and a p-value): adds p_holm, holm (resolved
     after the correction), m (the family size) and the simultaneous interval over the family
-    (lo_sim, hi_sim: Bonferroni, each cell's t-interval at level 1 − 0.05 / m) to each of those
-    differences, in place."""
+    (lo_sim, hi_sim: Bonferroni, each cell's t-interval at level 1 − 0.05 / (m · looks)) to each of
+    those differences, in place (their p is already corrected for the looks)."""
     for key in metrics:
         for group in dict.fromkeys((e["dataset"], e["regime"]) for e in table):
             family = {i: e[f"diff/{key}"]["p"] for i, e in enumerate(table)
@@ -188,5 +199,5 @@ def correct_per_table(table: list[dict], metrics: tuple[str, ...]) -> None:
             for i, corrected in holm(family).items():
                 d = table[i][f"diff/{key}"]
                 d.update(corrected)
-                d["lo_sim"], d["hi_sim"] = simultaneous_ci(d["mean"], d["std"], d["n"], corrected["m"])
+                d["lo_sim"], d["hi_sim"] = simultaneous_ci(d["mean"], d["std"], d["n"], corrected["m"] * looks)
 

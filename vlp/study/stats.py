@@ -10,6 +10,11 @@ scipy.stats (no hand-typed tables).
   Bonferroni interval of each, valid for the whole family at once;
 - ``bootstrap_ci``: a percentile bootstrap over eval items (queries) of one run
   (scipy.stats.bootstrap): how much the metric would move on another eval set of the same size;
+- ``item_seed_bootstrap``: a paired percentile bootstrap of arm − reference over test items and
+  seeds together (both resampled), so a small test set is not judged on seed variance alone;
+- seeds where the answer is open (grid.seeds_until): ``look_sizes`` (the planned looks),
+  ``look_level`` / ``sequential_p`` (the Bonferroni split of alpha over the looks that keeps
+  every interval and p-value valid under the data-dependent stopping), ``seeds_open`` (the rule);
 - ``linear_fit``: least-squares slope with its 95 % t-interval (scipy.stats.linregress);
 - ``verdict``: one sentence saying which paired differences are resolved (95 % CI excludes 0).
 """
@@ -59,20 +64,64 @@ def t_test_p(mean: float, std: float, n: int) -> Optional[float]:
     return float(2.0 * sps.t.sf(abs(t), n - 1))
 
 
-def paired_difference(arm: dict[int, float], reference: dict[int, float]) -> Optional[dict]:
+def paired_difference(arm: dict[int, float], reference: dict[int, float], looks: int = 1) -> Optional[dict]:
     """Per-seed arm − reference over the seeds both have: seed_summary of the differences plus
     ``diffs`` (by seed), ``p`` (paired t-test, two-sided; None with one seed) and ``resolved``
-    (the 95 % CI excludes 0, i.e. p < 0.05; False with one seed). Not corrected for the number
-    of cells: see ``holm``."""
+    (the CI excludes 0, i.e. p < 0.05; False with one seed). Not corrected for the number
+    of cells: see ``holm``. ``looks`` > 1 (grid.seeds_until: the seeds may stop at any of that
+    many planned looks): the interval is at ``look_level(looks)`` and p is ``sequential_p``, so
+    both stay valid whatever look the data stopped at; ``p_t`` keeps the plain t-test p."""
     seeds = sorted(set(arm) & set(reference))
     diffs = {s: arm[s] - reference[s] for s in seeds
              if arm[s] is not None and reference[s] is not None}
     summary = seed_summary(list(diffs.values()))
     if summary is None:
         return None
+    if looks > 1 and summary["n"] > 1:
+        half = t_quantile(summary["n"] - 1, look_level(looks)) * summary["std"] / math.sqrt(summary["n"])
+        summary["lo"], summary["hi"] = summary["mean"] - half, summary["mean"] + half
     resolved = summary["lo"] is not None and (summary["lo"] > 0 or summary["hi"] < 0)
-    p = t_test_p(summary["mean"], summary["std"], summary["n"])
-    return {**summary, "diffs": diffs, "p": p, "resolved": resolved}
+    p_t = t_test_p(summary["mean"], summary["std"], summary["n"])
+    p = None if p_t is None else float(sequential_p(p_t, looks))
+    return {**summary, "diffs": diffs, "p": p, "p_t": p_t, "looks": looks, "level": look_level(looks),
+            "resolved": resolved}
+
+
+# ---------------------------------------------------------------------------- seeds where the answer is open
+def look_sizes(first: int, step: int, most: int) -> list[int]:
+    """The planned looks of grid.seeds_until: the seeds a comparison has at each look, from the
+    final seeds (``first``) by ``step`` up to ``most`` (the last look capped at it): (4, 2, 8) ->
+    [4, 6, 8], (4, 3, 8) -> [4, 7, 8], (4, 2, 4) -> [4]."""
+    sizes = [first]
+    while sizes[-1] < most:
+        sizes.append(min(sizes[-1] + step, most))
+    return sizes
+
+
+def look_level(looks: int, level: float = LEVEL) -> float:
+    """The level of every look's interval when a comparison may stop at any of ``looks`` planned
+    looks: 1 − (1 − level) / looks (Bonferroni over the looks: the chance that the interval
+    misses the true Δ at *some* look is at most the sum, 1 − level, whatever rule stops it)."""
+    return 1.0 - (1.0 - level) / looks
+
+
+def sequential_p(p, looks: int):
+    """The p-value of a comparison stopped at a data-dependent look, one of ``looks`` planned:
+    min(1, looks · p) (numpy arrays too). P(sequential_p ≤ a) ≤ P(some look has p ≤ a / looks)
+    ≤ a under the null, so it is a valid p-value and Holm may combine it with the others."""
+    return np.minimum(1.0, looks * np.asarray(p, dtype=float))
+
+
+def seeds_open(mean, std, n, half_width: float, looks: int, family: int = 1, level: float = LEVEL):
+    """The stopping rule of grid.seeds_until (numpy arrays too): True where a comparison needs
+    more seeds, i.e. its simultaneous interval over ``family`` comparisons and ``looks`` looks
+    (Bonferroni, level 1 − (1 − level) / (family · looks): the study's "Δ after Holm" interval)
+    contains 0 *and* its half-width exceeds ``half_width`` (the units of ``mean``); False once
+    it is resolved or pinned within ± half_width. n >= 2. The rule may use any interval: the
+    looks' correction (``sequential_p``) keeps the tests valid whatever stops the seeds."""
+    mean, std, n = np.broadcast_arrays(np.asarray(mean, float), np.asarray(std, float), np.asarray(n, float))
+    half = sps.t.ppf(1.0 - (1.0 - look_level(looks * family, level)) / 2.0, n - 1) * std / np.sqrt(n)
+    return (np.abs(mean) <= half) & (half > half_width)
 
 
 def holm(pvalues: dict[Hashable, Optional[float]], alpha: float = 1.0 - LEVEL) -> dict[Hashable, dict]:
@@ -113,6 +162,30 @@ def bootstrap_ci(items: Sequence[float], stat: Callable = np.mean, n_boot: int =
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
+def item_seed_bootstrap(arm: dict[int, Sequence[float]], reference: dict[int, Sequence[float]], n_boot: int = 2000,
+                        level: float = LEVEL, seed: int = 0) -> Optional[tuple[float, float]]:
+    """Paired percentile bootstrap of the mean of arm − reference over test items and seeds
+    together. ``arm`` / ``reference``: per seed, the per-item scores of one run (e.g. hit at k
+    per test item, the same items in the same order for every run). Δ[s, j] = arm[s][j] −
+    reference[s][j]; each resample draws the seeds with replacement and, independently, the items
+    with replacement (the crossed design: every seed ranks the same items) and takes the mean of
+    Δ over the drawn seeds × items. Seed-to-seed and item-to-item variation both widen it, so a
+    small test set is not judged on seed variance alone. None with fewer than 2 common seeds or
+    unequal item lists. Deterministic for a given ``seed``."""
+    seeds = [s for s in sorted(set(arm) & set(reference)) if arm[s] is not None and reference[s] is not None]
+    lengths = {len(arm[s]) for s in seeds} | {len(reference[s]) for s in seeds}
+    if len(seeds) < 2 or len(lengths) != 1 or 0 in lengths:
+        return None
+    delta = np.asarray([np.subtract(arm[s], reference[s]) for s in seeds], dtype=float)
+    n_seeds, n_items = delta.shape
+    rng = np.random.default_rng(seed)
+    seed_counts = rng.multinomial(n_seeds, np.full(n_seeds, 1.0 / n_seeds), size=n_boot)
+    item_counts = rng.multinomial(n_items, np.full(n_items, 1.0 / n_items), size=n_boot)
+    means = np.einsum("bs,sj,bj->b", seed_counts, delta, item_counts) / (n_seeds * n_items)
+    lo, hi = np.quantile(means, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
+    return float(lo), float(hi)
+
+
 def linear_fit(xs: Sequence[float], ys: Sequence[float], level: float = LEVEL) -> Optional[dict]:
     """Least-squares line y = intercept + slope · x (scipy.stats.linregress): {n, slope, lo, hi,
     intercept, r, p}, [lo, hi] the ``level`` t-interval of the slope (n − 2 degrees of freedom)
@@ -133,16 +206,22 @@ def signed(x: float, scale: float = 100.0) -> str:
     return f"{value:+.2f}" if value != 0 and abs(value) < 0.05 else f"{value:+.1f}"
 
 
+def ci_label(level: float = LEVEL) -> str:
+    """0.95 -> '95 %', 0.975 -> '97.5 %' (an interval's level as the report prints it)."""
+    return f"{100 * level:.4g} %"
+
+
 def verdict(differences: dict[str, Optional[dict]], reference: str, metric: str, scale: float = 100.0,
             unit: str = " points") -> str:
     """One sentence: for each arm, its paired difference to ``reference`` on ``metric`` with the
     95 % CI (and its Holm-adjusted p when the difference carries one), grouped into resolved (CI
     excludes 0) and not resolved."""
     resolved, unresolved = [], []
+    label = ci_label(next((d.get("level", LEVEL) for d in differences.values() if d), LEVEL))
     for arm, d in differences.items():
         if d is None:
             continue
-        ci = "" if d["lo"] is None else f", 95 % CI [{signed(d['lo'], scale)}, {signed(d['hi'], scale)}]"
+        ci = "" if d["lo"] is None else f", {label} CI [{signed(d['lo'], scale)}, {signed(d['hi'], scale)}]"
         holm_p = "" if d.get("p_holm") is None else f", Holm p={d['p_holm']:.2g}" + (" ✓" if d["holm"] else "")
         text = f"{arm} {signed(d['mean'], scale)}{unit}{ci}, n={d['n']}{holm_p}"
         (resolved if d["resolved"] else unresolved).append(text)
@@ -150,7 +229,7 @@ def verdict(differences: dict[str, Optional[dict]], reference: str, metric: str,
         return f"No paired differences to {reference} on {metric} yet."
     parts = []
     if resolved:
-        parts.append(f"resolved (95 % CI excludes 0): {'; '.join(resolved)}")
+        parts.append(f"resolved ({label} CI excludes 0): {'; '.join(resolved)}")
     if unresolved:
         parts.append(f"not resolved: {'; '.join(unresolved)}")
     return f"Paired by seed, {metric} minus {reference}'s: " + ". ".join(parts) + "."

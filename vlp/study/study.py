@@ -8,9 +8,12 @@ budget, selected on val, reported on test with seeds and paired statistics.
     extend   = grid.sweep_bounds: an arm selected at an edge gets the next value beyond it (x3, /3)
                with the same seeds, and is selected again, until interior or at a bound
     datasets = grid.datasets: every (data set, regime) is its own table, on that set's fit/val/test
+               (a packaged set, or your own shards: vlp.study.userdata)
     points   = grid.budget_points: val and test ranked at evenly spaced points of every run
     final    = the selected setting per arm with grid.final_seeds (a sweep run with the same
                setting and seed is reused, not rerun): test metrics
+    seeds    = grid.seeds_until: a paired Δ still open after the final seeds gets more seeds, up
+               to a maximum (vlp.study.adaptive; every interval corrected for the planned looks)
     price    = grid.accum_price: the batch b·k as k accumulated micro-batches of b, timed
     report   = study.md (sweep, final, verdicts, the map, cost), study.json and the figures
 
@@ -33,12 +36,14 @@ from typing import Optional
 from vlp.config import ConfigError, set_dotted
 from vlp.data.shard_list import sizes_from_spec
 from vlp.data.sources import parse_packaged
+from vlp.study.adaptive import more_seed_runs, open_arms, seeds_of_look, sizes_of
 from vlp.study.executor import Executor, Job, warm_caches
 from vlp.study.plan import StudyRun, final_runs, groups_of, price_runs, select_best, sweep_runs
-from vlp.study.report import STUDY_METRICS, write_study_report
-from vlp.study.rows import study_row
+from vlp.study.report import STUDY_METRICS, test_rows, write_study_report
+from vlp.study.rows import final_table, study_row
 from vlp.study.runs import broadcast, embedded_shards, plan_runs, run_config
 from vlp.study.tuning import extension_runs, tried_settings
+from vlp.study.userdata import user_specs
 
 DEFAULT_SOURCE = "openmoji"
 
@@ -60,12 +65,19 @@ def resolve_study_data(base: dict, acc, cache: Path) -> tuple[dict, dict[str, st
     return base, {"val": val, "test": None}
 
 
-def with_dataset(tree: dict, dataset: str) -> dict:
+def with_dataset(tree: dict, dataset: str, user: Optional[dict] = None) -> dict:
     """The base config of one data set of grid.datasets: data.train_shards names it, at the size
-    the regime renders ('openmoji:128' -> 'openclipart:128'). Its val and test are that set's."""
+    the regime renders ('openmoji:128' -> 'openclipart:128'). Its val and test are that set's.
+    ``user``: your own data set's {fit, val, test} shard specs (vlp.study.userdata): fit is trained
+    on and val becomes data.eval_shards (the regime's packaged name and render size are dropped)."""
     if not dataset:
         return tree
     data = tree.setdefault("data", {})
+    if user is not None:
+        if data.get("eval_shards"):
+            raise ConfigError("config: grid.datasets ranks each data set's own val and test: leave data.eval_shards unset")
+        data["train_shards"], data["eval_shards"] = user["fit"], user["val"]
+        return tree
     spec = data.get("train_shards") or DEFAULT_SOURCE
     try:
         parsed = parse_packaged(spec)
@@ -84,12 +96,17 @@ def regime_bases(base: dict, grid, acc) -> dict[tuple[str, str], tuple[dict, dic
     named, data resolved; its val and test shard specs)."""
     if grid.datasets and grid.test_shards:
         raise ConfigError("config: grid.datasets ranks each data set's own val and test: leave grid.test_shards unset")
-    out = {}
+    out, users = {}, {}
     for dataset, regime in groups_of(grid):
         tree = copy.deepcopy(base)
         for key, value in ((grid.regimes.get(regime) or {}).get("set") or {}).items():
             set_dotted(tree, key, value)
-        tree, specs = resolve_study_data(with_dataset(tree, dataset), acc, STUDY_SHARDS)
+        if dataset and dataset not in users:
+            users[dataset] = user_specs(dataset, grid.datasets[dataset], acc)
+        user = users.get(dataset)
+        tree, specs = resolve_study_data(with_dataset(tree, dataset, user), acc, STUDY_SHARDS)
+        if user is not None:
+            specs["test"] = user["test"]
         if grid.test_shards:
             specs["test"] = grid.test_shards
         if not specs["val"] or not specs["test"]:
@@ -149,6 +166,22 @@ def tune(walk: StudyWalk, grid, acc) -> tuple[list[dict], dict, dict]:
         rows += walk(new)
 
 
+def add_seeds(walk: StudyWalk, grid, acc, best: dict, finals: list[dict]) -> list[dict]:
+    """grid.seeds_until: at each planned look after the first, the comparisons still open on test
+    grid.metric (vlp.study.adaptive.open_arms) get the look's new seeds (with their references);
+    settled ones get none. Returns the final rows with the new seeds' rows."""
+    sizes, finals = sizes_of(grid), list(finals)
+    for look in range(1, len(sizes)):
+        table = final_table(test_rows(finals), (grid.metric,), looks=len(sizes)) if acc.is_main_process else None
+        arms = broadcast(open_arms(table, grid, sizes[look - 1]) if acc.is_main_process else None, acc)
+        runs = more_seed_runs(grid, best, arms, seeds_of_look(grid, look))
+        new = walk(runs) if runs else []
+        if not new:  # nothing open (or --report-only before these seeds ran)
+            break
+        finals += new
+    return finals
+
+
 def run_study(base: dict, grid, acc, report_only: bool = False) -> dict:
     """Sweep (extended at its edges), select, final seeds, price runs, report. Every process walks
     the same runs in the same order; with grid.workers > 1 (one process) runs go to that many
@@ -162,7 +195,7 @@ def run_study(base: dict, grid, acc, report_only: bool = False) -> dict:
     with Executor(grid, acc) as executor:
         walk = StudyWalk(grid, acc, bases, executor, report_only)
         sweep, best, tried = tune(walk, grid, acc)
-        finals = walk(final_runs(grid, best))
+        finals = add_seeds(walk, grid, acc, best, walk(final_runs(grid, best)))
         prices = walk(price_runs(grid, best), ranked=False)
     text = ""
     if acc.is_main_process:

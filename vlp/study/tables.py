@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 from vlp.eval.keys import EVAL_KEYS
 from vlp.study.plan import REFERENCE_LOSS, arm_label, setting_tag
 from vlp.study.rows import DIAG_KEYS
-from vlp.study.stats import linear_fit, seed_summary, signed, verdict
+from vlp.study.stats import LEVEL, ci_label, linear_fit, seed_summary, signed, verdict
 
 CHALLENGER = "flatnce"
 """The loss whose mechanism (InfoNCE's gradient vanishing as σ(v) → 0) the map tests."""
@@ -37,6 +37,15 @@ def diff_cell(d: Optional[dict]) -> str:
         return "—"
     ci = "" if d.get("lo") is None else f" [{signed(d['lo'])}, {signed(d['hi'])}]"
     return f"{signed(d['mean'])}{ci}" + (" ✓" if d.get("resolved") else "")
+
+
+def boot_cell(d: Optional[dict]) -> str:
+    """The paired bootstrap over test items and seeds of a difference: '[lo, hi]' in points, ' ✓'
+    when it excludes 0; '—' without one (no per-item ranks, or one seed)."""
+    if d is None or d.get("boot_items") is None:
+        return "—"
+    lo, hi = d["boot_items"]
+    return f"[{signed(lo)}, {signed(hi)}]" + (" ✓" if lo > 0 or hi < 0 else "")
 
 
 def mean_cell(stat: Optional[dict], fmt: str = "{:.3g}") -> str:
@@ -150,11 +159,17 @@ def arm_order(e: dict) -> tuple:
     return (e.get("dataset", ""), e["regime"], e["batch_per_device"], e["optim"], e["loss"] != REFERENCE_LOSS, e["loss"])
 
 
+def diff_label(table: list[dict]) -> str:
+    """The level of the table's paired intervals ('95 %'; '97.5 %' with two looks of grid.seeds_until)."""
+    levels = [d["level"] for e in table for k, d in e.items() if k.startswith("diff/") and d and "level" in d]
+    return ci_label(levels[0] if levels else LEVEL)
+
+
 def final_markdown(table: list[dict], metrics: tuple[str, ...]) -> str:
-    head = ["arm (loss/optimizer/batch)", "setting", "seeds"]
+    head, label = ["arm (loss/optimizer/batch)", "setting", "seeds"], diff_label(table)
     for m in metrics:
-        head += [f"test {m} (%) mean ± std [95 % CI]", f"per-run bootstrap 95 % ({m})", f"Δ vs infonce ({m}) [95 % CI]",
-                 f"Δ after Holm ({m})"]
+        head += [f"test {m} (%) mean ± std [95 % CI]", f"per-run bootstrap 95 % ({m})", f"Δ vs infonce ({m}) [{label} CI]",
+                 f"Δ after Holm ({m})", f"Δ bootstrap items × seeds ({m})"]
     head += ["grad_ratio", "logit_scale", "InfoNCE (last step)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in sorted(table, key=arm_order):
@@ -164,7 +179,8 @@ def final_markdown(table: list[dict], metrics: tuple[str, ...]) -> str:
             d = e.get(f"diff/{m}")
             cells += [pct(e.get(m)), "—" if boot is None else f"[{100 * boot[0]:.1f}, {100 * boot[1]:.1f}]",
                       "ref" if e["loss"] == REFERENCE_LOSS else diff_cell(d),
-                      "ref" if e["loss"] == REFERENCE_LOSS else holm_cell(d)]
+                      "ref" if e["loss"] == REFERENCE_LOSS else holm_cell(d),
+                      "ref" if e["loss"] == REFERENCE_LOSS else boot_cell(d)]
         cells += [mean_cell(e.get("grad_ratio")), mean_cell(e.get("logit_scale")), mean_cell(e.get("infonce"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -207,15 +223,17 @@ def map_markdown(table: list[dict], metric: str, only: Optional[list[tuple[str, 
     for group in (only or groups(table)):
         out += [f"**{group_label(group)}**", "",
                 f"| per-GPU batch | loss | optimizer | setting | seeds | test {metric} (%) mean ± std [95 % CI] | "
-                f"Δ vs {REFERENCE_LOSS} [95 % CI] | Δ after Holm [simultaneous CI] | σ(v) | logit_scale |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+                f"Δ vs {REFERENCE_LOSS} [{diff_label(table)} CI] | Δ after Holm [simultaneous CI] | σ(v) | logit_scale | "
+                "Δ bootstrap items × seeds |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for e in arm_cells(table, group):
             tag = setting_tag(e["setting"])
             d = e.get(f"diff/{metric}")
             diff, corrected = ("ref", "ref") if e["loss"] == REFERENCE_LOSS else (diff_cell(d), holm_cell(d, True))
             out.append(f"| {e['batch_per_device']} | {e['loss']} | {e['optim']} | {tag} | {e['n']} | "
                        f"{pct(e.get(metric))} | {diff} | {corrected} | {mean_cell(e.get('grad_ratio'), '{:.3f}')} | "
-                       f"{mean_cell(e.get('logit_scale'), '{:.1f}')} |")
+                       f"{mean_cell(e.get('logit_scale'), '{:.1f}')} | "
+                       f"{'ref' if e['loss'] == REFERENCE_LOSS else boot_cell(d)} |")
         out.append("")
     return "\n".join(out)
 

@@ -86,17 +86,17 @@ class Trainer:
         # the model, its temperature policy and the train transform (data.train_transform), chosen once
         model, self.tokenizer, self.train_transform, self.eval_transform = build_model(cfg.model, cfg.loss,
                                                                                        data_cfg=cfg.data)
-        self.preemption = preempt.Preemption()  # installed by train(); agreed on in _finite
         self.data = TrainData(cfg, self.train_transform, self.tokenizer, acc.process_index, self.world,
-                                    device=acc.device)  # workers ship uint8, the device finishes (data.py)
+                              device=acc.device)  # workers ship uint8, the device finishes (vlp.data.train_data)
+        self.loss_spec = get_spec(cfg.loss.name)  # stateful: per-sample state, checkpointed
+        self.loss = self.loss_spec.build(cfg.loss, self.data.num_samples, self.total_steps)
+        self.temperature = model.temperature  # build_model's policy: gradient routing and clamp of logit_scale
         if cfg.data.feature_cache:  # LiT: the locked stems' outputs once per sample, reused every epoch
             self.data.features = training_features(cfg, model, self.train_transform, self.tokenizer,
                                                    self.data.loader.plan, acc.device)
         self.evaluator = Evaluator(cfg, self.tokenizer, self.eval_transform, self.folder)
+        self.preemption = preempt.Preemption()  # installed by train(); agreed on in _finite
         self.strategy = make_strategy(cfg, acc)
-        self.loss_spec = get_spec(cfg.loss.name)  # stateful: per-sample state, checkpointed
-        self.loss = self.loss_spec.build(cfg.loss, self.data.num_samples, self.total_steps)
-        self.temperature = model.temperature  # build_model's policy: gradient routing and clamp of logit_scale
         # fused AdamW: one kernel over all parameters (1.3x end-to-end on CPU, BENCHMARKS.md)
         self.model, self.optimizer = self.strategy.prepare(model, lambda m: build_optimizer(
             param_groups(m, cfg.optim.weight_decay), cfg.optim, acc.device.type))
