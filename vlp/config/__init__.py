@@ -74,7 +74,7 @@ def parallel_problem(cfg: "Config") -> Optional[str]:
 
 def cuda_graphs_problem(cfg: "Config") -> Optional[str]:
     """Why train.cuda_graphs cannot be used with this config (one line), else None; the device
-    (CUDA only) is checked by the trainer (vlp.train.static_step.refusal)."""
+    (CUDA only) is checked by the trainer (vlp.train.static_step.static_step)."""
     t = cfg.train
     if not t.cuda_graphs:
         return None
