@@ -20,6 +20,7 @@ from vlp.data.shard_io import is_url
 from vlp.storage import RunFolder
 from vlp.study.grid import flatten
 from vlp.train import resume as resume_rules
+from vlp.train.preempt import Preempted
 
 # Keys that may change between a finished run and a rerun without making the run stale: the
 # resume rules table's keys that do not change results (vlp.train.resume.RESUME_RULES).
@@ -108,6 +109,8 @@ def run_one(run, cfg: Config, accelerator, train: Callable, retries: int = 1, ke
             train(cfg, accelerator)
             status, error = "ok", ""
             break
+        except Preempted:  # saved; the grid stops here and a rerun resumes this run (train.resume=latest)
+            raise
         except Exception as e:  # noqa: BLE001 - a crashed run must not stop the grid
             error = (f"{type(e).__name__}: {e}".splitlines() or [""])[0][:300]
             if accelerator.is_main_process:
