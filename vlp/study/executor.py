@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -29,6 +30,7 @@ import torch
 from vlp.config import from_dict
 from vlp.study.plan import SPLITS
 from vlp.study.runs import run_one
+from vlp.train.preempt import Preemption
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -118,12 +120,20 @@ class Executor:
         longest_first = sorted(jobs, key=lambda j: -j.cfg.train.samples // (
             j.cfg.data.batch_per_device * j.cfg.train.accum_steps))
         futures = {self._pool().submit(run_job, job): job for job in longest_first}
-        for i, future in enumerate(as_completed(futures)):
-            rec, job = future.result(), futures[future]
-            print(f"[compare] {i + 1}/{len(jobs)} {job.run.name}: {rec['status']} in {rec['wall_time_s']:.0f} s",
-                  flush=True)
-            if on_done is not None:
-                on_done(job, rec)
+        # SIGTERM / SIGUSR1 / Ctrl-C to the group reach the workers' runs, which save and raise
+        # Preempted, raised again here; this process only waits for them (a second Ctrl-C: 130)
+        with Preemption() as stop:
+            for i, future in enumerate(as_completed(futures)):
+                try:
+                    rec, job = future.result(), futures[future]
+                except BrokenProcessPool:  # a worker aborted (a second Ctrl-C) or was killed
+                    if stop.requested:
+                        raise KeyboardInterrupt from None
+                    raise
+                print(f"[compare] {i + 1}/{len(jobs)} {job.run.name}: {rec['status']} in {rec['wall_time_s']:.0f} s",
+                      flush=True)
+                if on_done is not None:
+                    on_done(job, rec)
 
     def _pool(self) -> ProcessPoolExecutor:
         if self.pool is None:

@@ -184,7 +184,11 @@ def _counted(signum, frame) -> None:
 
 
 def _main_rank() -> bool:
-    return os.environ.get("RANK", "0") == "0"
+    """The process that speaks for the run: rank 0, and not a worker process of `vlp compare`
+    (whose main process says it once for all its runs)."""
+    import multiprocessing
+
+    return os.environ.get("RANK", "0") == "0" and multiprocessing.parent_process() is None
 
 
 def mark_lost_peers(env=None) -> None:
