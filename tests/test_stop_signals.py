@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 import forked
+from vlp.data.lifecycle import Board
+from vlp.train.interrupt import ECHO_S, FIRST, SECOND
 from vlp_testing import PYTHON, REPO, free_port, overrides, run_env
 
 STEPS = 60  # 480 samples at batch 8 (world 1); 160 pairs per epoch
@@ -111,15 +113,27 @@ def _twice(seg: Segment, pids: list[int], groups: list[int]) -> None:
     processes continue, before any step can end."""
     for group in groups:
         os.killpg(group, signal.SIGSTOP)
+    _until("the processes stopped", lambda: all(_state(pid) == "T" for pid in pids))  # kill() does not wait
     seg.signal(signal.SIGINT)
-    deadline = time.time() + 60
-    while not all(_pending(pid, signal.SIGINT) for pid in pids):
-        assert time.time() < deadline, "the first SIGINT never reached the ranks"
-        time.sleep(0.01)
+    _until("the first SIGINT reached them", lambda: all(_pending(pid, signal.SIGINT) for pid in pids))
     for pid in pids:
         _tgkill(pid, pid, signal.SIGINT)
     for group in groups:
         os.killpg(group, signal.SIGCONT)
+
+
+def _until(what: str, done, limit_s: float = 60) -> None:
+    deadline = time.time() + limit_s
+    while not done():
+        assert time.time() < deadline, f"{what}: not in {limit_s} s"
+        time.sleep(0.01)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _pending(pid: int, sig: int) -> bool:
@@ -246,3 +260,79 @@ def test_every_stop_of_a_launched_run_through_launch_local(tiny_shards, tmp_path
     code, err = seg.end()
     _check(code, err, 130, "aborted by a second Ctrl-C")
     assert _saved(out) == saved, (saved, _saved(out))
+
+
+BLOCKED = """
+import os, sys
+from vlp.train import preempt
+stop = preempt.Preemption().install()
+print("ready", flush=True)
+r, w = os.pipe()
+os.read(r, 1)  # blocked in a C call for good: only the second Ctrl-C's thread can end it
+"""
+
+
+def test_a_second_ctrl_c_ends_a_process_blocked_in_a_c_call(tmp_path):
+    """The first SIGINT says it will save; the second exits 130 at once with one line, although the
+    main thread never returns to Python (vlp/train/interrupt.py reads the signal from a pipe)."""
+    proc = subprocess.Popen([PYTHON, "-c", BLOCKED], cwd=REPO, env=run_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        assert proc.poll() is None  # the first one only asks for a save
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.splitlines() == [FIRST.strip(), SECOND.strip()], err
+
+
+def test_under_a_launcher_that_forwards_sigint_its_copy_is_not_a_second_ctrl_c(tmp_path):
+    """A rank whose parent catches SIGINT (torch's agent; here the test process) takes a SIGINT
+    within ECHO_S of the first as the agent's copy of it; a later one aborts (exit 0 with
+    "aborted" in the marker: the launcher must not report it as its own failure)."""
+    from vlp.train.interrupt import parent_catches
+
+    assert parent_catches(signal.SIGINT)  # pytest: Python's KeyboardInterrupt handler
+    marker = tmp_path / "marker"
+    env = run_env() | {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "VLP_PREEMPT_MARKER": str(marker)}
+    proc = subprocess.Popen([PYTHON, "-c", BLOCKED], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)  # the agent's copy
+        time.sleep(0.5)
+        assert proc.poll() is None
+        time.sleep(max(0.0, ECHO_S + 0.3 - (time.monotonic() - t0)))
+        proc.send_signal(signal.SIGINT)  # the user's second Ctrl-C
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and marker.read_text() == "aborted\n", (proc.returncode, err)
+    assert err.splitlines() == [FIRST.strip(), SECOND.strip()], err
+
+
+def test_a_dead_worker_is_named_with_its_shard_from_torchs_words():
+    """Board.failure reads the pid out of torch's two reports (the SIGCHLD one and the liveness
+    check's) and names the worker and the shard it had opened; other errors are not its own."""
+    board = Board(2, ["/d/a.tar", "/d/b.tar", "/d/c.tar"])
+    board.cells[0:4] = [101, 2, 102, -1]  # worker 0: pid 101 reading c.tar; worker 1: pid 102, none yet
+    killed = RuntimeError("DataLoader worker (pid 101) is killed by signal: Killed. ")
+    assert board.failure(killed) == "loader worker 0 (pid 101) was killed by signal Killed while reading /d/c.tar"
+    try:
+        raise RuntimeError("DataLoader worker (pid(s) 102) exited unexpectedly") from None
+    except RuntimeError as e:
+        gone = e
+    board.ended[102] = "was killed by signal SIGSEGV (a crash in native code, e.g. an image decoder)"
+    assert board.failure(gone) == ("loader worker 1 (pid 102) was killed by signal SIGSEGV (a crash in native "
+                                   "code, e.g. an image decoder) before it read a shard")
+    wrapped = RuntimeError("step failed")
+    wrapped.__cause__ = killed
+    assert board.failure(wrapped).startswith("loader worker 0 (pid 101)")
+    assert board.failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -85,9 +86,9 @@ class Preemption:
     def _handle(self, signum, frame) -> None:
         if self.received is None:
             self.received = signum
-        from vlp.distributed import STOPPING
-
-        STOPPING.set()  # a launcher that died of the same signal does not end this rank's save
+        launched = sys.modules.get("vlp.distributed")  # no import in a handler: loaded where it matters
+        if launched is not None:
+            launched.STOPPING.set()  # a launcher that died of the same signal does not end this rank's save
 
     def install(self) -> "Preemption":
         """Install the handlers; returns self. Off the main thread (where Python allows no
