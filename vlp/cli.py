@@ -268,7 +268,8 @@ PEER_FAILURE_WORDS = ("gloo", "NCCL", "Connection reset by peer", "Connection cl
 def main(argv: list[str] | None = None) -> int:
     from vlp.util import cap
     from vlp.distributed import end_process_group
-    from vlp.train.preempt import Preempted, exit_status, mark_lost_peers
+    from vlp.data.lifecycle import WorkerDied
+    from vlp.train.preempt import Preempted, mark_lost_peers
 
     try:
         args = build_parser().parse_args(argv)  # a repeated option: one line below, like a config error
@@ -277,7 +278,15 @@ def main(argv: list[str] | None = None) -> int:
         if e.is_main:  # one line for the job, not one per rank
             print(f"vlp: {e}", file=sys.stderr)
         end_process_group()  # every rank stopped after the same step: leave the group cleanly
-        return exit_status()
+        return e.status
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (eval, compare, start-up): one line
+        if os.environ.get("VLP_DEBUG"):
+            raise
+        print("vlp: interrupted (Ctrl-C); what was already written is kept", file=sys.stderr)
+        return 130
+    except WorkerDied as e:  # not the user's to fix, not this rank's peers: one line, status 1
+        print(f"vlp: error: {e}", file=sys.stderr)
+        return 1
     except USER_ERRORS as e:
         if os.environ.get("VLP_DEBUG"):
             raise

@@ -221,6 +221,10 @@ def check_launched_world(env=None) -> None:
                          "on a machine without a GPU unset ACCELERATE_USE_CPU or set it to 1 (gloo)")
 
 
+STOPPING = threading.Event()  # set by vlp.train.preempt when this process got a stop signal
+STOP_GRACE_S = 300.0  # how long a stopping rank whose launcher died may take to save and exit
+
+
 def exit_with_launcher(poll_s: float = 1.0) -> None:
     """Under a launcher (torchrun / ``accelerate launch`` with several processes), end this rank
     within ``poll_s`` seconds when its launcher dies, e.g. on SIGKILL, instead of training on as
@@ -236,6 +240,8 @@ def exit_with_launcher(poll_s: float = 1.0) -> None:
     def watch() -> None:
         while parent != 1 and os.getppid() == parent:  # pid 1: the launcher died before we started
             time.sleep(poll_s)
+        if STOPPING.wait(poll_s):  # the signal that ended the launcher (a bare `accelerate launch`
+            time.sleep(STOP_GRACE_S)  # dies of SIGUSR1) reached this rank too: its save goes on
         print(f"vlp: error: launcher (pid {parent}) is gone; rank {os.environ.get('RANK', '?')} stops",
               file=sys.stderr, flush=True)
         os._exit(1)

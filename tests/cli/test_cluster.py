@@ -16,7 +16,7 @@ from vlp.cli import peer_failure
 import forked
 from vlp_testing import LAUNCH, PYTHON, REPO, free_port, overrides, run_env, run_launch
 
-COMMON = ["model.name=vlp-micro", "data.batch_per_device=8", "optim.lr=1e-3", "optim.warmup_steps=2",
+COMMON = ["model.name=vlp-micro", "data.batch_per_device=8", "data.num_workers=2", "optim.lr=1e-3", "optim.warmup_steps=2",
           "train.log_every=1", "data.shuffle_buffer=32", "data.eval_shards=null"]
 
 

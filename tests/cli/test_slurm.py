@@ -23,7 +23,7 @@ DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMO
 STEPS = 30  # 480 samples, global batch 16
 TINY = ["model.name=vlp-micro", "data.batch_per_device=8", "optim.lr=1e-3", "optim.warmup_steps=2",
         "train.log_every=1", "data.shuffle_buffer=32", "data.eval_shards=null", f"train.samples={STEPS * 16}",
-        "train.checkpoint_every=5", "train.keep_last=2"]
+        "train.checkpoint_every=5", "train.keep_last=2", "data.num_workers=2"]  # as configs/gpu_vitb32.yaml has workers
 
 
 @pytest.fixture(scope="session")

@@ -54,7 +54,7 @@ def test_a_killed_node_leaves_the_survivor_to_reform_at_world_1_and_finish(tiny_
            "-m", "vlp", "train", "-c", "configs/demo.yaml", *overrides(
                f"data.train_shards={tiny_shards['train']}", f"train.output_dir={out}", "model.name=vlp-micro",
                "data.batch_per_device=8", "optim.warmup_steps=2", "train.log_every=1", "data.shuffle_buffer=32",
-               "data.eval_shards=null", f"train.samples={SAMPLES}", "train.checkpoint_every=4", "train.keep_last=3",
+               "data.eval_shards=null", "data.num_workers=2", f"train.samples={SAMPLES}", "train.checkpoint_every=4", "train.keep_last=3",
                "train.dist_timeout_s=30", "train.resume=latest", "train.resume_mode=continue")]
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
     nodes = [_agent(cmd, True, logs[0])]

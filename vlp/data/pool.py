@@ -17,6 +17,7 @@ batch costs the worker ~4.5 ms per 5.5 MB batch (creating it, then faulting in a
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import uuid
 import weakref
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 SLOTS = 6  # segments per worker: its prefetched batches, the pin queue's and the step's
+LOCK_WAIT_S = 1.0
 
 
 class Leases:
@@ -43,8 +45,21 @@ def release(token: str, index: int) -> None:
     """Main process: a lent slot's last tensor is gone (a finalizer of its storage)."""
     leases = Leases.live.get(token)
     if leases is not None:
-        with leases.flags.get_lock():
+        with held(leases.flags.get_lock()):
             leases.flags[index] = 0
+
+
+@contextlib.contextmanager
+def held(lock):
+    """The flags' lock, waited for at most LOCK_WAIT_S: a worker killed while holding it (the OOM
+    killer) must not hang the main process nor the other workers; past the wait, the one-byte
+    write goes on without it (vlp.data.lifecycle reports the dead worker)."""
+    got = lock.acquire(timeout=LOCK_WAIT_S)
+    try:
+        yield got
+    finally:
+        if got:
+            lock.release()
 
 
 def shared_empty(shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -89,8 +104,8 @@ class BufferPool:
     def _claim(self, nbytes: int) -> Optional[int]:
         """A free slot, flagged in use: one whose segment holds nbytes, else any free one."""
         flags = self.leases.flags
-        with flags.get_lock():
-            free = [k for k in range(SLOTS) if not flags[self.base + k]]
+        with held(flags.get_lock()) as got:
+            free = [k for k in range(SLOTS) if not flags[self.base + k]] if got else []
             if not free:
                 return None
             fits = [k for k in free if k in self.segments and self.segments[k].numel() >= nbytes]

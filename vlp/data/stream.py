@@ -53,7 +53,8 @@ from vlp.data.pool import Leases
 from vlp.data.shard_io import Retry
 from vlp.data.shard_list import expand_sources
 from vlp.data.tars import IMAGE_EXTS, TEXT_EXTS, read_shard, warn_bad_shard
-from vlp.data.worker import EpochDataset, seed_worker
+from vlp.data.lifecycle import Board, start_worker
+from vlp.data.worker import EpochDataset
 
 SKIP_KINDS = ("corrupt_image", "missing_caption", "missing_image", "bad_member", "bad_shard")
 MODES = ("split", "resampled", "sequential")
@@ -74,6 +75,7 @@ class Loader:
         self.position = start_batch
         self._rest: dict[int, list] = {}  # worker -> pieces not consumed (rest_of_epoch)
         self._rest_epoch: int | None = None
+        self.board: Board | None = None  # the workers' pids and shards (vlp.data.lifecycle)
 
     @property
     def num_batches(self) -> int:
@@ -98,16 +100,20 @@ class Loader:
         self.epoch = epoch
 
     def _batches(self, epoch: int, start: int, chain: bool):
+        """The batches' iterator (the workers start now)."""
         leases = Leases(self.num_workers) if self.num_workers else None  # workers reuse batch memory
-        dataset = EpochDataset(self.plan, epoch, start, self.transform, self.tokenize,
-                                self.decode_size, self.image_output, chain=chain, leases=leases)
+        self.board = Board(self.num_workers, self.plan.paths) if self.num_workers else None
+        dataset = EpochDataset(self.plan, epoch, start, self.transform, self.tokenize, self.decode_size,
+                               self.image_output, chain=chain, leases=leases, board=self.board)
         if self.num_workers == 0:
             return dataset
         generator = torch.Generator()
         generator.manual_seed(seeded_rng(self.plan.seed, epoch, self.plan.rank).getrandbits(63))
-        return torch.utils.data.DataLoader(
+        started = iter(torch.utils.data.DataLoader(
             dataset, batch_size=None, num_workers=self.num_workers, generator=generator,
-            worker_init_fn=seed_worker, pin_memory=self.pin_memory, collate_fn=as_is)
+            worker_init_fn=start_worker, pin_memory=self.pin_memory, collate_fn=as_is))
+        self.board.watch()  # a worker's death is raised at the next batch, not mid-step
+        return started
 
     def epochs(self, epoch: int = 0, start_batch: int = 0) -> Iterator[dict]:
         """Every batch of every epoch from (epoch, start_batch) on, forever, through one set of
@@ -146,6 +152,11 @@ class Loader:
         if item["epoch"] != self._rest_epoch:
             self._rest, self._rest_epoch = {}, item["epoch"]
         self._rest[worker] = rest
+
+    def worker_failure(self, error: BaseException) -> str | None:
+        """One line for torch's error about a worker of this loader that died (which worker,
+        how, the shard it was reading); None for any other error."""
+        return self.board.failure(error) if self.board is not None else None
 
     def rest_of_epoch(self, epoch: int) -> list[tuple[int, int, int]] | None:
         """Split mode: the shard pieces of ``epoch`` this rank has not consumed, as of the last

@@ -10,10 +10,10 @@ import random
 from collections import Counter
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 
 from vlp.data.decode import collate_images, image_decoder
+from vlp.data.lifecycle import Board, note_shard
 from vlp.data.layout import Plan, index_runs, piece_bounds, seeded_rng, segments, seq_parts
 from vlp.data.pool import BufferPool, Leased, Leases, host_buffer
 from vlp.data.tars import IMAGE_EXTS, TEXT_EXTS, check_sample, image_decodes, read_shard
@@ -61,6 +61,7 @@ class WorkerStream:
         for k, (shard, begin, end) in enumerate(pieces):
             url = self.plan.paths[shard]
             self.read_to = (k, begin)
+            note_shard(shard)  # named if this worker dies (vlp.data.lifecycle)
             for index, key, members in read_shard(url, begin, end, self.skipped, seen_exts=self.seen_exts,
                                                    retry=self.plan.retry, errors=self.warnings):
                 self.read_to = (k, index + 1)
@@ -250,6 +251,7 @@ class WorkerStream:
         position = first
         for shard, begin, end in pieces:
             url, off = p.paths[shard], position - begin - lo  # shard index -> rank position
+            note_shard(shard)
             for index, key, members in read_shard(
                     url, begin, end, self.skipped, want=lambda i, o=off: (i + o) // p.batch
                     in wanted, retry=p.retry, errors=self.warnings):
@@ -305,8 +307,9 @@ class EpochDataset(torch.utils.data.IterableDataset):
     """One epoch of a worker's batches, or (chain=True) every epoch from ``epoch`` on."""
 
     def __init__(self, plan, epoch, start_batch, transform, tokenize, decode_size, image_output="float",
-                 chain=False, leases: Leases | None = None):
+                 chain=False, leases: Leases | None = None, board: Board | None = None):
         super().__init__()
+        self.board = board  # each worker's pid and shard, for the line if one dies
         self.plan, self.epoch, self.start, self.chain = plan, epoch, start_batch, chain
         self.args = (transform, tokenize, decode_size, image_output)
         self.leases = leases  # the main process's flags of the workers' batch memory
@@ -315,6 +318,8 @@ class EpochDataset(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         worker = 0 if info is None else info.id
         pool = BufferPool(self.leases, worker) if info is not None and self.leases is not None else None
+        if info is not None and self.board is not None:
+            self.board.enter(worker)
         if not self.chain:
             return iter(WorkerStream(self.plan, self.epoch, worker, self.start, *self.args, pool=pool))
         return self._chained(worker, pool)
@@ -324,10 +329,3 @@ class EpochDataset(torch.utils.data.IterableDataset):
         while True:
             yield from WorkerStream(self.plan, epoch, worker, start, *self.args, pad=True, pool=pool)
             epoch, start = epoch + 1, 0
-
-
-def seed_worker(worker_id: int) -> None:
-    """Seed python/numpy RNGs of a worker from torch's (deterministic) worker seed."""
-    seed = torch.initial_seed() % 2**32
-    random.seed(seed)
-    np.random.seed(seed)

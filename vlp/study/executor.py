@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -31,6 +32,7 @@ from vlp.config import from_dict, global_batch, steps_for
 from vlp.experiment import check
 from vlp.study.plan import SPLITS
 from vlp.study.runs import run_one
+from vlp.train.preempt import Preemption
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -119,12 +121,20 @@ class Executor:
         # most steps first, so that no long run is left going alone at the end
         longest_first = sorted(jobs, key=lambda j: -steps_for(j.cfg.train.samples, global_batch(j.cfg)))
         futures = {self._pool().submit(run_job, job): job for job in longest_first}
-        for i, future in enumerate(as_completed(futures)):
-            rec, job = future.result(), futures[future]
-            print(f"[compare] {i + 1}/{len(jobs)} {job.run.name}: {rec['status']} in {rec['wall_time_s']:.0f} s",
-                  flush=True)
-            if on_done is not None:
-                on_done(job, rec)
+        # SIGTERM / SIGUSR1 / Ctrl-C to the group reach the workers' runs, which save and raise
+        # Preempted, raised again here; this process only waits for them (a second Ctrl-C: 130)
+        with Preemption() as stop:
+            for i, future in enumerate(as_completed(futures)):
+                try:
+                    rec, job = future.result(), futures[future]
+                except BrokenProcessPool:  # a worker aborted (a second Ctrl-C) or was killed
+                    if stop.requested:
+                        raise KeyboardInterrupt from None
+                    raise
+                print(f"[compare] {i + 1}/{len(jobs)} {job.run.name}: {rec['status']} in {rec['wall_time_s']:.0f} s",
+                      flush=True)
+                if on_done is not None:
+                    on_done(job, rec)
 
     def _pool(self) -> ProcessPoolExecutor:
         if self.pool is None:

@@ -22,6 +22,7 @@ from vlp.util import is_url
 from vlp.checkpoint.storage import RunFolder
 from vlp.study.grid import flatten
 from vlp.checkpoint import resume as resume_rules
+from vlp.train.preempt import Preempted
 
 # Keys that may change between a finished run and a rerun without making the run stale: the
 # resume rules table's keys that do not change results (vlp.checkpoint.resume.RESUME_RULES).
@@ -110,6 +111,8 @@ def run_one(run, cfg: Config, accelerator, train: Callable, retries: int = 1, ke
             train(cfg, accelerator)
             status, error = "ok", ""
             break
+        except Preempted:  # saved; the grid stops here and a rerun resumes this run (train.resume=latest)
+            raise
         except Exception as e:  # noqa: BLE001 - a crashed run must not stop the grid
             error = (f"{type(e).__name__}: {e}".splitlines() or [""])[0][:300]
             if accelerator.is_main_process:

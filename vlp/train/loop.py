@@ -31,6 +31,7 @@ from vlp.eval import keys
 from vlp import records
 from vlp.checkpoint import lock as runlock, resume, storage
 from vlp.config import Config, global_batch, steps_for
+from vlp.data.lifecycle import WorkerDied
 from vlp.distributed import (all_reduce, barrier, exit_with_launcher, gather_object, gather_with_grad, is_main,
                              positive_offset)
 from vlp.losses.registry import get_spec
@@ -286,11 +287,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
-        """One writer per run folder (a lock), SIGTERM/SIGUSR1 saved at the next step boundary."""
+        """One writer per run folder (a lock), SIGTERM/SIGUSR1/SIGINT saved at the next step boundary."""
         lock = runlock.acquire_on_main(self.folder, self.cfg.train.break_lock, is_main(), self.print)
         self.preemption = preempt.Preemption().install()
         try:
             return self._train()
+        except RuntimeError as e:  # a loader worker died on its own (OOM killer, segfault): one line
+            line = self.data.worker_failure(e)
+            if line is None:
+                raise
+            raise WorkerDied(f"{line}, at step {self.step}; not saved: the checkpoints written before are "
+                             "intact, resume with train.resume=latest (docs/reliability.md)") from e
         finally:
             self.preemption.uninstall()
             try:

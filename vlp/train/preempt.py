@@ -1,5 +1,6 @@
 """Preemption: SIGTERM / SIGUSR1 ask the run to stop at the next step boundary, save, and exit
-with its own status, so the scheduler can requeue it and `train.resume=latest` goes on.
+with its own status, so the scheduler can requeue it and `train.resume=latest` goes on. SIGINT
+(Ctrl-C) stops and saves the same way; a second one aborts at once (vlp.train.interrupt).
 
     stop = Preemption().install()          # main thread, before the loop
     while step < total:
@@ -24,27 +25,53 @@ What the scheduler sees (`exit_status`, `Preempted.line`):
 * a rank that lost its peers (vlp.cli) exits 1; the main rank leaves "lost-peers" in the marker
   (`mark_lost_peers`), so the batch script requeues that job too.
 Either way only the main process prints the `vlp: preempted ...` line: one per job.
+
+Ctrl-C (SIGINT) is the user's stop, not a scheduler's: the same save at the step boundary, then
+`vlp: interrupted at step N (SIGINT); saved ...` and exit status 130 (128 + SIGINT, as a shell
+reports a Ctrl-C); under a launcher with the marker, "interrupted N" in it and 0 (a batch script
+must not requeue a run its user stopped). A second Ctrl-C exits at once: 130, or 0 with
+"aborted" in the marker (vlp.train.interrupt).
+
+The signals reach every process of the run when they are sent to its process group (SLURM,
+timeout(1), a terminal's Ctrl-C): the loader workers ignore them (vlp.data.lifecycle), so the
+save at the step boundary has its workers.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Optional
 
+from vlp.train.interrupt import ABORTED, CtrlC
+
 EXIT_PREEMPTED = 75
 MARKER_ENV = "VLP_PREEMPT_MARKER"
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class Preempted(Exception):
-    """The run stopped on a preemption signal after saving; str() is the one line to print."""
+    """The run stopped on a preemption signal (or Ctrl-C) after saving; str() is the one line to
+    print, `status` the exit status."""
 
-    def __init__(self, step: int, checkpoint=None, signame: str = "a signal", is_main: bool = True):
+    def __init__(self, step: int, checkpoint=None, signame: str = "a signal", is_main: bool = True,
+                 status: Optional[int] = None):
         self.step, self.checkpoint, self.is_main = step, checkpoint, is_main
+        self.status = exit_status() if status is None else status
         saved = f"saved {checkpoint}; " if checkpoint else ""
-        super().__init__(f"preempted at step {step} ({signame}); {saved}resume with train.resume=latest")
+        stopped = "interrupted" if signame == "SIGINT" else "preempted"
+        super().__init__(f"{stopped} at step {step} ({signame}); {saved}resume with train.resume=latest")
+
+    def __reduce__(self):  # a run in a worker process (vlp compare): its caller gets the same line
+        return (_rebuilt, (str(self), self.step, self.checkpoint, self.is_main, self.status))
+
+
+def _rebuilt(line, step, checkpoint, is_main, status) -> "Preempted":
+    e = Preempted(step, checkpoint, is_main=is_main, status=status)
+    e.args = (line,)
+    return e
 
 
 class Preemption:
@@ -54,10 +81,14 @@ class Preemption:
         self.signals = tuple(signals)
         self.received: Optional[int] = None  # the first signal's number
         self._previous: dict = {}
+        self.ctrl_c: Optional[CtrlC] = None  # the second Ctrl-C's watch (vlp.train.interrupt)
 
     def _handle(self, signum, frame) -> None:
         if self.received is None:
             self.received = signum
+        launched = sys.modules.get("vlp.distributed")  # no import in a handler: loaded where it matters
+        if launched is not None:
+            launched.STOPPING.set()  # a launcher that died of the same signal does not end this rank's save
 
     def install(self) -> "Preemption":
         """Install the handlers; returns self. Off the main thread (where Python allows no
@@ -68,12 +99,22 @@ class Preemption:
             return self
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        if signal.SIGINT in self.signals:
+            self.ctrl_c = CtrlC(_main_rank(), bool(os.environ.get("TORCHELASTIC_RUN_ID")),
+                                os.environ.get(MARKER_ENV)).start()
         return self
 
     def uninstall(self) -> None:
-        """Restore the handlers that were there before `install`."""
+        """Restore the handlers that were there before `install`. After a Ctrl-C the run is on its
+        way out: SIGINT stays counted (a second one still exits at once, with its line) instead of
+        raising KeyboardInterrupt into the exit's clean-up, which would hide the stop's line."""
+        stopping = self.received == signal.SIGINT and self.ctrl_c is not None and self.ctrl_c.first is not None
+        if self.ctrl_c is not None and not stopping:
+            self.ctrl_c.stop()
+            self.ctrl_c = None
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+            signal.signal(sig, _counted if stopping and sig == signal.SIGINT else
+                          previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
 
     def __enter__(self) -> "Preemption":
@@ -129,10 +170,26 @@ class Preemption:
         """The Preempted exception to raise after the checkpoint is saved; the main process
         writes $VLP_PREEMPT_MARKER (if set) so a batch script knows to requeue."""
         marker = os.environ.get(MARKER_ENV)
+        if self.received == signal.SIGINT:  # the user's stop: the marker says so, no requeue
+            if marker and is_main:
+                Path(marker).write_text(f"interrupted {step}\n")
+            return Preempted(step, checkpoint, "SIGINT", is_main, exit_status(unlaunched=ABORTED))
         if marker and is_main:
             Path(marker).write_text(f"{step}\n")
         name = self.signame if self.received and self.received > 0 else "another rank's signal"
         return Preempted(step, checkpoint, name, is_main)
+
+
+def _counted(signum, frame) -> None:
+    """SIGINT's handler once the run stops for a Ctrl-C: the watch (vlp.train.interrupt) counts it."""
+
+
+def _main_rank() -> bool:
+    """The process that speaks for the run: rank 0, and not a worker process of `vlp compare`
+    (whose main process says it once for all its runs)."""
+    import multiprocessing
+
+    return os.environ.get("RANK", "0") == "0" and multiprocessing.parent_process() is None
 
 
 def mark_lost_peers(env=None) -> None:
@@ -145,8 +202,9 @@ def mark_lost_peers(env=None) -> None:
         Path(marker).write_text("lost-peers\n")
 
 
-def exit_status(env=None) -> int:
-    """The status a preempted rank exits with: 0 under a launcher when $VLP_PREEMPT_MARKER names
-    the marker (the file tells), else EXIT_PREEMPTED (see the module docstring)."""
+def exit_status(env=None, unlaunched: int = EXIT_PREEMPTED) -> int:
+    """The status a stopped rank exits with: 0 under a launcher when $VLP_PREEMPT_MARKER names
+    the marker (the file tells), else `unlaunched`: EXIT_PREEMPTED, or 130 after a Ctrl-C (see
+    the module docstring)."""
     env = os.environ if env is None else env
-    return 0 if env.get(MARKER_ENV) and env.get("TORCHELASTIC_RUN_ID") else EXIT_PREEMPTED
+    return 0 if env.get(MARKER_ENV) and env.get("TORCHELASTIC_RUN_ID") else unlaunched
