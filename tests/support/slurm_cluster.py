@@ -230,10 +230,19 @@ def _environs() -> dict[int, dict]:
     return found
 
 
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def job_ranks(job_id: int) -> list[int]:
-    """The pids of the job's training ranks: the processes whose launcher gave them a RANK."""
-    return sorted(pid for pid, env in _environs().items() if env.get("SLURM_JOB_ID") == str(job_id) and "RANK" in env
-                  and "TORCHELASTIC_RUN_ID" in env and "python" in _cmdline(pid).split("\0")[0])
+    """The pids of the job's training ranks: the processes whose launcher gave them a RANK, not
+    their loader workers (children of a rank, with the rank's environment and command line)."""
+    python = {pid for pid, env in _environs().items() if env.get("SLURM_JOB_ID") == str(job_id) and "RANK" in env
+              and "TORCHELASTIC_RUN_ID" in env and "python" in _cmdline(pid).split("\0")[0]}
+    return sorted(pid for pid in python if _parent(pid) not in python)
 
 
 def job_processes(job_id: int) -> str:
