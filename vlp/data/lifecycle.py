@@ -12,7 +12,10 @@ SIGUSR1 and SIGINT: it stops at the next step boundary and saves (vlp.train.pree
 save still needs the workers (their batch memory, torch's liveness checks). So a worker ignores
 all three: the run's own shutdown ends it (torch tells it to stop, or it sees its parent gone),
 and it never outlives the main process: the kernel SIGKILLs it when the process that made it ends
-(Linux PR_SET_PDEATHSIG), beside torch's own check of the parent every 5 s.
+(Linux PR_SET_PDEATHSIG), beside torch's own check of the parent every 5 s, and the main process
+SIGKILLs the ones still running as it exits (`end_workers`: multiprocessing's SIGTERM at exit is
+ignored, and its join would wait forever). Every loader that uses `start_worker` calls
+`end_workers_at_exit` as it starts them.
 
 A worker that dies on its own (SIGKILL from the OOM killer, a segfault in a decoder) is reported
 by torch as a RuntimeError naming its pid; `Board.failure` turns that into one line naming the
@@ -22,6 +25,7 @@ shard it opens to a shared board).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import multiprocessing
 import os
@@ -89,6 +93,7 @@ class Board:
         torch then raises it where the main process waits for that worker's next batch (within
         5 s, its liveness check): at a step boundary, with the model's state whole."""
         _WATCHED.add(self)
+        end_workers_at_exit()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGCHLD, _on_child)
 
@@ -136,6 +141,25 @@ class Board:
         return "; ".join(lines)
 
 
+def end_workers_at_exit() -> None:
+    """Main process, as it starts loader workers (`start_worker`): at its exit, `end_workers`.
+    Registered once, after multiprocessing's own exit hook, so it runs before that one."""
+    if not _AT_EXIT:
+        atexit.register(end_workers)
+        _AT_EXIT.append(True)
+
+
+def end_workers() -> None:
+    """SIGKILL this process's daemonic children still running (its loader workers). They ignore
+    SIGTERM, which is how multiprocessing ends daemonic children at exit before joining them, so
+    a loader that torch did not shut down (an error ended the run mid-epoch) would keep the exit
+    waiting forever. Only unjoined children of this process are signalled (no pid reused by another)."""
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+
+
+_AT_EXIT: list = []  # end_workers is registered once
 _MINE: list = []  # in a worker: [(its Board, its index)]
 _WATCHED: "weakref.WeakSet[Board]" = weakref.WeakSet()  # main process: the boards of live loaders
 

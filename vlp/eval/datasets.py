@@ -34,7 +34,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from vlp.data.lifecycle import start_worker
+from vlp.data.lifecycle import end_workers_at_exit, start_worker
 from vlp.data.shard_io import read_small
 from vlp.util import is_url
 from vlp.data.shard_list import expand_sources
@@ -354,6 +354,8 @@ def make_eval_loader(dataset, batch_size: int = 64, num_workers: int = 0, collat
     """Sequential, non-shuffled DataLoader (all samples exactly once, in order). Classification
     batches default to `collate_labeled`'s (images, labels, {kind: skipped})."""
     collate_fn = collate_fn or collate_labeled
+    if num_workers:
+        end_workers_at_exit()  # its workers ignore SIGTERM (vlp.data.lifecycle)
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
                       collate_fn=collate_fn, pin_memory=torch.cuda.is_available(),
                       persistent_workers=False, worker_init_fn=start_worker)  # ignores the stop signals
