@@ -197,3 +197,16 @@ def rank_bytes(model, optimizer) -> tuple[int, int]:
     params = sum(nbytes(p) for p in model.parameters())
     state = sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
     return params, state
+
+
+def bench_device(cpu: bool):
+    """The device a GPU benchmark runs on: CUDA, or the CPU for its smoke run (--cpu, with
+    ACCELERATE_USE_CPU set); SystemExit without CUDA. Returns (device, its name for the header)."""
+    import torch
+
+    if not cpu and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --cpu (and --tiny) for the CPU smoke run")
+    if cpu:
+        os.environ["ACCELERATE_USE_CPU"] = "true"
+    device = torch.device("cpu" if cpu else "cuda")
+    return device, torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"

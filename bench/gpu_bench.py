@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import REPO, figure, header, jpeg_shards, median  # noqa: E402
+from bench._common import REPO, bench_device, figure, header, jpeg_shards, median  # noqa: E402
 
 H200_BF16_DENSE_FLOPS = 989e12
 
@@ -298,13 +298,8 @@ def main(argv=None) -> None:
         args.real_steps, args.real_samples, args.workers = 3, 48, 1
     import torch
 
-    if not args.cpu and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run with --cpu (and --tiny) for the CPU smoke run")
-    device = torch.device("cpu" if args.cpu else "cuda")
-    if args.cpu:
-        os.environ["ACCELERATE_USE_CPU"] = "true"
-    header(f"GPU bench: {args.model}, {args.precision}, batch {args.batch}, device "
-           f"{torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
+    device, device_name = bench_device(args.cpu)
+    header(f"GPU bench: {args.model}, {args.precision}, batch {args.batch}, device {device_name}, torch {torch.__version__}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {"args": vars(args), "device": str(device)}

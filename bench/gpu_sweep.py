@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import REPO, figure, header, jpeg_shards  # noqa: E402
+from bench._common import REPO, bench_device, figure, header, jpeg_shards  # noqa: E402
 from bench.gpu_bench import (H200_BF16_DENSE_FLOPS, count_flops, host_syncs, open_clip_setup,  # noqa: E402
                              open_clip_synthetic, peak_gib, reset_peak, sync, synthetic_batch)
 
@@ -258,13 +258,8 @@ def main(argv=None) -> None:
     args.compile_batches = [int(x) for x in args.compile_batches.split(",") if x]
     import torch
 
-    if not args.cpu and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run with --cpu (and --tiny) for the CPU smoke run")
-    device = torch.device("cpu" if args.cpu else "cuda")
-    if args.cpu:
-        os.environ["ACCELERATE_USE_CPU"] = "true"
-    header(f"GPU sweep: {args.model}, {args.precision}, batches {args.batches}, device "
-           f"{torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
+    device, device_name = bench_device(args.cpu)
+    header(f"GPU sweep: {args.model}, {args.precision}, batches {args.batches}, device {device_name}, torch {torch.__version__}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     per_shard = max(8, args.real_samples // max(16, args.workers))  # gpu_bench.py's shards (cached)

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -161,6 +162,25 @@ def _check(code: int, err: str, want_code: int, *words: str) -> list[str]:
     return lines
 
 
+STOPS = [(signal.SIGTERM, 75, "preempted at step"), (signal.SIGUSR1, 75, "preempted at step"),
+         (signal.SIGINT, 130, "interrupted at step")]  # each signal to the group: exit status, line
+
+
+def _each_stop_saves(segment, out) -> Iterator[tuple[int, list[str], str]]:
+    """For each of STOPS: a new segment of the run, the signal to its group once it trains, its
+    exit checked (status, one line, no traceback) and the step it names saved; yields
+    (signal, its lines, its stderr) for the caller's own checks."""
+    for sig, status, words in STOPS:
+        seg = segment()
+        seg.wait_for(out)
+        seg.signal(sig)
+        code, err = seg.end()
+        lines = _check(code, err, status, words)
+        step = int(lines[-1].split(" at step ")[1].split()[0])
+        assert step in _saved(out), (lines, _saved(out))
+        yield sig, lines, err
+
+
 @pytest.mark.multiproc
 def test_every_stop_of_a_plain_run_with_workers_then_resume_bit_identical(tiny_shards, tmp_path):
     """`vlp train` with 2 loader workers: SIGTERM, SIGUSR1 and SIGINT to the process group each save
@@ -178,15 +198,8 @@ def test_every_stop_of_a_plain_run_with_workers_then_resume_bit_identical(tiny_s
     def segment() -> Segment:
         return Segment(cmd, env, _last_step(out))
 
-    for sig, status, words in [(signal.SIGTERM, 75, "preempted at step"), (signal.SIGUSR1, 75, "preempted at step"),
-                               (signal.SIGINT, 130, "interrupted at step")]:
-        seg = segment()
-        seg.wait_for(out)
-        seg.signal(sig)
-        code, err = seg.end()
-        lines = _check(code, err, status, words)
-        step = int(lines[-1].split(" at step ")[1].split()[0])
-        assert f"({signal.Signals(sig).name})" in lines[-1] and step in _saved(out), lines
+    for sig, lines, _ in _each_stop_saves(segment, out):
+        assert f"({signal.Signals(sig).name})" in lines[-1], lines
         if sig == signal.SIGINT:
             assert len(lines) == 2 and "press Ctrl-C again to abort without saving" in lines[0], lines
 
@@ -242,15 +255,7 @@ def test_every_stop_of_a_launched_run_through_launch_local(tiny_shards, tmp_path
                *_args(tiny_shards, out, f"train.samples={STEPS * 8}", "train.resume=latest")]
         return Segment(cmd, env, _last_step(out))
 
-    for sig, status, words in [(signal.SIGTERM, 75, "preempted at step"), (signal.SIGUSR1, 75, "preempted at step"),
-                               (signal.SIGINT, 130, "interrupted at step")]:
-        seg = segment()
-        seg.wait_for(out)
-        seg.signal(sig)
-        code, err = seg.end()
-        lines = _check(code, err, status, words)
-        step = int(lines[-1].split(" at step ")[1].split()[0])
-        assert step in _saved(out), (lines, _saved(out))
+    for _, _, err in _each_stop_saves(segment, out):
         assert "ChildFailedError" not in err and "SignalException" not in err, err[-3000:]
 
     seg = segment()
