@@ -27,22 +27,22 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, set_seed
 
-from vlp.eval import keys
 from vlp import records
 from vlp.checkpoint import lock as runlock, resume, storage
+from vlp.checkpoint.checkpointer import PER_RANK, RANK_FILES, Checkpointer
 from vlp.config import Config, global_batch, steps_for
 from vlp.data.lifecycle import WorkerDied
+from vlp.data.train_data import Batch, TrainData, relayout, sum_skipped
 from vlp.distributed import (all_reduce, barrier, exit_with_launcher, gather_object, gather_with_grad, is_main,
                              positive_offset)
+from vlp.eval import keys
+from vlp.losses.diagnostics import DeviceScalars
 from vlp.losses.registry import get_spec
 from vlp.models.model import DualEncoder, build_model
 from vlp.train import parallel, preempt
-from vlp.losses.diagnostics import DeviceScalars
-from vlp.data.train_data import Batch, TrainData, relayout, sum_skipped
 from vlp.train.evaluator import Evaluator
 from vlp.train.feature_cache import training_features
 from vlp.train.logger import RunLogger, check_wandb, show_step
-from vlp.checkpoint.checkpointer import PER_RANK, RANK_FILES, Checkpointer
 from vlp.train.memory import StepMemory
 from vlp.train.optim import build_optimizer, build_scheduler, follow_config, param_groups
 from vlp.train.parts import RNG, Counters
