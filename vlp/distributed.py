@@ -49,6 +49,7 @@ the same way (same losses, same order); ``all_gather`` is not supported under ``
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -222,16 +223,27 @@ def check_launched_world(env=None) -> None:
 
 
 STOPPING = threading.Event()  # set by vlp.train.preempt when this process got a stop signal
+LAUNCHER_GONE = threading.Event()  # set just before this rank stops because its launcher died
 STOP_GRACE_S = 300.0  # how long a stopping rank whose launcher died may take to save and exit
 
 
 def exit_with_launcher(poll_s: float = 1.0) -> None:
-    """Under a launcher (torchrun / ``accelerate launch`` with several processes), end this rank
-    within ``poll_s`` seconds when its launcher dies, e.g. on SIGKILL, instead of training on as
-    an orphan that keeps writing checkpoints. A daemon thread watches the parent pid (portable,
-    and unlike PR_SET_PDEATHSIG not tied to the parent *thread*). No-op without a launcher, so a
-    plain ``python -m vlp train`` survives its shell. First refuses a process that is not in its
-    launcher's world (`check_launched_world`): the Trainer calls this right after its Accelerator."""
+    """Under a launcher (torchrun / ``accelerate launch`` with several processes), stop this rank
+    when its launcher dies instead of training on as an orphan. A daemon thread watches the parent
+    pid (portable, and unlike PR_SET_PDEATHSIG not tied to the parent *thread*); within ``poll_s``
+    of the launcher's death:
+
+    * a training loop that saves on SIGTERM (vlp.train.preempt's handler is installed) is sent
+      SIGTERM: it saves at the next step boundary and exits like a preempted run. This is how a
+      bare `accelerate launch` / torchrun that dies of SIGUSR1 (torch's agent has no handler for
+      it, and starts each rank in a session of its own, so the signal never reaches the ranks)
+      or of the OOM killer's SIGKILL loses nothing;
+    * anything else (start-up, the final eval) ends at once, status 1, with one line.
+
+    A rank that is still stopping ``STOP_GRACE_S`` later ends the same way. No-op without a
+    launcher, so a plain ``python -m vlp train`` survives its shell. First refuses a process that
+    is not in its launcher's world (`check_launched_world`): the Trainer calls this right after
+    its Accelerator."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     check_launched_world()
@@ -240,8 +252,11 @@ def exit_with_launcher(poll_s: float = 1.0) -> None:
     def watch() -> None:
         while parent != 1 and os.getppid() == parent:  # pid 1: the launcher died before we started
             time.sleep(poll_s)
-        if STOPPING.wait(poll_s):  # the signal that ended the launcher (a bare `accelerate launch`
-            time.sleep(STOP_GRACE_S)  # dies of SIGUSR1) reached this rank too: its save goes on
+        if not STOPPING.is_set() and callable(signal.getsignal(signal.SIGTERM)):
+            LAUNCHER_GONE.set()
+            os.kill(os.getpid(), signal.SIGTERM)  # the loop's handler: save at the step boundary
+        if STOPPING.wait(poll_s):  # stopping (the launcher's death, or a signal that reached this
+            time.sleep(STOP_GRACE_S)  # rank too): its save goes on, within the grace
         print(f"vlp: error: launcher (pid {parent}) is gone; rank {os.environ.get('RANK', '?')} stops",
               file=sys.stderr, flush=True)
         os._exit(1)

@@ -5,13 +5,10 @@ own, the main process SIGKILLed. One run folder goes through every stop in turn,
 resuming from the newest checkpoint (train.resume=latest), and its final weights must equal an
 uninterrupted run's (torch.equal). The launched twin (2 ranks over gloo, launch/local.sh)
 takes the same signals. No segment may print a traceback."""
-import ctypes
-import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -20,147 +17,11 @@ import pytest
 import torch
 
 import forked
+from stops import (STEPS, Segment, check_end, child_pids, ctrl_c_twice, final_weights, is_alive, last_step, saved_steps,
+                   train_args)
 from vlp.data.lifecycle import Board
 from vlp.train.interrupt import ECHO_S, FIRST, SECOND
-from vlp_testing import PYTHON, REPO, free_port, overrides, run_env
-
-STEPS = 60  # 480 samples at batch 8 (world 1); 160 pairs per epoch
-TINY = ["model.name=vlp-micro", "data.batch_per_device=8", "optim.lr=1e-3", "optim.warmup_steps=2",
-        "train.log_every=1", "data.shuffle_buffer=32", "data.eval_shards=null", "data.num_workers=2",
-        "train.checkpoint_every=4", "train.keep_last=0"]
-
-
-def _args(shards, out, *extra):
-    return ["-m", "vlp", "train", "-c", "configs/demo.yaml", *overrides(
-        f"data.train_shards={shards['train']}", f"train.output_dir={out}", *TINY, *extra)]
-
-
-def _last_step(out: Path) -> int:
-    log = out / "log.jsonl"
-    if not log.exists():
-        return 0
-    steps = [r["step"] for r in map(json.loads, log.read_text().splitlines()) if "infonce" in r]
-    return max(steps, default=0)
-
-
-def _saved(out: Path) -> list[int]:
-    return sorted(int(p.stem.split("_")[1]) for p in (out / "checkpoints").glob("step_*.pt"))
-
-
-def _weights(out: Path) -> dict:
-    return torch.load(out / "open_clip_model.pt", weights_only=True)["state_dict"]
-
-
-def _children(pid: int) -> list[int]:
-    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in found.split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
-class Segment:
-    """One process group's run from the newest checkpoint; stderr collected by a thread (so a
-    test can wait for a line while the run goes on)."""
-
-    def __init__(self, cmd, env, after: int):
-        self.proc = forked.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                 text=True, start_new_session=True)
-        self.err: list[str] = []
-        self.reader = threading.Thread(target=lambda: self.err.extend(self.proc.stderr), daemon=True)
-        self.reader.start()
-        self.after = after
-
-    def wait_for(self, out: Path, steps: int = 2, limit_s: float = 240) -> None:
-        """Until the run has logged `steps` steps past its start."""
-        deadline = time.time() + limit_s
-        while _last_step(out) < self.after + steps:
-            assert self.proc.poll() is None, f"ended ({self.proc.returncode}) first:\n{self.text()[-3000:]}"
-            assert time.time() < deadline, f"no step {self.after + steps} in {limit_s} s"
-            time.sleep(0.05)
-
-    def signal(self, sig: int) -> None:
-        os.killpg(self.proc.pid, sig)
-
-    def end(self, limit_s: float = 240) -> tuple[int, str]:
-        try:
-            code = self.proc.wait(timeout=limit_s)
-        except subprocess.TimeoutExpired:
-            os.kill(self.proc.pid, signal.SIGABRT)  # PYTHONFAULTHANDLER: its threads' stacks
-            self.proc.wait(30)
-            raise AssertionError(f"no end in {limit_s} s:\n{self.text()[-6000:]}") from None
-        finally:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-        self.reader.join(30)
-        return code, self.text()
-
-    def text(self) -> str:
-        return "".join(self.err).replace("\r", "\n")
-
-
-def _vlp_lines(err: str) -> list[str]:
-    return [x[x.index("vlp: "):] for x in err.splitlines() if "vlp: " in x]
-
-
-def _twice(seg: Segment, pids: list[int], groups: list[int]) -> None:
-    """Ctrl-C twice in quick succession, deterministically: `groups` (the run's processes)
-    stopped, SIGINT to the run's process group (pending in each of `pids` once it arrives: a
-    launched rank gets it from launch/local.sh), then to each of `pids`' main thread (pending for
-    that thread: a second SIGINT, not merged with the first); both are delivered when the
-    processes continue, before any step can end."""
-    for group in groups:
-        os.killpg(group, signal.SIGSTOP)
-    _until("the processes stopped", lambda: all(_state(pid) == "T" for pid in pids))  # kill() does not wait
-    seg.signal(signal.SIGINT)
-    _until("the first SIGINT reached them", lambda: all(_pending(pid, signal.SIGINT) for pid in pids))
-    for pid in pids:
-        _tgkill(pid, pid, signal.SIGINT)
-    for group in groups:
-        os.killpg(group, signal.SIGCONT)
-
-
-def _until(what: str, done, limit_s: float = 60) -> None:
-    deadline = time.time() + limit_s
-    while not done():
-        assert time.time() < deadline, f"{what}: not in {limit_s} s"
-        time.sleep(0.01)
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
-
-
-def _pending(pid: int, sig: int) -> bool:
-    """Whether `sig` waits, for the process `pid` as a whole (a stopped one does not take it)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    masks = [int(x.split()[1], 16) for x in status.splitlines() if x.startswith("ShdPnd:")]
-    return any(mask >> (sig - 1) & 1 for mask in masks)
-
-
-def _tgkill(tgid: int, tid: int, sig: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.tgkill(tgid, tid, int(sig)) != 0:
-        raise OSError(ctypes.get_errno(), f"tgkill({tgid}, {tid}, {sig})")
-
-
-def _check(code: int, err: str, want_code: int, *words: str) -> list[str]:
-    lines = _vlp_lines(err)
-    assert code == want_code and "Traceback" not in err, (code, err[-4000:])
-    for w in words:
-        assert sum(w in x for x in lines) == 1, (w, lines, err[-4000:])
-    return lines
-
+from vlp_testing import PYTHON, REPO, free_port, run_env
 
 STOPS = [(signal.SIGTERM, 75, "preempted at step"), (signal.SIGUSR1, 75, "preempted at step"),
          (signal.SIGINT, 130, "interrupted at step")]  # each signal to the group: exit status, line
@@ -175,9 +36,9 @@ def _each_stop_saves(segment, out) -> Iterator[tuple[int, list[str], str]]:
         seg.wait_for(out)
         seg.signal(sig)
         code, err = seg.end()
-        lines = _check(code, err, status, words)
+        lines = check_end(code, err, status, words)
         step = int(lines[-1].split(" at step ")[1].split()[0])
-        assert step in _saved(out), (lines, _saved(out))
+        assert step in saved_steps(out), (lines, saved_steps(out))
         yield sig, lines, err
 
 
@@ -190,13 +51,13 @@ def test_every_stop_of_a_plain_run_with_workers_then_resume_bit_identical(tiny_s
     weights of a run never stopped."""
     env = run_env()
     ref, out = tmp_path / "ref", tmp_path / "run"
-    whole = forked.run([PYTHON, *_args(tiny_shards, ref, f"train.samples={STEPS * 8}")], cwd=REPO, env=env,
+    whole = forked.run([PYTHON, *train_args(tiny_shards, ref, f"train.samples={STEPS * 8}")], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=400)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    cmd = [PYTHON, *_args(tiny_shards, out, f"train.samples={STEPS * 8}", "train.resume=latest")]
+    cmd = [PYTHON, *train_args(tiny_shards, out, f"train.samples={STEPS * 8}", "train.resume=latest")]
 
     def segment() -> Segment:
-        return Segment(cmd, env, _last_step(out))
+        return Segment(cmd, env, last_step(out))
 
     for sig, lines, _ in _each_stop_saves(segment, out):
         assert f"({signal.Signals(sig).name})" in lines[-1], lines
@@ -205,38 +66,38 @@ def test_every_stop_of_a_plain_run_with_workers_then_resume_bit_identical(tiny_s
 
     seg = segment()  # a loader worker dies on its own (the OOM killer's SIGKILL)
     seg.wait_for(out)
-    saved = _saved(out)
-    workers = _children(seg.proc.pid)
+    saved = saved_steps(out)
+    workers = child_pids(seg.proc.pid)
     assert len(workers) == 2, workers
     os.kill(workers[1], signal.SIGKILL)
     code, err = seg.end()
-    lines = _check(code, err, 1, "was killed by signal SIGKILL")
+    lines = check_end(code, err, 1, "was killed by signal SIGKILL")
     assert len(lines) == 1 and f"(pid {workers[1]})" in lines[0] and "while reading " in lines[0], lines
     assert "train-00000" in lines[0] and ", at step " in lines[0] and "not saved" in lines[0], lines
-    assert _saved(out)[:len(saved)] == saved  # every checkpoint before is still there
+    assert saved_steps(out)[:len(saved)] == saved  # every checkpoint before is still there
 
     seg = segment()  # two Ctrl-C: out at once, nothing saved
     seg.wait_for(out)
-    saved = _saved(out)
-    _twice(seg, [seg.proc.pid], [seg.proc.pid])
+    saved = saved_steps(out)
+    ctrl_c_twice(seg, [seg.proc.pid], [seg.proc.pid])
     code, err = seg.end()
-    _check(code, err, 130, "aborted by a second Ctrl-C")
-    assert _saved(out) == saved, (saved, _saved(out))
+    check_end(code, err, 130, "aborted by a second Ctrl-C")
+    assert saved_steps(out) == saved, (saved, saved_steps(out))
 
     seg = segment()  # SIGKILL to the main process alone: its workers go with it
     seg.wait_for(out)
-    workers = _children(seg.proc.pid)
+    workers = child_pids(seg.proc.pid)
     os.kill(seg.proc.pid, signal.SIGKILL)
     seg.end()
     deadline = time.time() + 10
-    while any(map(_alive, workers)) and time.time() < deadline:
+    while any(map(is_alive, workers)) and time.time() < deadline:
         time.sleep(0.05)
-    assert workers and not any(map(_alive, workers)), "loader workers outlived their main process"
+    assert workers and not any(map(is_alive, workers)), "loader workers outlived their main process"
 
     seg = segment()  # to the end
     code, err = seg.end()
     assert code == 0 and "Traceback" not in err, err[-3000:]
-    mine, theirs = _weights(out), _weights(ref)
+    mine, theirs = final_weights(out), final_weights(ref)
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
@@ -252,22 +113,22 @@ def test_every_stop_of_a_launched_run_through_launch_local(tiny_shards, tmp_path
 
     def segment() -> Segment:
         cmd = [script, "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
-               *_args(tiny_shards, out, f"train.samples={STEPS * 8}", "train.resume=latest")]
-        return Segment(cmd, env, _last_step(out))
+               *train_args(tiny_shards, out, f"train.samples={STEPS * 8}", "train.resume=latest")]
+        return Segment(cmd, env, last_step(out))
 
     for _, _, err in _each_stop_saves(segment, out):
         assert "ChildFailedError" not in err and "SignalException" not in err, err[-3000:]
 
     seg = segment()
     seg.wait_for(out)
-    saved = _saved(out)
-    launcher = _children(seg.proc.pid)
-    ranks = [r for pid in launcher for r in _children(pid)]
+    saved = saved_steps(out)
+    launcher = child_pids(seg.proc.pid)
+    ranks = [r for pid in launcher for r in child_pids(pid)]
     assert len(ranks) == 2, (launcher, ranks)
-    _twice(seg, ranks, ranks)
+    ctrl_c_twice(seg, ranks, ranks)
     code, err = seg.end()
-    _check(code, err, 130, "aborted by a second Ctrl-C")
-    assert _saved(out) == saved, (saved, _saved(out))
+    check_end(code, err, 130, "aborted by a second Ctrl-C")
+    assert saved_steps(out) == saved, (saved, saved_steps(out))
 
 
 BLOCKED = """

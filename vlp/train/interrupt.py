@@ -14,7 +14,9 @@ and launch/slurm.sbatch's: /proc/PPID/status says), SLURM's SIGINT to every proc
 reaches a rank twice: directly, and at once again from the agent, which forwards it. A SIGINT
 within `ECHO_S` of the first is that copy, not the user's second Ctrl-C. (In a terminal the
 ranks get only the agent's copy: torch starts each rank in a session of its own. launch/local.sh
-ignores SIGINT in the launcher and passes each one on once.) There, with $VLP_PREEMPT_MARKER
+ignores SIGINT in the launcher and passes each one on once.) A bare `accelerate launch` or
+torchrun answers a second Ctrl-C with SIGTERM to its ranks (it gets it inside its shutdown):
+SIGTERM after a Ctrl-C aborts too. There, with $VLP_PREEMPT_MARKER
 set, the marker is the status (vlp.train.preempt): "aborted" in it and exit 0, which the launcher
 does not report as its own failure.
 
@@ -76,6 +78,8 @@ class CtrlC:
                 for signum in data:
                     if signum == signal.SIGINT:
                         self.on_sigint(time.monotonic())
+                    elif signum == signal.SIGTERM and self.first is not None:
+                        self.abort()  # a bare launcher's answer to a second Ctrl-C (module docstring)
         finally:
             os.close(read)
 
@@ -85,11 +89,15 @@ class CtrlC:
             self.first = now
             self._say(FIRST)
         elif now - self.first >= self.window:
-            self._say(SECOND)
-            if self.marker and self.main:
-                with open(self.marker, "w") as f:
-                    f.write("aborted\n")
-            os._exit(0 if self.marker else ABORTED)
+            self.abort()
+
+    def abort(self) -> None:
+        """The second Ctrl-C: one line, out at once."""
+        self._say(SECOND)
+        if self.marker and self.main:
+            with open(self.marker, "w") as f:
+                f.write("aborted\n")
+        os._exit(0 if self.marker else ABORTED)
 
     def _say(self, line: str) -> None:
         if self.main:

@@ -82,11 +82,13 @@ class Preemption:
         self.received: Optional[int] = None  # the first signal's number
         self._previous: dict = {}
         self.ctrl_c: Optional[CtrlC] = None  # the second Ctrl-C's watch (vlp.train.interrupt)
+        self.launcher_gone = False  # the stop is vlp.distributed.exit_with_launcher's
 
     def _handle(self, signum, frame) -> None:
+        launched = sys.modules.get("vlp.distributed")  # no import in a handler: loaded where it matters
         if self.received is None:
             self.received = signum
-        launched = sys.modules.get("vlp.distributed")  # no import in a handler: loaded where it matters
+            self.launcher_gone = launched is not None and launched.LAUNCHER_GONE.is_set()
         if launched is not None:
             launched.STOPPING.set()  # a launcher that died of the same signal does not end this rank's save
 
@@ -130,6 +132,8 @@ class Preemption:
 
     @property
     def signame(self) -> str:
+        if self.launcher_gone:
+            return "its launcher died"
         return signal.Signals(self.received).name if self.received else "no signal"
 
     def local_flag(self) -> float:

@@ -1,0 +1,146 @@
+"""A bare `accelerate launch` and a bare elastic torchrun (2 CPU ranks over gloo, 2 loader workers
+each), stopped as users stop them: SIGTERM, SIGUSR1 and SIGINT to the launcher's process group (a
+terminal's Ctrl-C, timeout(1), `kill -- -PGID`, a container's PID 1), and Ctrl-C twice. One run
+folder goes through every stop, each segment resuming from the newest checkpoint, and its final
+weights must equal an uninterrupted run's (torch.equal).
+
+What torch's agent does, and so what a user sees (docs/reliability.md): it starts each rank in a
+session of its own, so a signal to its group reaches the agent alone.
+* SIGTERM / SIGINT: the agent passes it on to the ranks, which save at the step boundary and say
+  so in one line; then the agent raises its own SignalException (a traceback of torch's frames
+  only, exit 1), whatever its ranks did. vlp cannot change that: no vlp code runs in the agent.
+  launch/local.sh and launch/slurm.sbatch exit cleanly (tests/train/test_stop_signals.py).
+* SIGUSR1: the agent has no handler and dies; each rank sees its launcher gone within a second,
+  saves at the step boundary and exits (vlp.distributed.exit_with_launcher).
+* A second Ctrl-C reaches the agent inside its shutdown, and it sends SIGTERM to the ranks: after
+  a Ctrl-C, that aborts at once, nothing saved (vlp.train.interrupt)."""
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import forked
+from stops import (STEPS, Segment, child_pids, final_weights, last_step, saved_steps, until,
+                   train_args, vlp_lines)
+from vlp.train.interrupt import FIRST, SECOND
+from vlp_testing import PYTHON, REPO, free_port, run_env
+
+TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+AGENT_TRACEBACK = re.compile(r"torch\.distributed\.elastic\.multiprocessing\.api\.SignalException: "
+                             r"Process \d+ got signal: (\d+)$")
+
+
+def _launcher(kind: str) -> list[str]:
+    port = str(free_port())
+    if kind == "accelerate launch":
+        return [PYTHON, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--main_process_port", port]
+    return [TORCHRUN, "--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=3", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=vlp-bare", "--rdzv-conf=last_call_timeout=1",
+            "--monitor-interval=0.5"]
+
+
+def _tracebacks(err: str) -> list[list[str]]:
+    """Every traceback in `err`: its lines up to the exception's."""
+    blocks, open_block = [], None
+    for line in err.splitlines():
+        if line.startswith("Traceback (most recent call last):"):
+            open_block = [line]
+            blocks.append(open_block)
+        elif open_block is not None and line.strip() and not line.startswith((" ", "W1", "I1")):
+            open_block.append(line)
+            open_block = None
+        elif open_block is not None:
+            open_block.append(line)
+    return blocks
+
+
+def _only_the_agents_traceback(err: str, sig: int | None) -> None:
+    """No traceback but torch's agent's SignalException for `sig` (None: none at all), with no
+    frame of vlp's."""
+    for block in _tracebacks(err):
+        found = AGENT_TRACEBACK.match(block[-1])
+        assert found and int(found.group(1)) == sig, "\n".join(block)
+        assert not any(f"{os.sep}vlp{os.sep}" in x for x in block), "\n".join(block)
+
+
+def _starve(seg: Segment, out: Path) -> None:
+    """Stop the ranks' loader workers, then wait until the run's steps stop (the batches the
+    workers had made are used up)."""
+    for rank in seg.ranks:
+        for worker in child_pids(rank):
+            os.kill(worker, signal.SIGSTOP)
+    step, since = last_step(out), time.time()
+    deadline = since + 120
+    while time.time() - since < 3:
+        assert time.time() < deadline, "the run kept stepping without its loader workers"
+        time.sleep(0.1)
+        if last_step(out) != step:
+            step, since = last_step(out), time.time()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_shards, tmp_path_factory) -> dict:
+    """The weights of the same 2-rank run never stopped."""
+    out = tmp_path_factory.mktemp("bare_reference")
+    whole = forked.run([*_launcher("accelerate launch"), *train_args(tiny_shards, out, f"train.samples={STEPS * 8}")],
+                       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=400)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    return final_weights(out)
+
+
+def _env() -> dict:
+    return run_env() | {"ACCELERATE_USE_CPU": "1"}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("kind", ["accelerate launch", "torchrun elastic"])
+def test_every_stop_of_a_bare_launcher_saves_and_resumes_bit_identical(kind, tiny_shards, tmp_path, reference):
+    out = tmp_path / "run"
+
+    def segment() -> Segment:
+        cmd = [*_launcher(kind), *train_args(tiny_shards, out, f"train.samples={STEPS * 8}", "train.resume=latest")]
+        seg = Segment(cmd, _env(), last_step(out))
+        seg.wait_for(out)
+        seg.ranks = child_pids(seg.proc.pid)
+        assert len(seg.ranks) == 2, seg.ranks
+        return seg
+
+    stops = [(signal.SIGTERM, 1, "preempted at step", "(SIGTERM)"),
+             (signal.SIGUSR1, -signal.SIGUSR1, "preempted at step", "(its launcher died)"),
+             (signal.SIGINT, 1, "interrupted at step", "(SIGINT)")]
+    for sig, status, words, why in stops:
+        seg = segment()
+        seg.signal(sig)
+        code, err = seg.end()
+        lines = [x for x in vlp_lines(err)]
+        stop = [x for x in lines if words in x]
+        assert code == status and len(stop) == 1 and why in stop[0], (code, lines, err[-4000:])
+        assert len(lines) == (2 if sig == signal.SIGINT else 1), lines  # SIGINT: FIRST, then the stop
+        _only_the_agents_traceback(err, None if sig == signal.SIGUSR1 else int(sig))
+        step = int(stop[0].split(" at step ")[1].split()[0])
+        assert step in saved_steps(out), (lines, saved_steps(out))
+
+    seg = segment()  # Ctrl-C twice: the agent answers the second with SIGTERM, which aborts the ranks
+    _starve(seg, out)  # the ranks wait for a batch: the first Ctrl-C cannot reach a step boundary
+    saved = saved_steps(out)
+    seg.signal(signal.SIGINT)
+    until("the first Ctrl-C's line", lambda: FIRST.strip() in seg.text())
+    seg.signal(signal.SIGINT)
+    code, err = seg.end()
+    assert code == 1 and vlp_lines(err) == [FIRST.strip(), SECOND.strip()], (code, err[-4000:])
+    _only_the_agents_traceback(err, int(signal.SIGINT))
+    assert saved_steps(out) == saved, (saved, saved_steps(out))
+
+    seg = Segment([*_launcher(kind), *train_args(tiny_shards, out, f"train.samples={STEPS * 8}", "train.resume=latest")],
+                  _env(), last_step(out))  # to the end
+    code, err = seg.end()
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    mine = final_weights(out)
+    assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in mine)
