@@ -156,13 +156,16 @@ def test_each_way_gloo_says_a_peer_is_gone_reads_as_lost_peers(words):
 
 
 @pytest.mark.multiproc
-def test_ranks_exit_when_their_launcher_is_killed(tiny_shards, tmp_path):
+def test_ranks_whose_launcher_is_killed_save_and_exit(tiny_shards, tmp_path):
+    """The launcher alone SIGKILLed (the OOM killer): its ranks see it gone within a second, save
+    after the same step, say it in one line and exit; they do not train on as orphans."""
     launcher = _launch(_train_args(tiny_shards, tmp_path, "train.samples=100000"), wait=False)
     try:
         _wait_for_steps(tmp_path, 2, [launcher])
         ranks = _children(launcher.pid)
         assert len(ranks) == 2
         os.kill(launcher.pid, signal.SIGKILL)  # the launcher only, not its process group
+        _, err = launcher.communicate(timeout=120)  # its stderr: open until the ranks end
         deadline = time.time() + 15
         while time.time() < deadline and any(_alive(pid) for pid in ranks):
             time.sleep(0.1)
@@ -172,6 +175,10 @@ def test_ranks_exit_when_their_launcher_is_killed(tiny_shards, tmp_path):
             os.killpg(launcher.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    lines = [x for x in err.splitlines() if "vlp: " in x]
+    assert len(lines) == 1 and "(its launcher died)" in lines[0] and "Traceback" not in err, err[-3000:]
+    step = int(lines[0].split(" at step ")[1].split()[0])
+    assert (tmp_path / "checkpoints" / f"step_{step:08d}.pt").exists(), lines
 
 
 @pytest.mark.multiproc

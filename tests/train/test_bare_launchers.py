@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -144,3 +145,48 @@ def test_every_stop_of_a_bare_launcher_saves_and_resumes_bit_identical(kind, tin
     assert code == 0 and "Traceback" not in err, err[-3000:]
     mine = final_weights(out)
     assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in mine)
+
+
+RANK = """
+import sys, time
+from vlp import distributed
+from vlp.train import preempt
+distributed.STOP_GRACE_S = float(sys.argv[2])
+stop = preempt.Preemption().install()
+distributed.exit_with_launcher(poll_s=0.05)
+print("ready", flush=True)
+while not stop.requested:
+    time.sleep(0.01)
+print("stopping:", stop.signame, flush=True)
+time.sleep(float(sys.argv[1]))  # the save
+print("saved", flush=True)
+"""
+LAUNCHER = "import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); time.sleep(600)"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("save_s, grace_s, ends", [(0.5, 60, "saved"), (60, 1, "stops")])
+def test_a_rank_whose_launcher_died_saves_within_the_grace(save_s, grace_s, ends):
+    """A rank whose launcher is SIGKILLed stops like a preempted one (its save goes on); one whose
+    save outlasts STOP_GRACE_S ends with one line."""
+    env = run_env() | {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "1", "RANK": "0"}
+    launcher = subprocess.Popen([PYTHON, "-c", LAUNCHER, PYTHON, "-c", RANK, str(save_s), str(grace_s)], cwd=REPO,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    try:
+        assert launcher.stdout.readline().strip() == "ready"
+        t0 = time.monotonic()
+        os.kill(launcher.pid, signal.SIGKILL)
+        rest = launcher.communicate(timeout=grace_s + save_s + 30)[0].splitlines()  # the rank holds the pipe
+        took = time.monotonic() - t0
+    finally:
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert rest[0] == "stopping: its launcher died", rest
+    if ends == "saved":
+        assert rest[1:] == ["saved"], rest
+    else:
+        assert rest[1:] == [f"vlp: error: launcher (pid {launcher.pid}) is gone; rank 0 stops"], rest
+        assert grace_s <= took < save_s, took
