@@ -9,7 +9,7 @@
 # What it adds to a bare `accelerate launch` (torch's elastic agent), whose own handling of a
 # signal to the group is: SIGTERM / SIGINT forwarded to the ranks a second time, then a
 # SignalException traceback and exit 1 whatever the ranks did; SIGUSR1 not handled, so the
-# launcher dies at once and its ranks stop within a second (vlp.distributed) without a save.
+# launcher dies at once (its ranks see it gone, save and exit: vlp.distributed).
 # - The launcher runs with SIGTERM, SIGUSR1 and SIGINT ignored (PET_SIGNALS_TO_HANDLE, as in
 #   launch/slurm.sbatch): it waits for its ranks, which torch starts each in a session of its
 #   own (a signal to this group never reaches them). This script passes each of those signals
