@@ -66,7 +66,10 @@ def test_a_killed_node_leaves_the_survivor_to_reform_at_world_1_and_finish(tiny_
             time.sleep(0.2)
         before = _world2_checkpoint(out)
         assert before is not None, f"no checkpoint at world 2:\n{logs[0].read_text()[-4000:]}"
-        os.killpg(nodes[1].pid, signal.SIGKILL)  # node 1 lost: its agent and its rank
+        ranks = subprocess.run(["pgrep", "-P", str(nodes[1].pid)], capture_output=True, text=True).stdout.split()
+        assert ranks, "node 1 has no rank"
+        for group in [nodes[1].pid, *map(int, ranks)]:  # node 1 lost: its agent, its rank (torch starts it
+            os.killpg(group, signal.SIGKILL)  # in a session of its own) and the rank's loader workers
         nodes[0].wait(timeout=400)
     finally:
         for node in nodes:
