@@ -14,7 +14,7 @@ import torch
 
 from vlp.cli import peer_failure
 import forked
-from vlp_testing import LAUNCH, PYTHON, REPO, free_port, overrides, run_env, run_launch
+from vlp_testing import LAUNCH, PYTHON, REPO, free_port, kill_job, overrides, run_env, run_launch
 
 COMMON = ["model.name=vlp-micro", "data.batch_per_device=8", "data.num_workers=2", "optim.lr=1e-3", "optim.warmup_steps=2",
           "train.log_every=1", "data.shuffle_buffer=32", "data.eval_shards=null"]
@@ -123,8 +123,8 @@ def test_a_dead_or_frozen_node_ends_the_other_within_the_timeout(tiny_shards, tm
     frozen = []
     try:
         _wait_for_steps(tmp_path, 2, nodes)
-        if fault == "killed":
-            os.killpg(nodes[1].pid, signal.SIGKILL)
+        if fault == "killed":  # the launcher, its rank and its workers
+            kill_job(nodes[1].pid)
         else:
             frozen = _children(nodes[1].pid)
             os.kill(frozen[0], signal.SIGSTOP)

@@ -37,6 +37,20 @@ def run_launch(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.Comple
     return proc
 
 
+def kill_job(launcher_pid: int) -> None:
+    """SIGKILL a launched job whole: the launcher's process group, and each rank's (torch starts
+    every rank in a session of its own, with its loader workers). A launcher killed alone is not
+    a lost job: its ranks save and exit (vlp.distributed.exit_with_launcher)."""
+    import signal
+
+    ranks = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True).stdout.split()
+    for group in [launcher_pid, *map(int, ranks)]:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def run_env() -> dict:
     """Environment for subprocesses: one thread each, repo on the path, no GPU."""
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from vlp.distributed import cpu_when_launched_without_gpu, launched_world
-from vlp_testing import REPO, free_port, overrides, run_env
+from vlp_testing import REPO, free_port, kill_job, overrides, run_env
 
 TORCHRUN = shutil.which("torchrun", path=str(Path(os.sys.executable).parent)) or "torchrun"
 SAMPLES = 480  # 160 pairs per epoch
@@ -66,10 +66,7 @@ def test_a_killed_node_leaves_the_survivor_to_reform_at_world_1_and_finish(tiny_
             time.sleep(0.2)
         before = _world2_checkpoint(out)
         assert before is not None, f"no checkpoint at world 2:\n{logs[0].read_text()[-4000:]}"
-        ranks = subprocess.run(["pgrep", "-P", str(nodes[1].pid)], capture_output=True, text=True).stdout.split()
-        assert ranks, "node 1 has no rank"
-        for group in [nodes[1].pid, *map(int, ranks)]:  # node 1 lost: its agent, its rank (torch starts it
-            os.killpg(group, signal.SIGKILL)  # in a session of its own) and the rank's loader workers
+        kill_job(nodes[1].pid)  # node 1 lost: its agent, its rank and the rank's loader workers
         nodes[0].wait(timeout=400)
     finally:
         for node in nodes:

@@ -4,7 +4,6 @@ formats and world sizes (DCP 2 -> 1 rank, DCP -> DDP, DDP .pt -> FSDP). CPU, glo
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from vlp_testing import REPO, accelerate_cmd, overrides, run_env, run_launch
+from vlp_testing import REPO, accelerate_cmd, kill_job, overrides, run_env, run_launch
 
 from vlp_testing import FSDP_COMMON as COMMON  # noqa: E402  (shared with tests/checkpoint/test_bucket_runs.py)
 
@@ -168,7 +167,7 @@ def test_fsdp_sigkill_and_resume_is_bit_identical(runs, tiny_shards, tmp_path):
     deadline = time.time() + 240
     while not target.exists() and child.poll() is None and time.time() < deadline:
         time.sleep(0.02)
-    os.killpg(child.pid, signal.SIGKILL)
+    kill_job(child.pid)
     child.wait()
     assert target.is_dir()
     from vlp.checkpoint.storage import RunFolder

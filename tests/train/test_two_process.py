@@ -4,7 +4,6 @@ sees the same global batches (2 ranks x b == 1 rank x 2b: vlp/distributed.py's g
 argument, end to end)."""
 import json
 import os
-import signal
 import subprocess
 import time
 from dataclasses import replace
@@ -12,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from vlp_testing import REPO, accelerate_cmd, run_env, run_launch
+from vlp_testing import REPO, accelerate_cmd, kill_job, run_env, run_launch
 from vlp.experiment import load_config
 from vlp.data.stream import make_loader
 from vlp.train.loop import Trainer
@@ -81,7 +80,7 @@ def test_two_processes_train_resume_and_match_one_process(tiny_shards, tmp_path,
     deadline = time.time() + 300
     while not target.exists() and child.poll() is None and time.time() < deadline:
         time.sleep(0.02)
-    os.killpg(child.pid, signal.SIGKILL)
+    kill_job(child.pid)
     child.wait()
     proc = _launch(tiny_shards, run, f"loss.name={loss}", "train.checkpoint_every=1", "train.resume=latest")
     assert proc.returncode == 0, proc.stderr[-4000:]
