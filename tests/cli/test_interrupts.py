@@ -134,14 +134,16 @@ def _training(out: Path) -> list[str]:
 
 
 def _check_finished(out: Path, names) -> None:
-    """Each run is complete: its result files parse, its record says ok."""
+    """Each run is complete: its result files parse, and its record, if written, says ok (a second
+    Ctrl-C may end the command between a run's last file and its compare.json, which the study
+    reads for a failed run's error only: vlp.study.rows.study_row)."""
     for name in names:
         run = out / name
         result = json.loads((run / "result.json").read_text())
         items = json.loads((run / "eval_items.json").read_text())
-        record = json.loads((run / "compare.json").read_text())
         assert result["samples_seen"] == 160 and "test" in items and "val" in items, (name, result)
-        assert record["status"] == "ok", (name, record)
+        if (run / "compare.json").exists():
+            assert json.loads((run / "compare.json").read_text())["status"] == "ok", name
 
 
 def _mid_grid(group: Group, out: Path) -> dict[str, float]:
@@ -266,7 +268,7 @@ def _eval(exported, suite: Path, out: Path) -> list:
 
 def test_eval_ctrl_c_mid_suite_keeps_the_earlier_results(tiny_shards, tmp_path, exported):
     """`vlp eval` writes metrics.json and metrics.md once, when every task of the suite is done
-    (vlp.eval.suite.run_eval_suite): a Ctrl-C during the second task of a suite leaves the out
+    (vlp.eval.suite.run_eval_suite): a Ctrl-C as the second of 20 tasks starts leaves the out
     folder's earlier results byte for byte, and no partial file beside them."""
     out = tmp_path / "eval"
     short = tmp_path / "short.yaml"
@@ -276,12 +278,11 @@ def test_eval_ctrl_c_mid_suite_keeps_the_earlier_results(tiny_shards, tmp_path, 
     kept = {p.name: p.read_bytes() for p in out.iterdir()}
     assert sorted(kept) == ["metrics.json", "metrics.md"] and "earlier" in json.loads(kept["metrics.json"])
 
-    suite = tmp_path / "suite.yaml"  # 6 retrieval tasks of 160 pairs, 2 images a batch, 2 loader workers
-    suite.write_text("batch_size: 2\nnum_workers: 2\nretrieval:\n" + "".join(
-        f"  - name: task{i}\n    shards: '{tiny_shards['train']}'\n" for i in range(6)))
+    suite = tmp_path / "suite.yaml"  # 20 retrieval tasks of 160 pairs, 1 image a batch, 2 loader workers
+    suite.write_text("batch_size: 1\nnum_workers: 2\nretrieval:\n" + "".join(
+        f"  - name: task{i}\n    shards: '{tiny_shards['train']}'\n" for i in range(20)))
     group = Group(_eval(exported, suite, out), tmp_path, "stopped")
-    group.until("the second task's progress", lambda: group.err().count("100%|") >= 1 and "0%|" in
-                group.err().rsplit("100%|", 1)[1])
+    group.until("the second task's progress", lambda: group.err().count("embed retrieval: 0batch") >= 2)
     group.ctrl_c()
     code = group.end()
     assert _stopped_once(code, group.err()) == "vlp: interrupted (Ctrl-C); what was already written is kept"
