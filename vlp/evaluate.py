@@ -160,12 +160,48 @@ def evaluate_checkpoint(checkpoint: Optional[str] = None, model_name: Optional[s
     else:
         raise ConfigError("vlp eval: give --checkpoint FILE, or --model NAME with --pretrained TAG|hf-hub:...|FILE")
     if not is_url(out_dir):
-        return run_eval_suite(model, tokenizer, eval_tf, spec, device, out_dir)
+        with CtrlC() as stop:
+            return run_eval_suite(model, tokenizer, eval_tf, spec, device, out_dir, stop=stop)
     folder = open_run_folder(out_dir, option="vlp eval --out")  # written locally, then uploaded
-    results = run_eval_suite(model, tokenizer, eval_tf, spec, device, str(folder.local_dir("")))
+    with CtrlC() as stop:
+        results = run_eval_suite(model, tokenizer, eval_tf, spec, device, str(folder.local_dir("")), stop=stop)
     folder.sync_dir("")
     folder.close()
     return results
+
+
+class CtrlC:
+    """Ctrl-C while `vlp eval` runs its suite: SIGINT sets a flag that the suite reads before every
+    task and batch (`stop()` raises KeyboardInterrupt there: vlp.cli's one line, status 130).
+    Python's own handler raises wherever the main thread is, and some places print the exception
+    and drop it: a loader worker's fork (logging's at-fork handler), a finalizer; the eval then went
+    on to its end. A second Ctrl-C raises at once. Off the main thread it installs nothing."""
+
+    def __init__(self):
+        self.count, self.previous = 0, None
+
+    def __enter__(self) -> "CtrlC":
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+    def _handle(self, signum, frame) -> None:
+        self.count += 1
+        if self.count > 1:
+            raise KeyboardInterrupt
+
+    def __call__(self) -> None:
+        if self.count:
+            raise KeyboardInterrupt
 
 
 @contextlib.contextmanager

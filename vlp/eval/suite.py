@@ -92,10 +92,13 @@ def load_suite(path: str) -> dict:
     return check_suite(suite)
 
 
-def counting(loader: Iterable, skipped: Counter) -> Iterator:
+def counting(loader: Iterable, skipped: Counter, stop: Optional[Callable[[], None]] = None) -> Iterator:
     """The loader's batches, adding each batch's skip counts to `skipped` (dict batches: their
-    "skipped"; tuple batches: a dict third element) and dropping batches left empty by skips."""
+    "skipped"; tuple batches: a dict third element) and dropping batches left empty by skips;
+    `stop()` before each (it raises to end the eval: `vlp eval`'s Ctrl-C, vlp.evaluate)."""
     for batch in loader:
+        if stop is not None:
+            stop()
         counts = batch.get("skipped") if isinstance(batch, dict) else (batch[2] if len(batch) > 2 else None)
         skipped.update(counts or {})
         images = batch["image"] if isinstance(batch, dict) else batch[0]
@@ -146,12 +149,12 @@ def _shard_templates(entry: dict) -> Optional[str]:
 
 def embed_retrieval_shards(model, tokenizer, transform, shards: str, device, batch_size: int = 64,
                            num_workers: int = 0, skipped: Optional[Counter] = None, precision: str = "fp32",
-                           show_progress: bool = False):
+                           show_progress: bool = False, stop: Optional[Callable[[], None]] = None):
     """(img_emb, txt_emb, txt_to_img) of a retrieval shard set, read by the one eval reader
     (vlp.eval.datasets.ShardRetrieval); skipped images are counted into `skipped`."""
     loader = D.make_eval_loader(D.ShardRetrieval(shards, transform, tokenizer), batch_size, num_workers,
                                 collate_fn=D.collate_retrieval)
-    return embed_retrieval(model, counting(loader, Counter() if skipped is None else skipped), device,
+    return embed_retrieval(model, counting(loader, Counter() if skipped is None else skipped, stop), device,
                            precision=precision, show_progress=show_progress)
 
 
@@ -164,6 +167,7 @@ def run_eval_suite(
     out_dir: Optional[str],
     *,
     show_progress: bool = True,
+    stop: Optional[Callable[[], None]] = None,
 ) -> dict[str, Any]:
     """Run every task of `suite`, write out_dir/metrics.json and metrics.md, return the results.
 
@@ -189,17 +193,20 @@ def run_eval_suite(
     once, in shard order), the same for `vlp eval`, the trainer and the benchmarks.
 
     Returns {name: {"task", "metrics", "clip_benchmark", sizes...}}; out_dir=None writes nothing.
+    `stop()` is called before every task and batch; what it raises ends the suite, nothing written.
     """
     check_suite(suite)
     opts = _Options(int(suite.get("batch_size", 64)), int(suite.get("num_workers", 0)),
-                    suite.get("precision", "fp32"), int(suite.get("chunk_size", 4096)), show_progress)
+                    suite.get("precision", "fp32"), int(suite.get("chunk_size", 4096)), show_progress, stop)
     device = torch.device(device)
     results: dict[str, Any] = {}
     for entry in suite.get("retrieval") or []:
+        opts.stop is not None and opts.stop()
         _check_keys(entry, RETRIEVAL_KEYS, "retrieval entry")
         results[_entry_name(entry, "retrieval", results)] = _retrieval_task(
             model, tokenizer, transform, entry, device, opts)
     for entry in suite.get("classification") or []:
+        opts.stop is not None and opts.stop()
         _check_keys(entry, CLASSIFICATION_KEYS, "classification entry")
         results[_entry_name(entry, "classification", results)] = _classification_task(
             model, tokenizer, transform, entry, device, opts)
@@ -221,6 +228,7 @@ class _Options(NamedTuple):
     precision: str
     chunk_size: int
     show_progress: bool
+    stop: Optional[Callable[[], None]] = None
 
 
 def _entry_name(entry: dict, where: str, results: dict) -> str:
@@ -235,7 +243,7 @@ def _retrieval_task(model, tokenizer, transform, entry: dict, device: torch.devi
     skipped: Counter[str] = Counter()
     img_emb, txt_emb, txt_to_img = embed_retrieval_shards(
         model, tokenizer, transform, shards_of(entry), device, int(entry.get("batch_size", opts.batch_size)),
-        opts.num_workers, skipped, opts.precision, opts.show_progress)
+        opts.num_workers, skipped, opts.precision, opts.show_progress, opts.stop)
     metrics = retrieval_metrics(img_emb.to(device), txt_emb.to(device), txt_to_img.to(device),
                                 chunk_size=opts.chunk_size)
     return {"task": "retrieval", "metrics": metrics, "clip_benchmark": clip_benchmark_names(metrics),
@@ -250,7 +258,7 @@ def _classification_task(model, tokenizer, transform, entry: dict, device: torch
                                   precision=opts.precision, show_progress=opts.show_progress)
     loader = D.make_eval_loader(dataset, int(entry.get("batch_size", opts.batch_size)), opts.num_workers)
     skipped = Counter(getattr(dataset, "skipped", {}))  # left out when the folders were read
-    metrics = zeroshot_classify(model, classifier, counting(loader, skipped), device, precision=opts.precision,
+    metrics = zeroshot_classify(model, classifier, counting(loader, skipped, opts.stop), device, precision=opts.precision,
                                 show_progress=opts.show_progress)
     n = metrics.pop("n")
     return {"task": "classification", "metrics": metrics, "clip_benchmark": clip_benchmark_names(metrics),

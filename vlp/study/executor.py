@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from vlp.study.runs import run_one
 from vlp.train.preempt import Preemption
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_GRID_STOP: list = []  # this process's Ctrl-C watch while it runs a grid's jobs (see GridStop)
 
 
 @dataclass(frozen=True)
@@ -53,11 +55,46 @@ class Job:
 
 def run_job(job: Job, accelerator=None) -> dict:
     """Train (and rank) one run in this process; its compare.json record. A worker process uses
-    one Accelerator of its own for all its runs."""
+    one Accelerator of its own for all its runs. A Ctrl-C that came before: no run, KeyboardInterrupt."""
+    stop_if_asked()
     accelerator = accelerator or _process_accelerator()
     specs = job.specs
     train = (lambda c, a: train_and_rank(c, a, specs)) if specs is not None else train_only
     return run_one(job.run, job.cfg, accelerator, train, job.retries, job.keep_checkpoints)
+
+
+class GridStop:
+    """Ctrl-C around the runs of a grid, in the process that runs them (`vlp compare` itself, or
+    each worker process for its whole life). Inside a run's training loop the Trainer takes SIGINT
+    (vlp.train.preempt: save at the step boundary, raise Preempted). Elsewhere it would be lost or
+    land anywhere: in a run's start-up or final evaluation the Trainer's flag is never read again
+    (the run finished and the grid went on to its next runs), and between runs a KeyboardInterrupt
+    raised inside a weakref callback is printed and ignored. So SIGINT only sets a flag here
+    (a Preemption: the first Ctrl-C's line in the main process, a second one exits at once), and
+    `stop_if_asked` raises KeyboardInterrupt at the points where stopping loses nothing: before a
+    run starts, once its Trainer is built, and after a run. A run that took a Ctrl-C and still
+    finished (it came during its final evaluation) leaves its own SIGINT handler in place
+    (Preemption.uninstall keeps counting): that counts as asked too."""
+
+    def __enter__(self) -> Preemption:
+        stop = Preemption((signal.SIGINT,)).install()
+        _GRID_STOP.append(stop)
+        return stop
+
+    def __exit__(self, *exc) -> None:
+        stop = _GRID_STOP.pop()
+        if signal.getsignal(signal.SIGINT) == stop._handle:
+            stop.uninstall()
+        # else a run stopped for a Ctrl-C: its watch goes on counting (a second one exits at once)
+
+
+def stop_if_asked() -> None:
+    """KeyboardInterrupt when a Ctrl-C reached this process since its grid began (GridStop)."""
+    if not _GRID_STOP or threading.current_thread() is not threading.main_thread():
+        return
+    stop = _GRID_STOP[-1]
+    if stop.requested or signal.getsignal(signal.SIGINT) != stop._handle:
+        raise KeyboardInterrupt
 
 
 _ACCELERATOR: list = []  # a worker process's Accelerator, made by its first run
@@ -91,6 +128,15 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def start_worker(parent: int) -> None:
+    """A worker process's initializer: it dies with its parent (die_with_parent), and a Ctrl-C to
+    the group is noted for its whole life (GridStop; `_pool` started it with SIGINT blocked, so
+    one that came during its start-up is delivered now, to the note)."""
+    die_with_parent(parent)
+    GridStop().__enter__()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 class Executor:
     """Runs jobs in this process or, with grid.workers > 1 on one process, in a pool of spawned
     worker processes kept until the `with` block ends."""
@@ -111,19 +157,14 @@ class Executor:
         is called after each job (on every rank in this process; on the main one with workers)."""
         total = total or len(jobs)
         if self.grid.workers <= 1 or self.acc.num_processes > 1:
-            for job in jobs:
-                self.acc.print(f"[compare] run {job.index}/{total}: {job.run.name}")
-                rec = run_job(job, self.acc)
-                self.acc.print(f"[compare] {job.run.name}: {rec['status']} in {rec['wall_time_s']:.0f} s")
-                if on_done is not None:
-                    on_done(job, rec)
+            self._run_here(jobs, total, on_done)
             return
         # most steps first, so that no long run is left going alone at the end
         longest_first = sorted(jobs, key=lambda j: -steps_for(j.cfg.train.samples, global_batch(j.cfg)))
-        futures = {self._pool().submit(run_job, job): job for job in longest_first}
         # SIGTERM / SIGUSR1 / Ctrl-C to the group reach the workers' runs, which save and raise
         # Preempted, raised again here; this process only waits for them (a second Ctrl-C: 130)
         with Preemption() as stop:
+            futures = {self._submit(job): job for job in longest_first}
             for i, future in enumerate(as_completed(futures)):
                 try:
                     rec, job = future.result(), futures[future]
@@ -135,11 +176,36 @@ class Executor:
                       flush=True)
                 if on_done is not None:
                     on_done(job, rec)
+                if stop.received == signal.SIGINT:  # the workers' runs finished anyway: no next one
+                    raise KeyboardInterrupt
+
+    def _run_here(self, jobs: list[Job], total: int, on_done) -> None:
+        """The jobs in this process, in order (every rank); a Ctrl-C between or around runs stops
+        the grid (GridStop; one process only: under `accelerate launch` the ranks would not agree)."""
+        with GridStop() if self.acc.num_processes == 1 else contextlib.nullcontext():
+            for job in jobs:
+                self.acc.print(f"[compare] run {job.index}/{total}: {job.run.name}")
+                rec = run_job(job, self.acc)
+                self.acc.print(f"[compare] {job.run.name}: {rec['status']} in {rec['wall_time_s']:.0f} s")
+                if on_done is not None:
+                    on_done(job, rec)
+                stop_if_asked()
+
+    def _submit(self, job: Job):
+        """pool.submit, with SIGINT blocked in this thread meanwhile: a worker process it starts
+        inherits the block (start_worker lifts it once its Ctrl-C note is in place), so a Ctrl-C
+        during a worker's start-up (its imports take seconds) is noted, not a KeyboardInterrupt
+        traceback from its bootstrap; here it is delivered once unblocked."""
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            return self._pool().submit(run_job, job)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def _pool(self) -> ProcessPoolExecutor:
         if self.pool is None:
             self.pool = ProcessPoolExecutor(self.grid.workers, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=die_with_parent, initargs=(os.getpid(),))
+                                            initializer=start_worker, initargs=(os.getpid(),))
         return self.pool
 
 
@@ -148,7 +214,9 @@ def train_only(cfg, accelerator) -> dict:
     from vlp.train.loop import Trainer  # heavy (open_clip, the models); imported when a run starts
 
     try:
-        return Trainer(cfg, accelerator=accelerator).train()
+        trainer = Trainer(cfg, accelerator=accelerator)
+        stop_if_asked()  # a Ctrl-C while it was built: no run (GridStop)
+        return trainer.train()
     finally:
         accelerator.free_memory()  # drop the prepared model/optimizer before the next run
 
@@ -159,7 +227,9 @@ def train_and_rank(cfg, accelerator, specs: dict[str, str]) -> dict:
     from vlp.study.ranking import RankingTrainer  # heavy (the Trainer, open_clip): a run needs it
 
     try:
-        return RankingTrainer(cfg, accelerator=accelerator, specs=specs).train()
+        trainer = RankingTrainer(cfg, accelerator=accelerator, specs=specs)
+        stop_if_asked()  # a Ctrl-C while it was built: no run (GridStop)
+        return trainer.train()
     finally:
         accelerator.free_memory()
 
