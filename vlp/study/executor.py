@@ -83,7 +83,7 @@ class GridStop:
 
     def __exit__(self, *exc) -> None:
         stop = _GRID_STOP.pop()
-        if signal.getsignal(signal.SIGINT) == stop._handle:
+        if stop.holds(signal.SIGINT):
             stop.uninstall()
         # else a run stopped for a Ctrl-C: its watch goes on counting (a second one exits at once)
 
@@ -93,7 +93,7 @@ def stop_if_asked() -> None:
     if not _GRID_STOP or threading.current_thread() is not threading.main_thread():
         return
     stop = _GRID_STOP[-1]
-    if stop.requested or signal.getsignal(signal.SIGINT) != stop._handle:
+    if stop.requested or not stop.holds(signal.SIGINT):
         raise KeyboardInterrupt
 
 

@@ -125,6 +125,11 @@ class Preemption:
     def __exit__(self, *exc) -> None:
         self.uninstall()
 
+    def holds(self, signum: int) -> bool:
+        """Whether this Preemption's handler is still the one for `signum` (a later one, e.g. a
+        run's own, may have taken its place)."""
+        return signal.getsignal(signum) == self._handle
+
     @property
     def requested(self) -> bool:
         """Whether this process got a signal (no agreement with the other ranks)."""
