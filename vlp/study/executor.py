@@ -33,7 +33,7 @@ from vlp.config import from_dict, global_batch, steps_for
 from vlp.experiment import check
 from vlp.study.plan import SPLITS
 from vlp.study.runs import run_one
-from vlp.train.preempt import Preemption
+from vlp.train.preempt import EXIT_PREEMPTED, SIGNALS, Preempted, Preemption
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _GRID_STOP: list = []  # this process's Ctrl-C watch while it runs a grid's jobs (see GridStop)
@@ -64,20 +64,21 @@ def run_job(job: Job, accelerator=None) -> dict:
 
 
 class GridStop:
-    """Ctrl-C around the runs of a grid, in the process that runs them (`vlp compare` itself, or
-    each worker process for its whole life). Inside a run's training loop the Trainer takes SIGINT
-    (vlp.train.preempt: save at the step boundary, raise Preempted). Elsewhere it would be lost or
-    land anywhere: in a run's start-up or final evaluation the Trainer's flag is never read again
-    (the run finished and the grid went on to its next runs), and between runs a KeyboardInterrupt
-    raised inside a weakref callback is printed and ignored. So SIGINT only sets a flag here
-    (a Preemption: the first Ctrl-C's line in the main process, a second one exits at once), and
-    `stop_if_asked` raises KeyboardInterrupt at the points where stopping loses nothing: before a
-    run starts, once its Trainer is built, and after a run. A run that took a Ctrl-C and still
-    finished (it came during its final evaluation) leaves its own SIGINT handler in place
-    (Preemption.uninstall keeps counting): that counts as asked too."""
+    """A stop signal (Ctrl-C, SIGTERM, SIGUSR1) around the runs of a grid, in the process that runs
+    them (`vlp compare` itself, or each worker process for its whole life). Inside a run's training
+    loop the Trainer takes it (vlp.train.preempt: save at the step boundary, raise Preempted).
+    Elsewhere it would be lost or land anywhere: in a run's start-up or final evaluation the
+    Trainer's flag is never read again (the run finished and the grid went on to its next runs),
+    between runs a KeyboardInterrupt raised inside a weakref callback is printed and ignored, and
+    SIGTERM / SIGUSR1 killed the process. So the signals only set a flag here (a Preemption: the
+    first Ctrl-C's line in the main process, a second one exits at once), and `stop_if_asked`
+    raises at the points where stopping loses nothing: before a run starts, once its Trainer is
+    built, and after a run. A run that took a Ctrl-C and still finished (it came during its final
+    evaluation) leaves its own SIGINT handler in place (Preemption.uninstall keeps counting): that
+    counts as asked too."""
 
     def __enter__(self) -> Preemption:
-        stop = Preemption((signal.SIGINT,)).install()
+        stop = Preemption().install()
         _GRID_STOP.append(stop)
         return stop
 
@@ -89,12 +90,34 @@ class GridStop:
 
 
 def stop_if_asked() -> None:
-    """KeyboardInterrupt when a Ctrl-C reached this process since its grid began (GridStop)."""
+    """Raise `grid_stopped` when a stop signal reached this process since its grid began (GridStop)."""
     if not _GRID_STOP or threading.current_thread() is not threading.main_thread():
         return
     stop = _GRID_STOP[-1]
     if stop.requested or not stop.holds(signal.SIGINT):
-        raise KeyboardInterrupt
+        raise grid_stopped(stop)
+
+
+def grid_stopped(stop: Preemption) -> BaseException:
+    """What a grid stopped between runs raises: KeyboardInterrupt for a Ctrl-C (vlp.cli: one line,
+    exit 130), else Preempted with one line saying that the finished runs are kept (exit 75)."""
+    if stop.received in (None, signal.SIGINT):  # None: a run's own handler took the Ctrl-C
+        return KeyboardInterrupt()
+    return Preempted(0, signame=stop.signame, status=EXIT_PREEMPTED, line=(
+        f"preempted ({stop.signame}) between runs; the finished runs are kept: run the same command again to go on"))
+
+
+def start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (the spawned workers' shared memory) with SIGUSR1
+    ignored, as it ignores SIGINT and SIGTERM itself: a SIGUSR1 to the group killed it, and its
+    replacement printed a KeyError traceback for every segment it had not seen."""
+    from multiprocessing import resource_tracker
+
+    previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # an ignored signal stays so across exec
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 _ACCELERATOR: list = []  # a worker process's Accelerator, made by its first run
@@ -129,12 +152,12 @@ def die_with_parent(parent: int) -> None:
 
 
 def start_worker(parent: int) -> None:
-    """A worker process's initializer: it dies with its parent (die_with_parent), and a Ctrl-C to
-    the group is noted for its whole life (GridStop; `_pool` started it with SIGINT blocked, so
-    one that came during its start-up is delivered now, to the note)."""
+    """A worker process's initializer: it dies with its parent (die_with_parent), and a stop signal
+    to the group is noted for its whole life (GridStop; `_pool` started it with the stop signals
+    blocked, so one that came during its start-up is delivered now, to the note)."""
     die_with_parent(parent)
     GridStop().__enter__()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, set(SIGNALS))
 
 
 class Executor:
@@ -170,14 +193,14 @@ class Executor:
                     rec, job = future.result(), futures[future]
                 except BrokenProcessPool:  # a worker aborted (a second Ctrl-C) or was killed
                     if stop.requested:
-                        raise KeyboardInterrupt from None
+                        raise grid_stopped(stop) from None
                     raise
                 print(f"[compare] {i + 1}/{len(jobs)} {job.run.name}: {rec['status']} in {rec['wall_time_s']:.0f} s",
                       flush=True)
                 if on_done is not None:
                     on_done(job, rec)
-                if stop.received == signal.SIGINT:  # the workers' runs finished anyway: no next one
-                    raise KeyboardInterrupt
+                if stop.requested:  # the workers' runs finished anyway: no next one
+                    raise grid_stopped(stop)
 
     def _run_here(self, jobs: list[Job], total: int, on_done) -> None:
         """The jobs in this process, in order (every rank); a Ctrl-C between or around runs stops
@@ -192,11 +215,12 @@ class Executor:
                 stop_if_asked()
 
     def _submit(self, job: Job):
-        """pool.submit, with SIGINT blocked in this thread meanwhile: a worker process it starts
-        inherits the block (start_worker lifts it once its Ctrl-C note is in place), so a Ctrl-C
-        during a worker's start-up (its imports take seconds) is noted, not a KeyboardInterrupt
-        traceback from its bootstrap; here it is delivered once unblocked."""
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        """pool.submit, with the stop signals blocked in this thread meanwhile: a worker process it
+        starts inherits the block (start_worker lifts it once its note is in place), so a Ctrl-C
+        or SIGTERM during a worker's start-up (its imports take seconds) is noted, not a
+        KeyboardInterrupt traceback from its bootstrap or a killed worker; here it is delivered
+        once unblocked."""
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(SIGNALS))
         try:
             return self._pool().submit(run_job, job)
         finally:
@@ -204,6 +228,7 @@ class Executor:
 
     def _pool(self) -> ProcessPoolExecutor:
         if self.pool is None:
+            start_resource_tracker()
             self.pool = ProcessPoolExecutor(self.grid.workers, mp_context=multiprocessing.get_context("spawn"),
                                             initializer=start_worker, initargs=(os.getpid(),))
         return self.pool

@@ -57,21 +57,19 @@ class Preempted(Exception):
     print, `status` the exit status."""
 
     def __init__(self, step: int, checkpoint=None, signame: str = "a signal", is_main: bool = True,
-                 status: Optional[int] = None):
+                 status: Optional[int] = None, line: Optional[str] = None):
         self.step, self.checkpoint, self.is_main = step, checkpoint, is_main
         self.status = exit_status() if status is None else status
         saved = f"saved {checkpoint}; " if checkpoint else ""
         stopped = "interrupted" if signame == "SIGINT" else "preempted"
-        super().__init__(f"{stopped} at step {step} ({signame}); {saved}resume with train.resume=latest")
+        super().__init__(line or f"{stopped} at step {step} ({signame}); {saved}resume with train.resume=latest")
 
     def __reduce__(self):  # a run in a worker process (vlp compare): its caller gets the same line
         return (_rebuilt, (str(self), self.step, self.checkpoint, self.is_main, self.status))
 
 
 def _rebuilt(line, step, checkpoint, is_main, status) -> "Preempted":
-    e = Preempted(step, checkpoint, is_main=is_main, status=status)
-    e.args = (line,)
-    return e
+    return Preempted(step, checkpoint, is_main=is_main, status=status, line=line)
 
 
 class Preemption:
