@@ -160,17 +160,17 @@ def evaluate_checkpoint(checkpoint: Optional[str] = None, model_name: Optional[s
     else:
         raise ConfigError("vlp eval: give --checkpoint FILE, or --model NAME with --pretrained TAG|hf-hub:...|FILE")
     if not is_url(out_dir):
-        with CtrlC() as stop:
+        with StopBetweenBatches() as stop:
             return run_eval_suite(model, tokenizer, eval_tf, spec, device, out_dir, stop=stop)
     folder = open_run_folder(out_dir, option="vlp eval --out")  # written locally, then uploaded
-    with CtrlC() as stop:
+    with StopBetweenBatches() as stop:
         results = run_eval_suite(model, tokenizer, eval_tf, spec, device, str(folder.local_dir("")), stop=stop)
     folder.sync_dir("")
     folder.close()
     return results
 
 
-class CtrlC:
+class StopBetweenBatches:
     """Ctrl-C while `vlp eval` runs its suite: SIGINT sets a flag that the suite reads before every
     task and batch (`stop()` raises KeyboardInterrupt there: vlp.cli's one line, status 130).
     Python's own handler raises wherever the main thread is, and some places print the exception
@@ -180,7 +180,7 @@ class CtrlC:
     def __init__(self):
         self.count, self.previous = 0, None
 
-    def __enter__(self) -> "CtrlC":
+    def __enter__(self) -> "StopBetweenBatches":
         import signal
         import threading
 

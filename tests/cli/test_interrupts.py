@@ -30,7 +30,8 @@ class Group:
     def __init__(self, args: list, tmp: Path, name: str, cwd: Path = REPO):
         self.out_file, self.err_file = tmp / f"{name}.stdout", tmp / f"{name}.stderr"
         with open(self.out_file, "w") as out, open(self.err_file, "w") as err:
-            self.proc = forked.Popen([PYTHON, "-m", "vlp", *map(str, args)], cwd=cwd, env=run_env(),
+            self.proc = forked.Popen([PYTHON, "-m", "vlp", *map(str, args)], cwd=cwd,
+                                     env=run_env() | {"PYTHONFAULTHANDLER": "1"},
                                      stdout=out, stderr=err, start_new_session=True)
 
     def until(self, what: str, done, limit_s: float = 240) -> None:
@@ -51,7 +52,12 @@ class Group:
         try:
             return self.proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"no end in {limit_s} s:\n{self.err()[-3000:]}") from None
+            tree = subprocess.run(["ps", "-o", "pid,ppid,stat,wchan:24,etime,args", "-g", str(self.proc.pid)],
+                                  capture_output=True, text=True).stdout
+            for pid in _group(self.proc.pid):  # PYTHONFAULTHANDLER: each Python process's stacks
+                os.kill(pid, signal.SIGABRT)
+            time.sleep(2)
+            raise AssertionError(f"no end in {limit_s} s:\n{tree}\n{self.err()[-12000:]}") from None
         finally:
             self.kill()
 
@@ -117,11 +123,15 @@ def _finished(out: Path) -> dict[str, float]:
             if (p.parent / "eval_items.json").exists()}
 
 
-def _training(out: Path) -> list[str]:
-    """Runs that logged a training step and are not done."""
-    done = _finished(out)
-    return [p.parent.name for p in out.glob("*/log.jsonl")
-            if p.parent.name not in done and '"type": "train"' in p.read_text()]
+def _training(out: Path, before_step: int = 8) -> list[str]:
+    """Runs that are not done and whose last training step logged is below `before_step` (of 20):
+    a stop now comes inside their training loop, not in their final evaluation."""
+    done, found = _finished(out), []
+    for log in out.glob("*/log.jsonl"):
+        steps = [json.loads(x).get("step", 0) for x in log.read_text().splitlines() if '"type": "train"' in x]
+        if log.parent.name not in done and steps and max(steps) < before_step:
+            found.append(log.parent.name)
+    return found
 
 
 def _check_finished(out: Path, names) -> None:

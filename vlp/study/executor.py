@@ -156,6 +156,11 @@ def start_worker(parent: int) -> None:
     to the group is noted for its whole life (GridStop; `_pool` started it with the stop signals
     blocked, so one that came during its start-up is delivered now, to the note)."""
     die_with_parent(parent)
+    if "fork" in multiprocessing.get_all_start_methods():
+        # a spawned process inherits "spawn" as its default: its runs' loader workers would each
+        # import torch again (seconds) and take a stop signal to the group during that, before
+        # they ignore it (vlp.data.lifecycle), as a KeyboardInterrupt traceback or their death
+        multiprocessing.set_start_method("fork", force=True)
     GridStop().__enter__()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, set(SIGNALS))
 
