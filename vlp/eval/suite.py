@@ -201,12 +201,14 @@ def run_eval_suite(
     device = torch.device(device)
     results: dict[str, Any] = {}
     for entry in suite.get("retrieval") or []:
-        opts.stop is not None and opts.stop()
+        if opts.stop is not None:
+            opts.stop()
         _check_keys(entry, RETRIEVAL_KEYS, "retrieval entry")
         results[_entry_name(entry, "retrieval", results)] = _retrieval_task(
             model, tokenizer, transform, entry, device, opts)
     for entry in suite.get("classification") or []:
-        opts.stop is not None and opts.stop()
+        if opts.stop is not None:
+            opts.stop()
         _check_keys(entry, CLASSIFICATION_KEYS, "classification entry")
         results[_entry_name(entry, "classification", results)] = _classification_task(
             model, tokenizer, transform, entry, device, opts)
