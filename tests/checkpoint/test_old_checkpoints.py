@@ -4,6 +4,7 @@ release's own code (taken from git) and resumed, evaluated and exported by today
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import tarfile
 import io
@@ -17,6 +18,9 @@ from vlp_testing import REPO, accelerate_cmd, run_env, run_launch
 pytestmark = pytest.mark.multiproc  # the tier (docs/testing.md): every test here starts processes
 
 OLD_RELEASE = "965021a"  # the last commit with vlp/trainer.py
+# That release's 2-process runs end, now and then, with a rank aborting in gloo's destructors after
+# its last step (fixed since: docs/reliability.md, "Preemption saves"); its run is made once more.
+OLD_TEARDOWN_ABORT = "terminate called without an active exception"
 COMMON = ["model.name=vlp-micro", "data.batch_per_device=8", "data.num_workers=0", "data.shuffle_buffer=32",
           "optim.warmup_steps=2", "train.log_every=2", "train.checkpoint_every=4", "train.keep_last=0"]
 
@@ -42,7 +46,13 @@ def _old_train(old: Path, shards, out: Path, *extra, procs: int = 1):
         proc = subprocess.run([str(Path(__import__("sys").executable)), *args], cwd=old, env=env,
                               capture_output=True, text=True, timeout=600)
     else:
-        proc = run_launch(accelerate_cmd(*args, config=old / "launch/cpu_2proc.yaml"), cwd=old, env=env, timeout=600)
+        for attempt in range(2):
+            if attempt:
+                shutil.rmtree(out)
+            proc = run_launch(accelerate_cmd(*args, config=old / "launch/cpu_2proc.yaml"), cwd=old, env=env,
+                              timeout=600)
+            if OLD_TEARDOWN_ABORT not in proc.stderr:
+                break
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the old code really ran: no manifests, the old module layout
     assert not list(out.glob("checkpoints/*manifest*")), sorted(p.name for p in (out / "checkpoints").iterdir())

@@ -153,8 +153,8 @@ def _mid_grid(group: Group, out: Path) -> dict[str, float]:
     return _finished(out)
 
 
-@pytest.mark.parametrize("workers, sig", [(1, signal.SIGINT), (2, signal.SIGINT), (1, signal.SIGTERM),
-                                          (2, signal.SIGUSR1)], ids=["1-INT", "2-INT", "1-TERM", "2-USR1"])
+@pytest.mark.parametrize("workers, sig", [(1, signal.SIGINT), (1, signal.SIGTERM), (2, signal.SIGUSR1)],
+                         ids=["1-INT", "1-TERM", "2-USR1"])  # 2 and a Ctrl-C: test_compare_second_ctrl_c_...[2]
 def test_compare_stopped_mid_grid_keeps_finished_runs_and_a_rerun_resumes(tiny_shards, tmp_path, workers, sig):
     """grid.workers=1 (the runs in the command's own process) and 2 (the --quick default: spawned
     worker processes): a Ctrl-C, SIGTERM or SIGUSR1 to the group while a run trains, with another

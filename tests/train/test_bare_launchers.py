@@ -100,9 +100,18 @@ def _env() -> dict:
     return run_env() | {"ACCELERATE_USE_CPU": "1"}
 
 
+STOPS = [(signal.SIGTERM, 1, "preempted at step", "(SIGTERM)"),
+         (signal.SIGUSR1, -signal.SIGUSR1, "preempted at step", "(its launcher died)"),
+         (signal.SIGINT, 1, "interrupted at step", "(SIGINT)")]  # launcher's status, the line's words
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("kind", ["accelerate launch", "torchrun elastic"])
-def test_every_stop_of_a_bare_launcher_saves_and_resumes_bit_identical(kind, tiny_shards, tmp_path, reference):
+@pytest.mark.parametrize("kind, stops, twice", [("accelerate launch", STOPS, True), ("torchrun elastic", STOPS[:2], False)],
+                         ids=["accelerate launch", "torchrun elastic"])
+def test_every_stop_of_a_bare_launcher_saves_and_resumes_bit_identical(kind, stops, twice, tiny_shards, tmp_path,
+                                                                       reference):
+    """accelerate launch: every stop; elastic torchrun (the same agent code once it runs): SIGTERM
+    and SIGUSR1, the two ways its agent ends."""
     out = tmp_path / "run"
 
     def segment() -> Segment:
@@ -113,9 +122,6 @@ def test_every_stop_of_a_bare_launcher_saves_and_resumes_bit_identical(kind, tin
         assert len(seg.ranks) == 2, seg.ranks
         return seg
 
-    stops = [(signal.SIGTERM, 1, "preempted at step", "(SIGTERM)"),
-             (signal.SIGUSR1, -signal.SIGUSR1, "preempted at step", "(its launcher died)"),
-             (signal.SIGINT, 1, "interrupted at step", "(SIGINT)")]
     for sig, status, words, why in stops:
         seg = segment()
         seg.signal(sig)
@@ -128,16 +134,17 @@ def test_every_stop_of_a_bare_launcher_saves_and_resumes_bit_identical(kind, tin
         step = int(stop[0].split(" at step ")[1].split()[0])
         assert step in saved_steps(out), (lines, saved_steps(out))
 
-    seg = segment()  # Ctrl-C twice: the agent answers the second with SIGTERM, which aborts the ranks
-    _starve(seg, out)  # the ranks wait for a batch: the first Ctrl-C cannot reach a step boundary
-    saved = saved_steps(out)
-    seg.signal(signal.SIGINT)
-    until("the first Ctrl-C's line", lambda: FIRST.strip() in seg.text())
-    seg.signal(signal.SIGINT)
-    code, err = seg.end()
-    assert code == 1 and vlp_lines(err) == [FIRST.strip(), SECOND.strip()], (code, err[-4000:])
-    _only_the_agents_traceback(err, int(signal.SIGINT))
-    assert saved_steps(out) == saved, (saved, saved_steps(out))
+    if twice:
+        seg = segment()  # Ctrl-C twice: the agent answers the second with SIGTERM, which aborts the ranks
+        _starve(seg, out)  # the ranks wait for a batch: the first Ctrl-C cannot reach a step boundary
+        saved = saved_steps(out)
+        seg.signal(signal.SIGINT)
+        until("the first Ctrl-C's line", lambda: FIRST.strip() in seg.text())
+        seg.signal(signal.SIGINT)
+        code, err = seg.end()
+        assert code == 1 and vlp_lines(err) == [FIRST.strip(), SECOND.strip()], (code, err[-4000:])
+        _only_the_agents_traceback(err, int(signal.SIGINT))
+        assert saved_steps(out) == saved, (saved, saved_steps(out))
 
     seg = Segment([*_launcher(kind), *train_args(tiny_shards, out, f"train.samples={STEPS * 8}", "train.resume=latest")],
                   _env(), last_step(out))  # to the end
