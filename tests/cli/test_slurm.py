@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stops import final_weights, pending, until
 from slurm_cluster import SlurmCluster, free_ports, job_processes, job_ranks, missing
 from vlp_testing import REPO, overrides
 
@@ -113,27 +114,6 @@ def held(job: int):
                 os.kill(pid, signal.SIGCONT)
 
 
-def pending(pid: int, sig: int) -> bool:
-    """Whether signal `sig` waits for process `pid` (held: it is handled once it continues)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("SigPnd:", "ShdPnd:"))]
-    return any(mask >> (sig - 1) & 1 for mask in masks)
-
-
-def wait_until(what: str, done, limit_s: float = 120) -> None:
-    deadline = time.time() + limit_s
-    while not done():
-        assert time.time() < deadline, f"{what}: not in {limit_s} s"
-        time.sleep(0.2)
-
-
-def weights(out: Path) -> dict:
-    return torch.load(out / "open_clip_model.pt", weights_only=True)["state_dict"]
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(cluster, tiny_shards, tmp_path_factory):
     """The docs' command with a brace range of shards and an output folder with a space and a quote."""
@@ -164,7 +144,7 @@ def test_time_limit_signal_saves_requeues_and_resumes_bit_identical(cluster, uni
     wait_for_step(cluster, job, out, 3)
     with held(job) as ranks:
         subprocess.run(["scancel", "--signal=USR1", str(job)], env=cluster.env, check=True)
-        wait_until("SIGUSR1 reaching the ranks", lambda: all(pending(pid, signal.SIGUSR1) for pid in ranks))
+        until("SIGUSR1 reaching the ranks", lambda: all(pending(pid, signal.SIGUSR1) for pid in ranks), limit_s=120)
     cluster.wait(job, lambda i: int(i.get("Restarts", 0)) >= 1, 300, "requeue")
     cluster.release(job)
     info = finished(cluster, job, out)
@@ -176,7 +156,7 @@ def test_time_limit_signal_saves_requeues_and_resumes_bit_identical(cluster, uni
     assert "(SIGUSR1)" in preempted[0] or "(another rank's signal)" in preempted[0]
     assert text.count("vlp: requeueing job") == 1 and "[vlp] resumed from" in text
     assert "Traceback" not in text and "ChildFailedError" not in text, text[-4000:]
-    ref, got = weights(uninterrupted[0]), weights(out)
+    ref, got = final_weights(uninterrupted[0]), final_weights(out)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
 
 
@@ -213,7 +193,7 @@ def test_preemption_by_a_higher_priority_job_saves_requeues_and_resumes_bit_iden
     with held(job):  # until SLURM has preempted it (~2.5 s after the submission)
         high = cluster.sbatch(["--partition=high", "--nodes=2", "--exclusive", f"--output={tmp_path}/high.out",
                                "--wrap", "sleep 1"])
-        wait_until("the preemption's signal", lambda: "CANCELLED AT" in job_log(out, job))
+        until("the preemption's signal", lambda: "CANCELLED AT" in job_log(out, job), limit_s=120)
     cluster.wait(job, lambda i: int(i.get("Restarts", 0)) >= 1, 300, "requeue by the preemption")
     cluster.wait(high, lambda i: i["JobState"] in DONE, 300, "the preempting job's end")
     cluster.release(job)
@@ -225,7 +205,7 @@ def test_preemption_by_a_higher_priority_job_saves_requeues_and_resumes_bit_iden
     # SLURM requeues it; the script may too (the SIGTERM reached the steps, not the batch shell)
     assert info["Restarts"] == "1" and "[vlp] resumed from" in text
     assert "Traceback" not in text, text[-4000:]
-    ref, got = weights(uninterrupted[0]), weights(out)
+    ref, got = final_weights(uninterrupted[0]), final_weights(out)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
 
 
@@ -260,5 +240,5 @@ def test_a_lost_node_ends_the_other_in_one_line_and_the_requeued_job_resumes_exa
     text = job_log(out, job)
     assert len([x for x in text.splitlines() if "vlp: error: rank 0 lost its peers" in x]) == 1, text[-4000:]
     assert f"[vlp] resumed from {out}/checkpoints/step_{saved:08d}.pt at step {saved}," in text, text[-4000:]
-    ref, got = weights(uninterrupted[0]), weights(out)
+    ref, got = final_weights(uninterrupted[0]), final_weights(out)
     assert all(torch.equal(ref[k], got[k]) for k in ref)

@@ -144,12 +144,13 @@ def state(pid: int) -> str:
 
 
 def pending(pid: int, sig: int) -> bool:
-    """Whether `sig` waits, for the process `pid` as a whole (a stopped one does not take it)."""
+    """Whether `sig` waits for the process `pid`: sent to it as a whole (a stopped one does not take
+    it), or to its main thread."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return False
-    masks = [int(x.split()[1], 16) for x in status.splitlines() if x.startswith("ShdPnd:")]
+    masks = [int(x.split()[1], 16) for x in status.splitlines() if x.startswith(("SigPnd:", "ShdPnd:"))]
     return any(mask >> (sig - 1) & 1 for mask in masks)
 
 

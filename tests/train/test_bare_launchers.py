@@ -126,7 +126,7 @@ def test_every_stop_of_a_bare_launcher_saves_and_resumes_bit_identical(kind, sto
         seg = segment()
         seg.signal(sig)
         code, err = seg.end()
-        lines = [x for x in vlp_lines(err)]
+        lines = vlp_lines(err)
         stop = [x for x in lines if words in x]
         assert code == status and len(stop) == 1 and why in stop[0], (code, lines, err[-4000:])
         assert len(lines) == (2 if sig == signal.SIGINT else 1), lines  # SIGINT: FIRST, then the stop
