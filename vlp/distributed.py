@@ -225,6 +225,12 @@ def check_launched_world(env=None) -> None:
 STOPPING = threading.Event()  # set by vlp.train.preempt when this process got a stop signal
 LAUNCHER_GONE = threading.Event()  # set just before this rank stops because its launcher died
 STOP_GRACE_S = 300.0  # how long a stopping rank whose launcher died may take to save and exit
+_LAUNCHER: list[int] = []  # the pid of this rank's launcher, once exit_with_launcher watches it
+
+
+def launcher_gone() -> bool:
+    """Whether the launcher exit_with_launcher watches has died (this process was reparented)."""
+    return bool(_LAUNCHER) and os.getppid() != _LAUNCHER[0]
 
 
 def exit_with_launcher(poll_s: float = 1.0) -> None:
@@ -248,6 +254,7 @@ def exit_with_launcher(poll_s: float = 1.0) -> None:
         return
     check_launched_world()
     parent = os.getppid()
+    _LAUNCHER[:] = [parent]
 
     def watch() -> None:
         while parent != 1 and os.getppid() == parent:  # pid 1: the launcher died before we started

@@ -107,3 +107,16 @@ def test_only_the_main_rank_marks_lost_peers(tmp_path):
     preempt.mark_lost_peers({preempt.MARKER_ENV: str(marker), "RANK": "0"})
     assert marker.read_text() == "lost-peers\n"
     assert not preempt.Preemption().stopped(3, is_main=False).is_main
+
+
+def test_a_rank_stopped_by_a_peer_names_its_launchers_death_when_it_shares_it(monkeypatch):
+    """Ranks see their launcher die up to a poll apart: one stopped by a peer's flag (received -1)
+    names the launcher's death when its own launcher is gone too, else "another rank's signal"."""
+    from vlp import distributed
+
+    stop = preempt.Preemption()
+    stop.received = -1
+    monkeypatch.setattr(distributed, "_LAUNCHER", [os.getppid()])  # alive
+    assert "(another rank's signal)" in str(stop.stopped(3))
+    monkeypatch.setattr(distributed, "_LAUNCHER", [os.getppid() + 1])  # not this process's parent: gone
+    assert "(its launcher died)" in str(stop.stopped(3))

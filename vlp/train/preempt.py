@@ -183,7 +183,11 @@ class Preemption:
             return Preempted(step, checkpoint, "SIGINT", is_main, exit_status(unlaunched=ABORTED))
         if marker and is_main:
             Path(marker).write_text(f"{step}\n")
-        name = self.signame if self.received and self.received > 0 else "another rank's signal"
+        launched = sys.modules.get("vlp.distributed")
+        if self.received == -1 and launched is not None and launched.launcher_gone():
+            self.launcher_gone = True  # a peer saw the launcher die first: it is this rank's launcher too
+        own = self.launcher_gone or (self.received is not None and self.received > 0)
+        name = self.signame if own else "another rank's signal"
         return Preempted(step, checkpoint, name, is_main)
 
 
