@@ -91,9 +91,9 @@ def _group(pgid: int) -> list[int]:
 def _stopped_once(code: int, err: str, sig: int = signal.SIGINT) -> str:
     """A first Ctrl-C's exit: 130, no traceback, one line saying it was interrupted (beside the
     first Ctrl-C's 'saving a checkpoint' notice when a run was training in this process); that line.
-    SIGTERM / SIGUSR1: 75 and one line saying it was preempted."""
+    SIGTERM / SIGUSR1: 75 and one line saying it was preempted; SIGHUP: 129, 'hung up'."""
     lines = [x for x in vlp_lines(err) if not x.startswith("vlp: warning:")]
-    status, word = (130, INTERRUPTED) if sig == signal.SIGINT else (75, "vlp: preempted")
+    status, word = {signal.SIGINT: (130, INTERRUPTED), signal.SIGHUP: (129, "vlp: hung up")}.get(sig, (75, "vlp: preempted"))
     assert code == status and "Traceback" not in err, (code, err[-4000:])
     stops = [x for x in lines if x.startswith(word)]
     assert len(stops) == 1 and set(lines) - {FIRST.strip()} == set(stops), (lines, err[-4000:])
@@ -153,12 +153,12 @@ def _mid_grid(group: Group, out: Path) -> dict[str, float]:
     return _finished(out)
 
 
-@pytest.mark.parametrize("workers, sig", [(1, signal.SIGINT), (1, signal.SIGTERM), (2, signal.SIGUSR1)],
-                         ids=["1-INT", "1-TERM", "2-USR1"])  # 2 and a Ctrl-C: test_compare_second_ctrl_c_...[2]
+@pytest.mark.parametrize("workers, sig", [(1, signal.SIGINT), (1, signal.SIGTERM), (2, signal.SIGUSR1), (1, signal.SIGHUP)],
+                         ids=["1-INT", "1-TERM", "2-USR1", "1-HUP"])  # 2 and a Ctrl-C: test_compare_second_ctrl_c_...[2]
 def test_compare_stopped_mid_grid_keeps_finished_runs_and_a_rerun_resumes(tiny_shards, tmp_path, workers, sig):
     """grid.workers=1 (the runs in the command's own process) and 2 (the --quick default: spawned
-    worker processes): a Ctrl-C, SIGTERM or SIGUSR1 to the group while a run trains, with another
-    already finished."""
+    worker processes): a Ctrl-C, SIGTERM, SIGUSR1 or SIGHUP (a closed terminal) to the group while a
+    run trains, with another already finished."""
     out = tmp_path / "grid"
     args = _compare(tiny_shards, out, workers)
     first = Group(args, tmp_path, "first")

@@ -1,4 +1,5 @@
 """Helpers shared by the top-level tests (a unique module name: conftest.py files collide)."""
+import contextlib
 import io
 import os
 import subprocess
@@ -82,3 +83,15 @@ def noise_jpeg(seed: int, size: int = 64) -> bytes:
 FSDP_COMMON = ["model.name=vlp-micro", "data.batch_per_device=8", "data.num_workers=0", "optim.lr=1e-3",
           "optim.warmup_steps=2", "train.log_every=1", "data.shuffle_buffer=32", "train.samples=192",
           "train.keep_last=20", "train.checkpoint_every=4"]
+
+
+@contextlib.contextmanager
+def cpu_hog(processes: int = 1):
+    """A loaded box: `processes` busy loops beside the test, ended (and reaped) as it leaves."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield hogs
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()

@@ -24,7 +24,7 @@ from vlp.train.interrupt import ECHO_S, FIRST, SECOND
 from vlp_testing import PYTHON, REPO, free_port, run_env
 
 STOPS = [(signal.SIGTERM, 75, "preempted at step"), (signal.SIGUSR1, 75, "preempted at step"),
-         (signal.SIGINT, 130, "interrupted at step")]  # each signal to the group: exit status, line
+         (signal.SIGINT, 130, "interrupted at step"), (signal.SIGHUP, 129, "hung up at step")]  # each signal to the group: exit status, line
 
 
 def _each_stop_saves(segment, out) -> Iterator[tuple[int, list[str], str]]:

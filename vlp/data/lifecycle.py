@@ -17,10 +17,16 @@ SIGKILLs the ones still running as it exits (`end_workers`: multiprocessing's SI
 ignored, and its join would wait forever). Every loader that uses `start_worker` calls
 `end_workers_at_exit` as it starts them.
 
-A worker that dies on its own (SIGKILL from the OOM killer, a segfault in a decoder) is reported
-by torch as a RuntimeError naming its pid; `Board.failure` turns that into one line naming the
-worker, its pid, how it ended and the shard it was reading (each worker writes its pid and the
-shard it opens to a shared board).
+A worker that dies on its own (SIGKILL from the OOM killer, a segfault in a decoder) surfaces in
+the main process wherever a batch was crossing from it: torch's RuntimeError naming its pid
+(waiting on the queue), a ConnectionResetError / ConnectionRefusedError / EOFError while a
+batch's shared storage is passed by file descriptor from the dying worker (torch's
+`rebuild_storage_fd`), or "Pin memory thread exited unexpectedly" (the pinning thread died of
+that same error). `Board.receive` wraps the loader's iterator at that crossing: any error there
+is `WorkerDied` with one line naming the worker, its pid, how it ended and the shard it was
+reading (each worker writes its pid and the shard it opens to a shared board) when a worker of
+the loader has died (waited for up to DEATH_WAIT_S: a dead worker's sockets close just before
+the kernel shows it dead); with every worker alive the error is raised as it is.
 """
 
 from __future__ import annotations
@@ -33,10 +39,12 @@ import re
 import signal
 import sys
 import threading
+import time
 import weakref
-from typing import Optional
+from typing import Iterator, Optional
 
-IGNORED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+IGNORED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)  # vlp.train.preempt.SIGNALS
+DEATH_WAIT_S = 5.0  # Board.death: how long a worker's end may trail the error its death caused
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _PIDS = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\)")
 _HOW = re.compile(r"killed by signal: ([^.]+)\.|exit code (-?\d+)")
@@ -94,6 +102,9 @@ class Board:
         5 s, its liveness check): at a step boundary, with the model's state whole."""
         _WATCHED.add(self)
         end_workers_at_exit()
+        if threading.excepthook is not _thread_error:
+            _HOOK[:] = [threading.excepthook]
+            threading.excepthook = _thread_error
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGCHLD, _on_child)
 
@@ -109,6 +120,41 @@ class Board:
             if info is not None and info.si_pid:
                 self.ended[pid] = _ended(info)
 
+    def receive(self, batches: Iterator) -> Iterator:
+        """The loader's batches as they cross from the workers; an error on the way (waiting on the
+        queue, unpickling a batch whose storage comes by file descriptor, pinning) is WorkerDied
+        when a worker of this board died, else raised as it is."""
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except Exception as e:  # noqa: BLE001  (KeyboardInterrupt passes)
+                line = self.death(e)
+                if line is None:
+                    raise
+                raise WorkerDied(line) from e
+            yield batch
+
+    def death(self, error: BaseException) -> Optional[str]:
+        """The line for a worker's death behind `error`: torch's words name its pid, or a worker of
+        this board has ended (waited for up to DEATH_WAIT_S: its sockets close before the kernel
+        shows it dead). None when every worker is alive."""
+        line = self.failure(error)
+        deadline = time.monotonic() + DEATH_WAIT_S
+        while line is None:
+            self.peek()
+            dead = [pid for pid in self.pids() if pid in self.ended]
+            if dead:
+                return self._describe(dead, "exited unexpectedly")
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
+        return line
+
+    def pids(self) -> list[int]:
+        return [pid for pid in self.cells[::2] if pid > 0]
+
     def enter(self, worker: int) -> None:
         """In worker `worker`: this process is it; `note_shard` writes here from now on."""
         self.cells[2 * worker] = os.getpid()
@@ -120,14 +166,13 @@ class Board:
         for e in _chain(error):
             found = _PIDS.search(str(e))
             if found:
-                return self._describe(found, e)
+                how = _HOW.search(str(e))
+                told = ("was killed by signal " + how.group(1) if how and how.group(1) else
+                        f"exited with status {how.group(2)}" if how else "exited unexpectedly")
+                return self._describe([int(p) for p in found.group(1).replace(",", " ").split()], told)
         return None
 
-    def _describe(self, found: re.Match, error: BaseException) -> str:
-        pids = [int(p) for p in found.group(1).replace(",", " ").split()]
-        how = _HOW.search(str(error))
-        told = ("was killed by signal " + how.group(1) if how and how.group(1) else
-                f"exited with status {how.group(2)}" if how else "exited unexpectedly")
+    def _describe(self, pids: list[int], told: str) -> str:
         lines = []
         for pid in pids:
             ended = self.ended.get(pid, told)
@@ -162,6 +207,23 @@ def end_workers() -> None:
 _AT_EXIT: list = []  # end_workers is registered once
 _MINE: list = []  # in a worker: [(its Board, its index)]
 _WATCHED: "weakref.WeakSet[Board]" = weakref.WeakSet()  # main process: the boards of live loaders
+
+
+_HOOK: list = []  # the threading.excepthook before _thread_error
+
+
+def _thread_error(args) -> None:
+    """threading.excepthook: torch's pinning thread dies of the error that a dead worker's batch
+    raised in it; the main process then says it in one line (Board.receive), so the thread's
+    traceback is not printed. Any other thread's error goes to the hook before."""
+    tb = args.exc_traceback
+    pinning = False
+    while tb is not None:
+        pinning = pinning or tb.tb_frame.f_code.co_name == "_pin_memory_loop"
+        tb = tb.tb_next
+    if pinning and any(board.death(args.exc_value) for board in list(_WATCHED)):
+        return
+    (_HOOK[0] if _HOOK else threading.__excepthook__)(args)
 
 
 def _on_child(signum, frame) -> None:

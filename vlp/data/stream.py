@@ -113,7 +113,7 @@ class Loader:
             dataset, batch_size=None, num_workers=self.num_workers, generator=generator,
             worker_init_fn=start_worker, pin_memory=self.pin_memory, collate_fn=as_is))
         self.board.watch()  # a worker's death is raised at the next batch, not mid-step
-        return started
+        return self.board.receive(started)  # ... as WorkerDied, one line, whatever the batch was doing
 
     def epochs(self, epoch: int = 0, start_batch: int = 0) -> Iterator[dict]:
         """Every batch of every epoch from (epoch, start_batch) on, forever, through one set of
@@ -152,11 +152,6 @@ class Loader:
         if item["epoch"] != self._rest_epoch:
             self._rest, self._rest_epoch = {}, item["epoch"]
         self._rest[worker] = rest
-
-    def worker_failure(self, error: BaseException) -> str | None:
-        """One line for torch's error about a worker of this loader that died (which worker,
-        how, the shard it was reading); None for any other error."""
-        return self.board.failure(error) if self.board is not None else None
 
     def rest_of_epoch(self, epoch: int) -> list[tuple[int, int, int]] | None:
         """Split mode: the shard pieces of ``epoch`` this rank has not consumed, as of the last

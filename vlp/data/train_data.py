@@ -124,11 +124,6 @@ class TrainData:
                            tokenize=self.tokenize, seed=self.cfg.train.seed, rank=self.rank, world_size=self.world,
                            image_output=self.image_output, pin_memory=self.pin_memory, **extra)
 
-    def worker_failure(self, error: BaseException) -> Optional[str]:
-        """One line for torch's error about a loader worker that died on its own (which worker,
-        how, the shard it was reading; vlp.data.lifecycle); None for any other error."""
-        return self.current.worker_failure(error)
-
     def stream(self) -> Iterator[dict]:
         """Every stream item from the current position on. An epoch begun under another layout
         (``pieces``) is finished first by a loader over its remaining pieces."""

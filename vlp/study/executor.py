@@ -33,7 +33,7 @@ from vlp.config import from_dict, global_batch, steps_for
 from vlp.experiment import check
 from vlp.study.plan import SPLITS
 from vlp.study.runs import run_one
-from vlp.train.preempt import EXIT_PREEMPTED, SIGNALS, Preempted, Preemption
+from vlp.train.preempt import EXIT_PREEMPTED, HUNG_UP, SIGNALS, Preempted, Preemption
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _GRID_STOP: list = []  # this process's Ctrl-C watch while it runs a grid's jobs (see GridStop)
@@ -103,8 +103,9 @@ def grid_stopped(stop: Preemption) -> BaseException:
     exit 130), else Preempted with one line saying that the finished runs are kept (exit 75)."""
     if stop.received in (None, signal.SIGINT):  # None: a run's own handler took the Ctrl-C
         return KeyboardInterrupt()
-    return Preempted(0, signame=stop.signame, status=EXIT_PREEMPTED, line=(
-        f"preempted ({stop.signame}) between runs; the finished runs are kept: run the same command again to go on"))
+    status, stopped = (HUNG_UP, "hung up") if stop.received == signal.SIGHUP else (EXIT_PREEMPTED, "preempted")
+    return Preempted(0, signame=stop.signame, status=status, line=(
+        f"{stopped} ({stop.signame}) between runs; the finished runs are kept: run the same command again to go on"))
 
 
 def start_resource_tracker() -> None:

@@ -292,11 +292,8 @@ class Trainer:
         self.preemption = preempt.Preemption().install()
         try:
             return self._train()
-        except RuntimeError as e:  # a loader worker died on its own (OOM killer, segfault): one line
-            line = self.data.worker_failure(e)
-            if line is None:
-                raise
-            raise WorkerDied(f"{line}, at step {self.step}; not saved: the checkpoints written before are "
+        except WorkerDied as e:  # a loader worker died on its own (OOM killer, segfault): one line
+            raise WorkerDied(f"{e}, at step {self.step}; not saved: the checkpoints written before are "
                              "intact, resume with train.resume=latest (docs/reliability.md)") from e
         finally:
             self.preemption.uninstall()

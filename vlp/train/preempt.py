@@ -1,4 +1,4 @@
-"""Preemption: SIGTERM / SIGUSR1 ask the run to stop at the next step boundary, save, and exit
+"""Preemption: SIGTERM / SIGUSR1 (and SIGHUP, SIGINT) ask the run to stop at the next step boundary, save, and exit
 with its own status, so the scheduler can requeue it and `train.resume=latest` goes on. SIGINT
 (Ctrl-C) stops and saves the same way; a second one aborts at once (vlp.train.interrupt).
 
@@ -32,6 +32,11 @@ reports a Ctrl-C); under a launcher with the marker, "interrupted N" in it and 0
 must not requeue a run its user stopped). A second Ctrl-C exits at once: 130, or 0 with
 "aborted" in the marker (vlp.train.interrupt).
 
+SIGHUP (the terminal or ssh session closed, no nohup) is a stop too: the same save, then
+`vlp: hung up at step N (SIGHUP); saved ...` and exit status 129 (128 + SIGHUP, as a shell
+reports it); under a launcher with the marker, "hangup N" in it and 0 (no requeue). The output
+still bound to the closed terminal goes to /dev/null first (a write there fails with EIO).
+
 The signals reach every process of the run when they are sent to its process group (SLURM,
 timeout(1), a terminal's Ctrl-C): the loader workers ignore them (vlp.data.lifecycle), so the
 save at the step boundary has its workers.
@@ -49,7 +54,9 @@ from vlp.train.interrupt import ABORTED, CtrlC
 
 EXIT_PREEMPTED = 75
 MARKER_ENV = "VLP_PREEMPT_MARKER"
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+HUNG_UP = 129  # 128 + SIGHUP, as a shell reports it
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+STOPPED = {"SIGINT": "interrupted", "SIGHUP": "hung up"}  # the user's stops; the rest: "preempted"
 
 
 class Preempted(Exception):
@@ -61,7 +68,7 @@ class Preempted(Exception):
         self.step, self.checkpoint, self.is_main = step, checkpoint, is_main
         self.status = exit_status() if status is None else status
         saved = f"saved {checkpoint}; " if checkpoint else ""
-        stopped = "interrupted" if signame == "SIGINT" else "preempted"
+        stopped = STOPPED.get(signame, "preempted")
         super().__init__(line or f"{stopped} at step {step} ({signame}); {saved}resume with train.resume=latest")
 
     def __reduce__(self):  # a run in a worker process (vlp compare): its caller gets the same line
@@ -86,6 +93,8 @@ class Preemption:
         launched = sys.modules.get("vlp.distributed")  # no import in a handler: loaded where it matters
         if self.received is None:
             self.received = signum
+            if signum == signal.SIGHUP:
+                _off_the_terminal()
             self.launcher_gone = launched is not None and launched.LAUNCHER_GONE.is_set()
         if launched is not None:
             launched.STOPPING.set()  # a launcher that died of the same signal does not end this rank's save
@@ -181,6 +190,10 @@ class Preemption:
             if marker and is_main:
                 Path(marker).write_text(f"interrupted {step}\n")
             return Preempted(step, checkpoint, "SIGINT", is_main, exit_status(unlaunched=ABORTED))
+        if self.received == signal.SIGHUP:  # the terminal closed: saved, no requeue
+            if marker and is_main:
+                Path(marker).write_text(f"hangup {step}\n")
+            return Preempted(step, checkpoint, "SIGHUP", is_main, exit_status(unlaunched=HUNG_UP))
         if marker and is_main:
             Path(marker).write_text(f"{step}\n")
         launched = sys.modules.get("vlp.distributed")
@@ -189,6 +202,18 @@ class Preemption:
         own = self.launcher_gone or (self.received is not None and self.received > 0)
         name = self.signame if own else "another rank's signal"
         return Preempted(step, checkpoint, name, is_main)
+
+
+def _off_the_terminal() -> None:
+    """After SIGHUP: stdout / stderr on the closed terminal go to /dev/null, so the save's output
+    (progress, the stop's line) cannot fail with EIO midway. A file or pipe keeps them."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            if os.isatty(fd):
+                os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 def _counted(signum, frame) -> None:
