@@ -24,6 +24,17 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
 
+def scratch(prefix: str) -> str:
+    """A temporary folder removed when this process exits (a benchmark's run folders)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
 def bench_env(**extra: str) -> dict:
     """Environment for child processes: one BLAS/OpenMP thread, repo importable, no GPU."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO),

@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import REPO, bench_device, figure, header, jpeg_shards, median  # noqa: E402
+from bench._common import REPO, bench_device, figure, header, jpeg_shards, median, scratch  # noqa: E402
 
 H200_BF16_DENSE_FLOPS = 989e12
 
@@ -309,7 +309,7 @@ def main(argv=None) -> None:
     spec = jpeg_shards(out / "shards", args.real_samples, per_shard, size=512, workers=os.cpu_count() or 1)
     print(f"# {args.real_samples} JPEG pairs in {spec} ({time.time() - t0:.0f} s)", flush=True)
 
-    tmp = tempfile.mkdtemp(prefix="gpu_bench_")
+    tmp = scratch("gpu_bench_")
     trainer = build_vlp_trainer(args, spec, tmp)
     batch = synthetic_batch(args.model, args.batch, device)
     oc = open_clip_setup(args, device)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import REPO, bench_device, figure, header, jpeg_shards  # noqa: E402
+from bench._common import REPO, bench_device, figure, header, jpeg_shards, scratch  # noqa: E402
 from bench.gpu_bench import (H200_BF16_DENSE_FLOPS, count_flops, host_syncs, open_clip_setup,  # noqa: E402
                              open_clip_synthetic, peak_gib, reset_peak, sync, synthetic_batch)
 
@@ -50,7 +50,7 @@ def vlp_trainer(args, spec: str, batch: int, compile_towers: bool):
     cfg = load_config(None, [
         f"model.name={args.model}", f"data.train_shards={spec}", f"data.batch_per_device={batch}",
         "data.num_workers=0", f"train.precision={args.precision}", "train.samples=100000000",
-        "train.log_every=1000000", f"train.output_dir={tempfile.mkdtemp(prefix='gpu_sweep_')}",
+        "train.log_every=1000000", f"train.output_dir={scratch('gpu_sweep_')}",
         "optim.lr=5e-4", "optim.weight_decay=0.2", "optim.warmup_steps=2", "optim.grad_clip=1.0",
         f"train.compile={str(compile_towers).lower()}",
         f"train.cuda_graphs={str(torch_cuda()).lower()}"])  # as the CLI builds it (refused on CPU)
@@ -140,7 +140,7 @@ def graph_parity(args, spec: str, device, loss: str, steps: int = 20, bad: int =
         return Trainer(load_config(None, [
             "model.name=vlp-micro", f"data.train_shards={spec}", "data.batch_per_device=8", "data.num_workers=0",
             f"loss.name={loss}", "train.samples=100000", "optim.grad_clip=1.0", "optim.warmup_steps=3",
-            f"train.output_dir={tempfile.mkdtemp(prefix='gpu_parity_')}", "train.log_every=5"]))
+            f"train.output_dir={scratch('gpu_parity_')}", "train.log_every=5"]))
 
     eager, static = trainer(), trainer()
     static.unwrapped.load_state_dict(eager.unwrapped.state_dict())

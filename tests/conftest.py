@@ -5,6 +5,7 @@ tests/support/tiers.py ``groups``). The tests' helpers live in tests/support/.""
 import os
 import resource
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))  # the tests' helpers: tests/support/
@@ -15,6 +16,16 @@ from xdist.scheduler import LoadGroupScheduling
 from tiers import SLOW_LIST, SLOW_S, base_id, groups, join_group, markers, plain_id, read_list
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _temp_files_inside_pytests_tree(tmp_path_factory, monkeypatch):
+    """Each test's temporary files, and its processes', go to a folder of pytest's own tree (which
+    pytest removes: tmp_path_retention_policy), not the machine's temp dir: what a process killed
+    on purpose cannot remove (multiprocessing's pymp-*, torch's elastic agent's torchelastic_* logs)
+    goes with it. tests/test_leftovers.py checks that the suite leaves nothing there."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmp")))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ killed at its limit). Used by tests/test_bench_smoke.py.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
@@ -29,13 +30,14 @@ import vlp.train.loop  # noqa: F401
 
 
 def _child(script: str, argv: list[str], log: str) -> None:
-    """In the forked child: run the script as its own program, then leave without the parent's
-    exit handlers."""
+    """In the forked child: run the script as its own program, then its exit handlers (its temporary
+    folders go), without the parent's."""
     os.setsid()
     for fd, suffix in ((1, ".out"), (2, ".err")):
         os.dup2(os.open(log + suffix, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     sys.stdout.reconfigure(line_buffering=True)  # a script killed at its limit leaves what it printed
     sys.argv = [script, *argv]
+    atexit._clear()  # the parent's exit handlers are not the script's; its own run below, as at a real exit
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")
@@ -44,6 +46,7 @@ def _child(script: str, argv: list[str], log: str) -> None:
     except BaseException:
         traceback.print_exc()
         code = 1
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -1,0 +1,39 @@
+"""The suite leaves nothing behind in the machine's temp dir (issue 48): a few representative tests
+(an in-process loader with a worker, a process SIGKILLed on purpose, a 2-rank `accelerate launch`
+whose elastic agent writes its log folders) run in a pytest of their own with a TMPDIR of their
+own, which must be empty when it ends but for pytest's own (empty) root folder."""
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from vlp_testing import PYTHON, REPO, run_env
+
+REPRESENTATIVE = [
+    "tests/data/test_worker_death.py::test_a_connection_error_with_every_worker_alive_keeps_its_message",
+    "tests/checkpoint/test_runlock.py::test_killed_holder_is_stale",
+    "tests/train/test_two_process.py::test_two_ranks_equal_one_rank_with_gathered_gradients",
+]
+
+
+def _left(folder: Path) -> list[str]:
+    """What is in `folder`, but pytest's root (pytest-of-USER) with its 'pytest-current' link."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        rel = Path(root).relative_to(folder)
+        found += [str(rel / name) for name in files + dirs if not (
+            rel == Path(".") and name.startswith("pytest-of-") or rel.name.startswith("pytest-of-") and
+            name == "pytest-current" and os.path.islink(Path(root) / name))]
+    return sorted(found)
+
+
+@pytest.mark.multiproc
+def test_representative_tests_leave_their_temp_dir_empty(tmp_path):
+    watched = tmp_path / "watched"
+    watched.mkdir()
+    env = run_env() | {"TMPDIR": str(watched), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([PYTHON, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *REPRESENTATIVE],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and f"{len(REPRESENTATIVE)} passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert _left(watched) == [], _left(watched)
