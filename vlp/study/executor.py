@@ -110,15 +110,16 @@ def grid_stopped(stop: Preemption) -> BaseException:
 
 def start_resource_tracker() -> None:
     """Start multiprocessing's resource tracker (the spawned workers' shared memory) with SIGUSR1
-    ignored, as it ignores SIGINT and SIGTERM itself: a SIGUSR1 to the group killed it, and its
-    replacement printed a KeyError traceback for every segment it had not seen."""
+    and SIGHUP ignored, as it ignores SIGINT and SIGTERM itself: a SIGUSR1 to the group killed it,
+    and its replacement printed a KeyError traceback for every segment it had not seen."""
     from multiprocessing import resource_tracker
 
-    previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # an ignored signal stays so across exec
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGUSR1, signal.SIGHUP)}  # kept across exec
     try:
         resource_tracker.ensure_running()
     finally:
-        signal.signal(signal.SIGUSR1, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 _ACCELERATOR: list = []  # a worker process's Accelerator, made by its first run
