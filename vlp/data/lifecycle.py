@@ -92,14 +92,18 @@ class Board:
     def __init__(self, workers: int, paths: list[str]):
         self.paths = list(paths)
         self.cells = multiprocessing.Array("q", [-1] * (2 * max(workers, 1)), lock=False)
-        self.ended: dict[int, str] = {}  # main process: pid -> how that worker ended (SIGCHLD)
+        self.ended: dict[int, str] = {}  # main process: pid -> how that worker died (SIGCHLD)
+        self.processes: dict = {}  # main process: pid -> torch's worker process (watch)
+        self.receiving = False  # main process: waiting in `receive` for the next batch
 
-    def watch(self) -> None:
-        """Main process, once the workers run: SIGCHLD notes how a worker ended (the exit is
-        peeked at, not reaped: torch reaps it) instead of torch's handler, which raised the
-        error wherever the main thread was, in the middle of a step or of a checkpoint's write.
-        torch then raises it where the main process waits for that worker's next batch (within
-        5 s, its liveness check): at a step boundary, with the model's state whole."""
+    def watch(self, processes=()) -> None:
+        """Main process, once the workers run (`processes`: torch's, for how one ended when torch
+        reaped it first): SIGCHLD notes how a worker ended (the exit is peeked at, not reaped:
+        torch reaps it) instead of torch's handler, which raised the error wherever the main
+        thread was, in the middle of a step or of a checkpoint's write. Here it is raised only
+        while the main process waits for a batch (`receive`): at a step boundary, with the
+        model's state whole, and at once, not at torch's next liveness check (5 s)."""
+        self.processes = {p.pid: p for p in processes}
         _WATCHED.add(self)
         end_workers_at_exit()
         if threading.excepthook is not _thread_error:
@@ -117,8 +121,8 @@ class Board:
                 info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:  # reaped already, or not our child
                 continue
-            if info is not None and info.si_pid:
-                self.ended[pid] = _ended(info)
+            if info is not None and info.si_pid and (info.si_code != os.CLD_EXITED or info.si_status != 0):
+                self.ended[pid] = _ended(info.si_code == os.CLD_EXITED, info.si_status)
 
     def receive(self, batches: Iterator) -> Iterator:
         """The loader's batches as they cross from the workers; an error on the way (waiting on the
@@ -126,14 +130,22 @@ class Board:
         when a worker of this board died, else raised as it is."""
         while True:
             try:
+                self.receiving = True  # a worker's death raises _Died here (SIGCHLD: _on_child)
+                if self.ended:  # it died while the main process was busy: its batches cannot come
+                    raise _Died()
                 batch = next(batches)
+                self.receiving = False
             except StopIteration:
                 return
             except Exception as e:  # noqa: BLE001  (KeyboardInterrupt passes)
+                self.receiving = False
                 line = self.death(e)
                 if line is None:
                     raise
+                _shut_down(batches)
                 raise WorkerDied(line) from e
+            finally:
+                self.receiving = False
             yield batch
 
     def death(self, error: BaseException) -> Optional[str]:
@@ -151,6 +163,11 @@ class Board:
                 return None
             time.sleep(0.01)
         return line
+
+    def _reaped(self, pid: int) -> Optional[str]:
+        """How worker `pid` ended, from torch's process object (when torch reaped it first)."""
+        code = getattr(self.processes.get(pid), "exitcode", None)
+        return None if code is None else _ended(code >= 0, abs(code))
 
     def pids(self) -> list[int]:
         return [pid for pid in self.cells[::2] if pid > 0]
@@ -175,7 +192,7 @@ class Board:
     def _describe(self, pids: list[int], told: str) -> str:
         lines = []
         for pid in pids:
-            ended = self.ended.get(pid, told)
+            ended = self.ended.get(pid) or self._reaped(pid) or told
             cells = [i for i in range(0, len(self.cells), 2) if self.cells[i] == pid]
             if not cells:
                 lines.append(f"loader worker (pid {pid}) {ended}")
@@ -226,16 +243,52 @@ def _thread_error(args) -> None:
     (_HOOK[0] if _HOOK else threading.__excepthook__)(args)
 
 
+def _shut_down(batches) -> None:
+    """A loader whose worker died, shut down now (its other workers, queues, pinning thread), not
+    whenever its iterator is collected: a process that goes on (vlp compare's next run) must not
+    have the dead loader's queue threads writing to pipes whose descriptors are reused."""
+    shut = getattr(batches, "_shutdown_workers", None)  # torch's DataLoader iterator
+    if shut is not None:
+        shut()
+
+
+class _Died(Exception):
+    """Raised by SIGCHLD's handler into a `receive` waiting for a batch: a worker died."""
+
+
+_WAITS = ("selectors.py", "threading.py")  # where a blocked `receive` waits: the result queue's poll, the pin queue's
+
+
 def _on_child(signum, frame) -> None:
+    """SIGCHLD: note how a watched worker ended; when the main process is blocked waiting for a
+    batch (`receive`, in a poll or a lock's wait: not running a finalizer or any other code), end
+    the wait now with _Died rather than at torch's next liveness check (5 s). Inside `receive` but
+    not yet waiting: SIGCHLD again to the main thread shortly, which lands in that wait."""
     for board in list(_WATCHED):
         board.peek()
+        if not (board.receiving and board.ended):
+            continue
+        if frame is not None and frame.f_code.co_filename.endswith(_WAITS):
+            board.receiving = False
+            raise _Died()
+        if not _AGAIN:
+            _AGAIN.append(threading.Timer(0.01, _signal_main_again))
+            _AGAIN[0].start()
 
 
-def _ended(info) -> str:
-    """How a child ended, from os.waitid's answer."""
-    if info.si_code == os.CLD_EXITED:
-        return f"exited with status {info.si_status}"
-    name = signal.Signals(info.si_status).name if info.si_status in signal.valid_signals() else str(info.si_status)
+_AGAIN: list = []  # the pending Timer of _on_child's repeat
+
+
+def _signal_main_again() -> None:
+    _AGAIN.clear()
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGCHLD)
+
+
+def _ended(exited: bool, status: int) -> str:
+    """How a child ended: its exit status, or the signal that killed it."""
+    if exited:
+        return f"exited with status {status}"
+    name = signal.Signals(status).name if status in signal.valid_signals() else str(status)
     hint = {"SIGKILL": " (the OOM killer, or a kill -9)", "SIGSEGV": " (a crash in native code, e.g. an image decoder)",
             "SIGBUS": " (out of shared memory? /dev/shm)"}.get(name, "")
     return f"was killed by signal {name}{hint}"

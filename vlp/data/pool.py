@@ -46,7 +46,7 @@ def release(token: str, index: int) -> None:
     leases = Leases.live.get(token)
     if leases is not None:
         with held(leases.flags.get_lock()):
-            leases.flags[index] = 0
+            leases.flags.get_obj()[index] = 0  # raw: the array's own setter waits for the lock forever
 
 
 @contextlib.contextmanager

@@ -112,7 +112,7 @@ class Loader:
         started = iter(torch.utils.data.DataLoader(
             dataset, batch_size=None, num_workers=self.num_workers, generator=generator,
             worker_init_fn=start_worker, pin_memory=self.pin_memory, collate_fn=as_is))
-        self.board.watch()  # a worker's death is raised at the next batch, not mid-step
+        self.board.watch(getattr(started, "_workers", ()))  # a worker's death is raised at the next batch, not mid-step
         return self.board.receive(started)  # ... as WorkerDied, one line, whatever the batch was doing
 
     def epochs(self, epoch: int = 0, start_batch: int = 0) -> Iterator[dict]:
