@@ -1,7 +1,7 @@
 """The loss registry: the one source of the loss names and of what each loss needs.
 
     spec = get_spec("sogclr")          # LossSpec: factory, state, default temperature, init
-    loss = build_loss(cfg.loss, num_samples=n, total_steps=s)
+    loss = spec.build(cfg.loss, num_samples=n, total_steps=s)
     value, metrics = loss(img_l, txt_l, img_g, txt_g, t, bias, offset=o, scale_grad=g, ids=ids)
     loss.commit()                      # after each optimizer step (a collective for stateful losses)
 
@@ -97,14 +97,9 @@ def get_spec(name: str) -> LossSpec:
         raise ValueError(f"unknown loss {name!r}; valid: {sorted(REGISTRY)}") from None
 
 
-def build_loss(loss_cfg, num_samples: int, total_steps: int):
-    """The loss `loss_cfg.name` names, built for a run over `num_samples` training samples."""
-    return get_spec(loss_cfg.name).build(loss_cfg, num_samples, total_steps)
-
-
 def get_loss(name: str) -> Callable:
     """The plain function of a stateless loss (the shared signature, no ``ids``)."""
     if name not in STATELESS:
         raise ValueError(f"unknown loss {name!r}; valid: {sorted(STATELESS)}"
-                         + (" (a stateful loss: use build_loss)" if name in REGISTRY else ""))
+                         + (" (a stateful loss: use get_spec(name).build)" if name in REGISTRY else ""))
     return resolve(REGISTRY[name].target)
