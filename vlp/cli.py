@@ -50,9 +50,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def _local_only(value, option: str, hint: str) -> None:
     """Refuse a URL (s3://, gs://, ...) for an option that writes local files, in one line
     (never a local folder named 's3:')."""
-    from vlp.util import is_remote
+    from vlp.locations import is_local
 
-    if is_remote(value):
+    if not is_local(value):
         raise ConfigError(f"{option} {value}: a URL is not supported here, only a local folder ({hint})")
 
 

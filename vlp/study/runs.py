@@ -18,7 +18,7 @@ import yaml
 from vlp.config import Config, ConfigError, from_dict, global_batch, set_dotted, steps_for
 
 from vlp.experiment import check
-from vlp.util import is_url
+from vlp.locations import is_url
 from vlp.checkpoint.storage import RunFolder
 from vlp.study.grid import flatten
 from vlp.checkpoint import resume as resume_rules
