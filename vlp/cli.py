@@ -80,7 +80,7 @@ def _command_line_overrides(args) -> list[str]:
 
 
 def cmd_train(args) -> int:
-    cfg = load_config(args.config, _command_line_overrides(args))  # config errors come before torch's import
+    cfg = load_config(args.config, args.overrides, once=True)  # config errors come before torch's import
     if not cfg.data.train_shards:
         raise ConfigError("config: data.train_shards is empty: give a shard spec (see `vlp shards`)")
     from vlp.distributed import cpu_when_launched_without_gpu

@@ -43,6 +43,8 @@ def check(cfg: Config) -> Config:
     return cfg
 
 
-def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
-    """YAML file (optional) + dotted overrides → a checked Config (vlp.config.read_config, then `check`)."""
-    return check(read_config(path, overrides))
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None,
+                once: bool = False) -> Config:
+    """YAML file (optional) + dotted overrides → a checked Config (vlp.config.read_config, then
+    `check`); once: each key given once, the rule of a user's command line (parse_overrides)."""
+    return check(read_config(path, overrides, once))

@@ -219,9 +219,9 @@ def parse_overrides(overrides: Sequence[str], once: bool = False) -> list[tuple[
     return pairs
 
 
-def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
-    """Apply `a.b=value` overrides (parse_overrides) onto a nested dict, in order."""
-    for key, value in parse_overrides(overrides):
+def apply_overrides(data: dict, overrides: Sequence[str], once: bool = False) -> dict:
+    """Apply `a.b=value` overrides (parse_overrides, with its `once`) onto a nested dict, in order."""
+    for key, value in parse_overrides(overrides, once):
         set_dotted(data, key, value)
     return data
 
@@ -247,9 +247,11 @@ def load_yaml(text: str, source: str = "config") -> Any:
         raise ConfigError(f"config: {source}: {e}") from None
 
 
-def read_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
-    """YAML file (optional) + dotted overrides → a Config whose keys passed their rules. Commands
-    use vlp.experiment.load_config, which also checks it against the registry."""
+def read_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None,
+                once: bool = False) -> Config:
+    """YAML file (optional) + dotted overrides (parse_overrides, with its `once`) → a Config whose
+    keys passed their rules. Commands use vlp.experiment.load_config, which also checks it
+    against the registry."""
     data: dict = {}
     if path is not None:
         path = Path(path)
@@ -264,7 +266,7 @@ def read_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
         if not isinstance(data, dict):
             raise ConfigError(f"config: top level of {path} must be a mapping of sections, "
                               f"got {type(data).__name__} {short(data)}")
-    data = apply_overrides(data, list(overrides or []))
+    data = apply_overrides(data, list(overrides or []), once)
     return from_dict(data).check_keys()
 
 
