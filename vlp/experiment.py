@@ -16,8 +16,9 @@ from typing import Literal, Optional
 
 from vlp.config import KEYS, Config, ConfigError, get_dotted, read_config
 from vlp.config.rules import check_type, is_packaged
+from vlp.losses import temperature
 from vlp.losses.registry import CLIP_TAU, NAMES as LOSS_NAMES
-from vlp.models import packaged, temperature
+from vlp.models import packaged
 
 
 def check(cfg: Config) -> Config:

@@ -161,7 +161,7 @@ def get_dotted(tree: Any, dotted: str, missing: Any = AttributeError) -> Any:
 
 RENAMED_VALUES: dict[str, dict[str, str]] = {"loss.temperature": {"infonce": "split"}}
 """Old values still read (older runs' configs and checkpoints), mapped to their new names: the
-one home of a rename (configs, checkpoints' configs and the temperature policy read it)."""
+one home of a rename (configs and checkpoints' configs read it)."""
 
 
 def current_value(key: str, value: Any) -> Any:
@@ -249,9 +249,9 @@ def load_yaml(text: str, source: str = "config") -> Any:
 
 def read_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None,
                 once: bool = False) -> Config:
-    """YAML file (optional) + dotted overrides (parse_overrides, with its `once`) → a Config whose
-    keys passed their rules. Commands use vlp.experiment.load_config, which also checks it
-    against the registry."""
+    """YAML file (optional) + dotted overrides (parse_overrides, with its `once`) → a Config of the
+    right types, its rules not yet checked: commands use vlp.experiment.load_config, which checks
+    them (Config.check_keys) and the registry's."""
     data: dict = {}
     if path is not None:
         path = Path(path)
@@ -267,7 +267,7 @@ def read_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
             raise ConfigError(f"config: top level of {path} must be a mapping of sections, "
                               f"got {type(data).__name__} {short(data)}")
     data = apply_overrides(data, list(overrides or []), once)
-    return from_dict(data).check_keys()
+    return from_dict(data)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-SCALE_GRAD_MODES = ("same", "split")  # vlp.models.temperature picks one per run
+SCALE_GRAD_MODES = ("same", "split")  # vlp.losses.temperature picks one per run
 
 
 def check_inputs(

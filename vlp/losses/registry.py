@@ -33,7 +33,7 @@ class LossSpec:
     name: str
     target: str  # "module:attribute": the loss function, or the stateful loss's class
     stateful: bool = False  # keeps per-sample state: committed after each step, checkpointed
-    temperature: str = "learnable"  # the default temperature mode (vlp.models.temperature)
+    temperature: str = "learnable"  # the default temperature mode (vlp.losses.temperature)
     init: Optional[str] = None  # "module:function" -> the published (logit_scale, logit_bias) init
     factory: Optional[Callable] = None  # stateful: factory(cls, loss_cfg, num_samples, total_steps)
 
