@@ -52,9 +52,12 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def global_batch(cfg: "Config", world: int = 1) -> int:
-    """Samples per optimizer step: data.batch_per_device x processes x train.accum_steps."""
-    return cfg.data.batch_per_device * world * cfg.train.accum_steps
+def global_batch(cfg: "Config | dict", world: int = 1, accum: Optional[int] = None) -> int:
+    """Samples per optimizer step: data.batch_per_device x processes x train.accum_steps (accum=1:
+    one batch of every process). `cfg` may be a saved config's dict (an old one lacking a key:
+    0 per device, 1 accum step)."""
+    accum = get_dotted(cfg, "train.accum_steps", 1) if accum is None else accum
+    return get_dotted(cfg, "data.batch_per_device", 0) * world * accum
 
 
 def steps_for(samples: int, batch: int) -> int:
