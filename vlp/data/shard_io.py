@@ -271,9 +271,7 @@ def _close_quietly(raw) -> None:
 def open_shard(spec: str, retry: Retry = Retry()) -> BinaryIO:
     """A binary file over the shard's bytes: a plain file for a local path, else a
     ``ShardStream`` (raises ShardReadError when a remote shard cannot be opened)."""
-    if not is_streamed(spec):
-        return open(spec, "rb")
-    return ShardStream(spec, retry)
+    return ShardStream(spec, retry) if is_streamed(spec) else open(spec, "rb")
 
 
 def read_small(spec: str, retry: Retry = Retry()) -> bytes | None:
