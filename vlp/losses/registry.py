@@ -10,7 +10,7 @@ a stateless one ignores them. Only a stateful loss has a checkpointed ``state_di
 config (loss.name's choices), the temperature policy (default mode, published init) and the
 trainer read these entries and check no names of their own.
 
-No torch at import: vlp.config validates with this module before torch is loaded.
+No torch at import: vlp.experiment checks configs with this module before torch is loaded.
 """
 
 from __future__ import annotations
