@@ -36,7 +36,7 @@ def make_step(variant: str, model_name: str):
     loss_name, temperature = VARIANTS[variant]
     torch.manual_seed(0)
     from vlp.models.model import build_model
-    from vlp.models.temperature import temperature_policy
+    from vlp.losses.temperature import temperature_policy
 
     loss_cfg = LossConfig(name=loss_name, temperature=temperature)
     model, *_ = build_model(ModelConfig(name=model_name), loss_cfg)

@@ -50,9 +50,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def _local_only(value, option: str, hint: str) -> None:
     """Refuse a URL (s3://, gs://, ...) for an option that writes local files, in one line
     (never a local folder named 's3:')."""
-    from vlp.util import is_remote
+    from vlp.locations import is_local
 
-    if is_remote(value):
+    if not is_local(value):
         raise ConfigError(f"{option} {value}: a URL is not supported here, only a local folder ({hint})")
 
 
@@ -80,7 +80,7 @@ def _command_line_overrides(args) -> list[str]:
 
 
 def cmd_train(args) -> int:
-    cfg = load_config(args.config, _command_line_overrides(args))  # config errors come before torch's import
+    cfg = load_config(args.config, args.overrides, once=True)  # config errors come before torch's import
     if not cfg.data.train_shards:
         raise ConfigError("config: data.train_shards is empty: give a shard spec (see `vlp shards`)")
     from vlp.distributed import cpu_when_launched_without_gpu

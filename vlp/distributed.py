@@ -167,19 +167,19 @@ def gather_with_grad(x: Tensor, check_shapes: bool = False) -> Tensor:
     return torch.cat(parts, dim=0)
 
 
-def positive_offset(local_batch: int, global_batch: int | None = None) -> int:
-    """Global column of local row 0's positive: ``rank * local_batch`` (see the diagram above).
+def positive_offset(batch_per_device: int, global_batch: int | None = None) -> int:
+    """Global column of local row 0's positive: ``rank * batch_per_device`` (see the diagram above).
 
     Assumes equal local batch sizes on every rank; pass the gathered size ``global_batch`` to
-    assert ``global_batch == world_size * local_batch``.
+    assert ``global_batch == world_size * batch_per_device``.
     """
     world = get_world_size()
-    if global_batch is not None and global_batch != world * local_batch:
+    if global_batch is not None and global_batch != world * batch_per_device:
         raise AssertionError(
             f"unequal local batch sizes? global batch {global_batch} != "
-            f"world size {world} x local batch {local_batch}"
+            f"world size {world} x local batch {batch_per_device}"
         )
-    return get_rank() * local_batch
+    return get_rank() * batch_per_device
 
 
 def end_process_group() -> None:

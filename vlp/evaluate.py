@@ -10,7 +10,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from vlp.config import ConfigError, LossConfig, ModelConfig, from_dict
-from vlp.util import is_remote, is_url
+from vlp.locations import is_local, is_url
 from vlp.checkpoint.storage import open_run_folder
 from vlp.checkpoint import files as ckpt
 
@@ -209,7 +209,7 @@ def local_checkpoint(checkpoint: str) -> Iterator[str]:
     """A local path for --checkpoint while the block runs: the path itself, or for a URL (s3://,
     gs://) a download with its per-rank files, removed when the block ends (a checkpoint verifies
     itself: vlp.checkpoint.files)."""
-    if not is_remote(checkpoint):
+    if is_local(checkpoint):
         yield checkpoint.removeprefix("file://")
         return
     from vlp.checkpoint.storage import RunFolder

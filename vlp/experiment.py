@@ -16,8 +16,9 @@ from typing import Literal, Optional
 
 from vlp.config import KEYS, Config, ConfigError, get_dotted, read_config
 from vlp.config.rules import check_type, is_packaged
+from vlp.losses import temperature
 from vlp.losses.registry import CLIP_TAU, NAMES as LOSS_NAMES
-from vlp.models import packaged, temperature
+from vlp.models import packaged
 
 
 def check(cfg: Config) -> Config:
@@ -43,6 +44,8 @@ def check(cfg: Config) -> Config:
     return cfg
 
 
-def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
-    """YAML file (optional) + dotted overrides → a checked Config (vlp.config.read_config, then `check`)."""
-    return check(read_config(path, overrides))
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None,
+                once: bool = False) -> Config:
+    """YAML file (optional) + dotted overrides → a checked Config (vlp.config.read_config, then
+    `check`); once: each key given once, the rule of a user's command line (parse_overrides)."""
+    return check(read_config(path, overrides, once))

@@ -148,36 +148,3 @@ def load_yaml(text: str) -> Any:
     """Parse `text`; DuplicateKey names the key and both lines."""
     return yaml.load(text, Loader=_UniqueKeyLoader)
 
-
-# ----------------------------------------------------------------------------- where a path lives
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-_EXTRAS = {"s3": "vlp[s3]", "s3a": "vlp[s3]", "gs": "vlp[gcs]", "gcs": "vlp[gcs]"}  # pip extras of the backends
-
-
-def is_url(spec) -> bool:
-    """An fsspec URL ('s3://b/k', 'file:///d/x.tar', 'https://h/x.tar')."""
-    return bool(_SCHEME.match(str(spec)))
-
-
-def is_remote(spec) -> bool:
-    """A URL fsspec reaches on another machine ('s3://b/k', 'gs://b/k', 'https://h/k'); a plain
-    path or 'file:///d' is not."""
-    return is_url(spec) and not str(spec).startswith("file://")
-
-
-def has_backend(url: str) -> bool:
-    """Whether fsspec can open this URL's scheme here (s3fs, gcsfs... installed)."""
-    import fsspec
-
-    try:
-        fsspec.get_filesystem_class(url.split("://", 1)[0])
-    except (ImportError, ValueError):
-        return False
-    return True
-
-
-def missing_backend(url: str) -> str:
-    """What to install when `has_backend(url)` is False, in words."""
-    scheme = url.split("://", 1)[0]
-    hint = f"pip install '{_EXTRAS[scheme]}'" if scheme in _EXTRAS else f"install the fsspec backend for {scheme}://"
-    return f"no storage backend for {scheme}:// is installed ({hint})"

@@ -13,13 +13,15 @@ import time
 import pytest
 
 from vlp.checkpoint import lock as runlock
+from vlp.checkpoint.storage import RunFolder
 import forked
 from vlp_testing import REPO, run_env
 
 HOLD = """
 import sys, time
 from vlp.checkpoint import lock as runlock
-lock = runlock.acquire(sys.argv[1])
+from vlp.checkpoint.storage import RunFolder
+lock = runlock.acquire(RunFolder(sys.argv[1]))
 print("locked", flush=True)
 {body}
 """
@@ -38,7 +40,7 @@ def test_live_holder_refuses_a_second_writer_then_releases(tmp_path):
     proc = holder(tmp_path)
     try:
         with pytest.raises(runlock.RunLockError) as e:
-            runlock.acquire(tmp_path)
+            runlock.acquire(RunFolder(tmp_path))
         msg = str(e.value)
         assert "\n" not in msg and f"pid {proc.pid} on host {socket.gethostname()}" in msg
         assert "in use by another trainer" in msg and "another train.output_dir" in msg
@@ -47,7 +49,7 @@ def test_live_holder_refuses_a_second_writer_then_releases(tmp_path):
         proc.wait()
     # SIGTERM skips atexit: the lock stays, and is stale now
     logs = []
-    lock = runlock.acquire(tmp_path, log=logs.append)
+    lock = runlock.acquire(RunFolder(tmp_path), log=logs.append)
     assert len(logs) == 1 and "took over the stale lock" in logs[0] and f"pid {proc.pid}" in logs[0]
     assert json.loads((tmp_path / runlock.LOCK_NAME).read_text())["pid"] == os.getpid()
     lock.release()
@@ -60,7 +62,7 @@ def test_killed_holder_is_stale(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     logs = []
-    runlock.acquire(tmp_path, log=logs.append).release()
+    runlock.acquire(RunFolder(tmp_path), log=logs.append).release()
     assert "stale" in logs[0] and "that process is gone" in logs[0]
     assert not (tmp_path / runlock.LOCK_NAME).exists()
 
@@ -70,7 +72,7 @@ def test_reused_pid_is_not_the_holder(tmp_path):
     me = {"pid": os.getppid(), "host": socket.gethostname(), "pid_start": "1", "started": "then"}
     (tmp_path / runlock.LOCK_NAME).write_text(json.dumps(me))
     logs = []
-    runlock.acquire(tmp_path, log=logs.append).release()
+    runlock.acquire(RunFolder(tmp_path), log=logs.append).release()
     assert "stale" in logs[0]
 
 
@@ -78,9 +80,9 @@ def test_other_host_is_refused_with_advice_unless_broken(tmp_path):
     other = {"pid": 1, "host": "node-17", "started": "2026-12-01T10:00:00+00:00", "token": "x"}
     (tmp_path / runlock.LOCK_NAME).write_text(json.dumps(other))
     with pytest.raises(runlock.RunLockError, match="locked by pid 1 on host node-17.*train.break_lock=true"):
-        runlock.acquire(tmp_path)
+        runlock.acquire(RunFolder(tmp_path))
     logs = []
-    lock = runlock.acquire(tmp_path, break_lock=True, log=logs.append)
+    lock = runlock.acquire(RunFolder(tmp_path), break_lock=True, log=logs.append)
     assert "broke the lock" in logs[0] and "node-17" in logs[0]
     lock.release()
 
@@ -95,7 +97,7 @@ def test_lock_is_released_at_exit_and_on_exceptions(tmp_path, body):
 
 
 def test_release_leaves_a_lock_that_is_not_ours(tmp_path):
-    lock = runlock.acquire(tmp_path)
+    lock = runlock.acquire(RunFolder(tmp_path))
     (tmp_path / runlock.LOCK_NAME).write_text(json.dumps({"pid": 1, "host": "node-2", "token": "theirs"}))
     lock.release()
     assert (tmp_path / runlock.LOCK_NAME).exists()
@@ -104,10 +106,11 @@ def test_release_leaves_a_lock_that_is_not_ours(tmp_path):
 RACE = """
 import sys, time
 from vlp.checkpoint import lock as runlock
+from vlp.checkpoint.storage import RunFolder
 while time.time() < float(sys.argv[2]):
     pass
 try:
-    runlock.acquire(sys.argv[1], log=lambda m: None)
+    runlock.acquire(RunFolder(sys.argv[1]), log=lambda m: None)
     print("won", flush=True)
     time.sleep(3)
 except runlock.RunLockError:

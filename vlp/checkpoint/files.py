@@ -20,6 +20,7 @@ import torch
 from vlp.checkpoint import integrity
 from vlp.distributed import get_rank, is_distributed
 from vlp.checkpoint.integrity import SEAL_KEY, CheckpointError
+from vlp.config import global_batch
 from vlp.util import first_line
 
 CKPT_RE = re.compile(r"^step_(\d+)(\.pt)?$")  # step_N.pt file (replicated) or step_N/ DCP folder (sharded)
@@ -145,9 +146,7 @@ def upgrade(state: dict) -> dict:
     s.pop("skipped", None)
     s["data"] = [{**shared, "epoch_pieces": shared["epoch_pieces"] if r == 0 else None, "rest": rests[r],
                   "skipped": skipped[r]} for r in range(world)]
-    cfg = s.get("config") or {}
-    batch = cfg.get("data", {}).get("batch_per_device", 0) * world * cfg.get("train", {}).get("accum_steps", 1)
-    step = s.pop("step")
+    step, batch = s.pop("step"), global_batch(s.get("config") or {}, world)
     s["train"] = {"step": step, "samples_seen": s.pop("samples_seen", step * batch),
                   "nonfinite_total": s.pop("nonfinite_total", 0)}
     if "loss_state" in s:  # a stateful loss's one table, before per-rank files

@@ -76,11 +76,10 @@ def _me(token: str) -> bytes:
     return (json.dumps(me) + "\n").encode()
 
 
-def acquire(folder, break_lock: bool = False, log: Callable[[str], None] = print,
+def acquire(folder: RunFolder, break_lock: bool = False, log: Callable[[str], None] = print,
             wait_unreadable_s: float = 2.0) -> RunLock:
-    """Lock `folder` (a RunFolder or a local path) for this process, or RunLockError naming the
-    holder; a stale lock (any, with break_lock) is taken over, saying so through `log`."""
-    folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
+    """Lock the RunFolder `folder` for this process, or RunLockError naming the holder; a stale
+    lock (any, with break_lock) is taken over, saying so through `log`."""
     token = uuid.uuid4().hex
     deadline = time.monotonic() + wait_unreadable_s
     while True:
@@ -124,7 +123,7 @@ def _judge(where: str, folder: str, holder: dict, break_lock: bool, log: Callabl
         log(f"[vlp] took over the stale lock {where} of {describe(holder)} (that process is gone)")
 
 
-def acquire_on_main(folder, break_lock: bool, is_main: bool,
+def acquire_on_main(folder: RunFolder, break_lock: bool, is_main: bool,
                     log: Callable[[str], None] = print) -> Optional[RunLock]:
     """`acquire` on the main process; every rank raises its RunLockError (no rank goes on to wait
     in a collective). A collective when a process group exists."""

@@ -17,7 +17,8 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional
 
-from vlp.util import atomic_write, missing_backend, pid_alive
+from vlp.locations import filesystem
+from vlp.util import atomic_write, pid_alive
 
 CACHE_PREFIX = "vlp-run-"  # $TMPDIR/vlp-run-PID-XXXX: a bucket folder's stage and downloads
 SIDECAR = ".manifest.json"  # a single file's checksums beside it (vlp.checkpoint.integrity)
@@ -51,13 +52,11 @@ class RunFolder:
     folder stages and downloads in ``cache_dir``, a temp folder that ``close`` removes."""
 
     def __init__(self, url_or_path, **storage_options):
-        import fsspec
-
         self.url = str(url_or_path).rstrip("/") or "/"
         try:
-            self.fs, root = fsspec.core.url_to_fs(self.url, **storage_options)
-        except ImportError:
-            raise StorageError(f"{self.url}: {missing_backend(self.url)}") from None
+            self.fs, root = filesystem(self.url, **storage_options)
+        except ImportError as e:
+            raise StorageError(f"{self.url}: {e}") from None
         protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
         self.remote = "file" not in protocols  # not this machine's file system (a bucket, memory://)
         self.root = root.rstrip("/")

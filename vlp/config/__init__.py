@@ -52,9 +52,12 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def global_batch(cfg: "Config", world: int = 1) -> int:
-    """Samples per optimizer step: data.batch_per_device x processes x train.accum_steps."""
-    return cfg.data.batch_per_device * world * cfg.train.accum_steps
+def global_batch(cfg: "Config | dict", world: int = 1, accum: Optional[int] = None) -> int:
+    """Samples per optimizer step: data.batch_per_device x processes x train.accum_steps (accum=1:
+    one batch of every process). `cfg` may be a saved config's dict (an old one lacking a key:
+    0 per device, 1 accum step)."""
+    accum = get_dotted(cfg, "train.accum_steps", 1) if accum is None else accum
+    return get_dotted(cfg, "data.batch_per_device", 0) * world * accum
 
 
 def steps_for(samples: int, batch: int) -> int:
@@ -161,7 +164,7 @@ def get_dotted(tree: Any, dotted: str, missing: Any = AttributeError) -> Any:
 
 RENAMED_VALUES: dict[str, dict[str, str]] = {"loss.temperature": {"infonce": "split"}}
 """Old values still read (older runs' configs and checkpoints), mapped to their new names: the
-one home of a rename (configs, checkpoints' configs and the temperature policy read it)."""
+one home of a rename (configs and checkpoints' configs read it)."""
 
 
 def current_value(key: str, value: Any) -> Any:
@@ -219,9 +222,9 @@ def parse_overrides(overrides: Sequence[str], once: bool = False) -> list[tuple[
     return pairs
 
 
-def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
-    """Apply `a.b=value` overrides (parse_overrides) onto a nested dict, in order."""
-    for key, value in parse_overrides(overrides):
+def apply_overrides(data: dict, overrides: Sequence[str], once: bool = False) -> dict:
+    """Apply `a.b=value` overrides (parse_overrides, with its `once`) onto a nested dict, in order."""
+    for key, value in parse_overrides(overrides, once):
         set_dotted(data, key, value)
     return data
 
@@ -247,9 +250,11 @@ def load_yaml(text: str, source: str = "config") -> Any:
         raise ConfigError(f"config: {source}: {e}") from None
 
 
-def read_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
-    """YAML file (optional) + dotted overrides → a Config whose keys passed their rules. Commands
-    use vlp.experiment.load_config, which also checks it against the registry."""
+def read_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None,
+                once: bool = False) -> Config:
+    """YAML file (optional) + dotted overrides (parse_overrides, with its `once`) → a Config of the
+    right types, its rules not yet checked: commands use vlp.experiment.load_config, which checks
+    them (Config.check_keys) and the registry's."""
     data: dict = {}
     if path is not None:
         path = Path(path)
@@ -264,8 +269,8 @@ def read_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
         if not isinstance(data, dict):
             raise ConfigError(f"config: top level of {path} must be a mapping of sections, "
                               f"got {type(data).__name__} {short(data)}")
-    data = apply_overrides(data, list(overrides or []))
-    return from_dict(data).check_keys()
+    data = apply_overrides(data, list(overrides or []), once)
+    return from_dict(data)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -127,7 +127,7 @@ class LossConfig:
     keeps logit_scale off the clamp; see docs/losses.md), 'fixed' for iSogCLR (per-sample
     temperatures in its state), 'learnable' otherwise.
     The old name 'infonce' for 'split' is still read (configs and checkpoints of older runs).
-    vlp/models/temperature.py turns this section into the model's init and the trainer's rules."""
+    vlp/losses/temperature.py turns this section into the model's init and the trainer's rules."""
     tau: Optional[float] = key(None, number(0, 1, lo_open=True),
                                KeyRule(REFUSE, "logit_scale comes from the checkpoint"))
     """Initial temperature (learnable/split) or the fixed one (fixed), in (0, 1] with

@@ -24,12 +24,12 @@ def seeded_rng(*parts: Any) -> random.Random:
 
 
 class BatchSizes(Sequence):
-    """The sizes of a rank's batches: ``count`` batches of ``size``, the last one ``last``
-    (a list's interface in O(1) memory: 2.3 B samples are 289 M batches of 8)."""
+    """The sizes of a rank's batches: ``count`` batches of ``batch_per_device``, the last one
+    ``last`` (a list's interface in O(1) memory: 2.3 B samples are 289 M batches of 8)."""
 
-    def __init__(self, count: int, size: int, last: int | None = None):
-        self.count, self.size = int(count), int(size)
-        self.last = self.size if last is None else int(last)
+    def __init__(self, count: int, batch_per_device: int, last: int | None = None):
+        self.count, self.batch_per_device = int(count), int(batch_per_device)
+        self.last = self.batch_per_device if last is None else int(last)
 
     def __len__(self) -> int:
         return self.count
@@ -41,38 +41,38 @@ class BatchSizes(Sequence):
             j += self.count
         if not 0 <= j < self.count:
             raise IndexError(j)
-        return self.last if j == self.count - 1 else self.size
+        return self.last if j == self.count - 1 else self.batch_per_device
 
     def __iter__(self):
         if self.count:
-            yield from itertools.repeat(self.size, self.count - 1)
+            yield from itertools.repeat(self.batch_per_device, self.count - 1)
             yield self.last
 
     def __eq__(self, other) -> bool:
         return list(self) == list(other) if isinstance(other, (list, BatchSizes)) else NotImplemented
 
     def __repr__(self) -> str:
-        return f"BatchSizes({self.count}, {self.size}, last={self.last})"
+        return f"BatchSizes({self.count}, {self.batch_per_device}, last={self.last})"
 
     @property
     def total(self) -> int:
-        return (self.count - 1) * self.size + self.last if self.count else 0
+        return (self.count - 1) * self.batch_per_device + self.last if self.count else 0
 
     def of_worker(self, worker: int, workers: int) -> int:
         """Samples in the batches j = worker (mod workers)."""
         mine = len(range(worker, self.count, workers))
-        short = self.size - self.last if self.count and (self.count - 1) % workers == worker else 0
-        return mine * self.size - short
+        short = self.batch_per_device - self.last if self.count and (self.count - 1) % workers == worker else 0
+        return mine * self.batch_per_device - short
 
 
-def batch_sizes(mode: str, n: int, batch: int, world: int, drop_last: bool) -> BatchSizes:
+def batch_sizes(mode: str, n: int, batch_per_device: int, world: int, drop_last: bool) -> BatchSizes:
     """Batch sizes of one rank for split/resampled (same on every rank)."""
     if drop_last or mode == "resampled":
-        count = n // (batch * world) if drop_last else -(-n // (batch * world))
-        return BatchSizes(count, batch)
+        count = n // (batch_per_device * world) if drop_last else -(-n // (batch_per_device * world))
+        return BatchSizes(count, batch_per_device)
     per_rank = -(-n // world)
-    count = -(-per_rank // batch)
-    return BatchSizes(count, batch, per_rank - (count - 1) * batch) if count else BatchSizes(0, batch)
+    count = -(-per_rank // batch_per_device)
+    return BatchSizes(count, batch_per_device, per_rank - (count - 1) * batch_per_device)
 
 
 def piece_bounds(pieces: list[tuple[int, int, int]]) -> list[int]:
@@ -173,7 +173,7 @@ class Plan:
 
     retry: Retry = Retry()  # shard read retries (make_loader: data.io_retries, io_backoff_s)
 
-    def __init__(self, sources, weights, mode, batch_size, world_size, rank, seed,
+    def __init__(self, sources, weights, mode, batch_per_device, world_size, rank, seed,
                  num_samples, drop_last, shuffle_buffer, num_workers, pieces=None,
                  retry: Retry | None = None, tables=None):
         if retry is not None:
@@ -181,7 +181,7 @@ class Plan:
         self.paths = [p for src in sources for p in src]
         self.sizes = shard_sizes(self.paths, num_samples, retry=self.retry, tables=tables)
         self.weights = [w for src, w in zip(sources, weights) for _ in src]
-        self.mode, self.batch, self.world, self.rank = mode, batch_size, world_size, rank
+        self.mode, self.batch_per_device, self.world, self.rank = mode, batch_per_device, world_size, rank
         self.seed, self.drop_last, self.buffer = seed, drop_last, shuffle_buffer
         self.workers = max(1, num_workers)
         # pieces: this epoch's virtual sequence is given (the samples left of an epoch begun
@@ -199,12 +199,12 @@ class Plan:
                              "use mode='resampled' to draw more than one pass")
         if mode == "sequential":
             lo, hi = self.rank_range()
-            count = -(-(hi - lo) // batch_size)
-            self.sizes_per_batch = BatchSizes(count, batch_size, hi - lo - (count - 1) * batch_size)
+            count = -(-(hi - lo) // batch_per_device)
+            self.sizes_per_batch = BatchSizes(count, batch_per_device, hi - lo - (count - 1) * batch_per_device)
         else:
-            self.sizes_per_batch = batch_sizes(mode, self.n, batch_size, world_size, drop_last)
+            self.sizes_per_batch = batch_sizes(mode, self.n, batch_per_device, world_size, drop_last)
         if not self.sizes_per_batch and mode != "sequential":
-            raise ValueError(f"{self.n} samples cannot fill one batch of {batch_size} on each "
+            raise ValueError(f"{self.n} samples cannot fill one batch of {batch_per_device} on each "
                              f"of {world_size} ranks")
 
     def __getstate__(self) -> dict:

@@ -32,14 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from vlp.util import is_url
-
-PIPE = "pipe:"
-
-
-def is_streamed(spec: str) -> bool:
-    """Read as a stream (a pipe: command or an fsspec URL, file:// included), not opened as a local file."""
-    return spec.startswith(PIPE) or is_url(spec)
+from vlp.locations import PIPE, filesystem, is_streamed
 
 
 @dataclass(frozen=True)
@@ -107,12 +100,7 @@ class _Pipe:
 
 def _open_url(url: str):
     """An fsspec file for reading; HTTP as one streamed GET (block_size=0)."""
-    import fsspec
-
-    try:
-        fs, path = fsspec.core.url_to_fs(url)
-    except ImportError as e:  # backend not installed: say which extra to install
-        raise ImportError(f"{e} (pip install 'vlp[s3]' / 'vlp[gcs]' installs s3fs / gcsfs)") from None
+    fs, path = filesystem(url)
     if "http" in fs.protocol or "https" in fs.protocol:
         # block_size=0: one streamed GET (says seekable, is not). size=: any value skips
         # fsspec's HEAD probe, a round trip that reports every failure as FileNotFoundError
@@ -283,9 +271,7 @@ def _close_quietly(raw) -> None:
 def open_shard(spec: str, retry: Retry = Retry()) -> BinaryIO:
     """A binary file over the shard's bytes: a plain file for a local path, else a
     ``ShardStream`` (raises ShardReadError when a remote shard cannot be opened)."""
-    if not is_streamed(spec):
-        return open(spec, "rb")
-    return ShardStream(spec, retry)
+    return ShardStream(spec, retry) if is_streamed(spec) else open(spec, "rb")
 
 
 def read_small(spec: str, retry: Retry = Retry()) -> bytes | None:
@@ -308,13 +294,11 @@ def read_small(spec: str, retry: Retry = Retry()) -> bytes | None:
 def read_many(urls: list[str]) -> dict[str, bytes | None]:
     """{url: bytes or None if missing} for many small remote files, fetched concurrently where
     the backend can (fsspec ``cat`` of a list: one batch of async requests for http/s3/gcs)."""
-    import fsspec
-
     out: dict[str, bytes | None] = {}
     if not urls:
         return out
-    fs, _ = fsspec.core.url_to_fs(urls[0])
-    paths = [fsspec.core.url_to_fs(u)[1] for u in urls]
+    fs, _ = filesystem(urls[0])
+    paths = [filesystem(u)[1] for u in urls]
     got = fs.cat(paths, on_error="return")
     for url, path in zip(urls, paths):
         value = got.get(path) if isinstance(got, dict) else got

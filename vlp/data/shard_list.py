@@ -10,8 +10,8 @@ import os
 import re
 import tarfile
 
-from vlp.data.shard_io import PIPE, Retry, ShardReadError, is_streamed, read_many, read_small
-from vlp.util import has_backend, is_url
+from vlp.data.shard_io import Retry, ShardReadError, read_many, read_small
+from vlp.locations import PIPE, has_backend, is_streamed, is_url
 from vlp.data.tars import describe_unreadable, read_head, split_name
 
 
@@ -67,7 +67,7 @@ def expand_sources(urls: str, *, retry: Retry = Retry(), tables: Tables | None =
             continue
         paths = []
         for path in brace_expand(part):
-            if _maybe_remote(path) and is_streamed(path):
+            if is_streamed(path):
                 paths += (_remote_dir(path, retry, tables) if path.endswith("/") and is_url(path)
                           else [path])
             elif _listed(path, tables):
@@ -92,11 +92,6 @@ def expand_sources(urls: str, *, retry: Retry = Retry(), tables: Tables | None =
     if not sources:
         raise ValueError(f"empty shard spec {urls!r}")
     return sources
-
-
-def _maybe_remote(path: str) -> bool:
-    """A cheap pre-check: is_streamed(path) can only hold if this does."""
-    return "://" in path or path.startswith(PIPE)
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -241,7 +236,7 @@ def _sizes_from_tables(paths: list[str], retry: Retry, tables: Tables
     local_dirs: dict[str, dict[str, int]] = {}  # directory as written -> its table
     remote_dirs: dict[str, dict[str, int]] = {}
     for i, path in enumerate(paths):
-        if not (_maybe_remote(path) and is_streamed(path)):
+        if not is_streamed(path):
             directory, name = _split(path)
             table = local_dirs.get(directory)
             if table is None:

@@ -13,7 +13,7 @@ How an epoch is laid out (all of it is a pure function of seed, epoch, rank, wor
 
 * ``split``: the shard list is shuffled with (seed, epoch), identically on every rank, and read
   as one virtual sequence of N samples (sizes from sizes.json). Rank r owns the contiguous
-  range [r*P, (r+1)*P) with P = num_batches * batch_size, so every rank yields exactly
+  range [r*P, (r+1)*P) with P = num_batches * batch_per_device, so every rank yields exactly
   ``num_batches`` batches and no sample is used twice, even with uneven shards or fewer shards
   than ranks x workers. Within a rank, batch j belongs to worker j % num_workers; each worker
   reads its own contiguous sub-range through a seeded shuffle buffer. If skipped (bad)
@@ -31,7 +31,7 @@ image header are dropped before shuffling; an image that fails to decode after t
 replaced by the stream's next sample, and skipped batches make the same replacements from a
 cheap check (``image_decodes``: JPEG entropy decoding at 1/8 scale), so a resumed epoch
 yields exactly the batches the uninterrupted one would have. An exact resume needs the same
-num_workers, world_size and batch_size. To go on under another layout, ``Loader.rest_of_epoch``
+num_workers, world_size and batch_per_device. To go on under another layout, ``Loader.rest_of_epoch``
 names the pieces of the epoch not consumed yet (each batch carries its worker's), and
 ``make_loader(pieces=...)`` reads them as the rest of that epoch (vlp/checkpoint/resume.py).
 
@@ -260,19 +260,19 @@ def make_loader(data: DataConfig, *, transform: Callable | None, tokenize: Calla
                  ``image_decoder(...).device_part()``).
     pin_memory:  the DataLoader's page-locked batches (CUDA: non-blocking copies to the device).
     """
-    urls, batch_size, num_workers, mode, weights = (data.train_shards, data.batch_per_device, data.num_workers,
-                                                     data.mode, data.weights)
+    urls, batch_per_device, num_workers, mode, weights = (data.train_shards, data.batch_per_device,
+                                                           data.num_workers, data.mode, data.weights)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size or num_workers < 0:
-        raise ValueError(f"bad sizes: batch_size={batch_size} rank={rank} "
+    if batch_per_device < 1 or world_size < 1 or not 0 <= rank < world_size or num_workers < 0:
+        raise ValueError(f"bad sizes: batch_per_device={batch_per_device} rank={rank} "
                          f"world_size={world_size} num_workers={num_workers}")
     retry, tables = Retry(data.io_retries, data.io_backoff_s), {}
     sources = expand_sources(urls, retry=retry, tables=tables)  # each sizes.json read once
     source_weights = _parse_weights(weights, len(sources))
     if weights is not None and mode != "resampled" and len(set(source_weights)) > 1:
         raise ValueError("per-source weights need mode='resampled'")
-    plan = Plan(sources, source_weights, mode, batch_size, world_size, rank, seed,
+    plan = Plan(sources, source_weights, mode, batch_per_device, world_size, rank, seed,
                  data.num_samples, drop_last, data.shuffle_buffer, num_workers, pieces=pieces,
                  retry=retry, tables=tables)
     _probe(plan.paths, plan.retry)

@@ -263,7 +263,7 @@ def check_sample(key: str, members: dict, url: str) -> tuple | str:
 
 
 def image_decodes(data: bytes) -> bool:
-    """Whether ``decode_image(data)`` succeeds, at a fraction of its cost: JPEGs decode at 1/8
+    """Whether the image bytes decode (vlp.data.rgb.decode_rgb), at a fraction of the cost: JPEGs decode at 1/8
     DCT scale (the same entropy decoding, so the same errors), other formats run PIL's verify()
     (chunk checksums: truncation and corruption)."""
     from PIL import Image
@@ -279,10 +279,3 @@ def image_decodes(data: bytes) -> bool:
         return False
     return True
 
-
-def decode_image(data: bytes, decode_size: int | None = None):
-    """PIL RGB image from bytes; JPEGs are DCT-downscaled while both sides stay >= size (16-bit
-    greyscale scaled to 8 bits: vlp.data.rgb.decode_rgb)."""
-    from vlp.data.rgb import decode_rgb  # PIL: imported by the readers that decode, not by listing
-
-    return decode_rgb(data, decode_size)

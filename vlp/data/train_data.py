@@ -21,7 +21,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from vlp.config import Config, ConfigError
+from vlp.config import Config, ConfigError, global_batch
 from vlp.data.decode import image_decoder
 from vlp.data.device import PackedImages
 from vlp.data.stream import make_loader
@@ -196,21 +196,21 @@ def relayout(saved: dict, cfg: Config, world_size: int) -> list[dict]:
     (split mode: the rest of the epoch as pieces every rank's rest adds up to, read under the new
     layout; resampled: the position in samples), and the skip counts summed on rank 0."""
     data, old_cfg = saved["data"], saved["config"]
-    epoch, batch, pieces = data[0]["epoch"], data[0]["batch_in_epoch"], None
-    if batch >= (data[0].get("epoch_batches") or batch + 1):  # the epoch was complete
-        epoch, batch = epoch + 1, 0
+    epoch, batch_in_epoch, pieces = data[0]["epoch"], data[0]["batch_in_epoch"], None
+    if batch_in_epoch >= (data[0].get("epoch_batches") or batch_in_epoch + 1):  # the epoch was complete
+        epoch, batch_in_epoch = epoch + 1, 0
     elif old_cfg["data"]["mode"] == "resampled":  # with replacement: carry the position in samples
-        batch = batch * old_cfg["data"]["batch_per_device"] * len(data) // (cfg.data.batch_per_device * world_size)
+        batch_in_epoch = batch_in_epoch * global_batch(old_cfg, len(data), 1) // global_batch(cfg, world_size, 1)
     elif any(d.get("rest") is None for d in data):
         raise ConfigError("resume: this checkpoint does not record the rest of its epoch (written "
                           "before vlp saved it); resume it with the old layout")
     else:
         pieces = [tuple(piece) for d in data for piece in d["rest"]]
-        batch = 0
-        if sum(end - begin for _, begin, end in pieces) < cfg.data.batch_per_device * world_size:
+        batch_in_epoch = 0
+        if sum(end - begin for _, begin, end in pieces) < global_batch(cfg, world_size, 1):
             epoch, pieces = epoch + 1, None  # less than one batch per rank
     skipped = [d.get("skipped") or {} for d in data]
     if len(skipped) != world_size:
         skipped = [sum_skipped(skipped)] + [{}] * (world_size - 1)
-    return [{"epoch": epoch, "batch_in_epoch": batch, "epoch_pieces": pieces if r == 0 else None,
+    return [{"epoch": epoch, "batch_in_epoch": batch_in_epoch, "epoch_pieces": pieces if r == 0 else None,
              "skipped": skipped[r]} for r in range(world_size)]

@@ -245,7 +245,7 @@ class WorkerStream:
         if not todo:
             return
         wanted = set(todo)
-        first = todo[0] * p.batch + lo
+        first = todo[0] * p.batch_per_device + lo
         pieces = segments([(s, 0, size) for s, size in enumerate(p.sizes)], p.n, first, hi)
         by_batch: dict[int, list] = {}
         position = first
@@ -253,9 +253,9 @@ class WorkerStream:
             url, off = p.paths[shard], position - begin - lo  # shard index -> rank position
             note_shard(shard)
             for index, key, members in read_shard(
-                    url, begin, end, self.skipped, want=lambda i, o=off: (i + o) // p.batch
+                    url, begin, end, self.skipped, want=lambda i, o=off: (i + o) // p.batch_per_device
                     in wanted, retry=p.retry, errors=self.warnings):
-                j = (index + off) // p.batch
+                j = (index + off) // p.batch_per_device
                 while todo and todo[0] < j:  # earlier batches are complete
                     done = todo.pop(0)
                     yield self.collate_or_empty(done, by_batch.pop(done, []))

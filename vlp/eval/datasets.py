@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from vlp.data.lifecycle import end_workers_at_exit, start_worker
 from vlp.data.shard_io import read_small
-from vlp.util import is_url
+from vlp.locations import is_url
 from vlp.data.shard_list import expand_sources
 from vlp.data.tars import IMAGE_EXTS, TEXT_EXTS, read_shard
 

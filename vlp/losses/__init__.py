@@ -9,8 +9,9 @@ global column of local row 0's positive (vlp.distributed.positive_offset). ``los
 this rank's anchors (see vlp/distributed.py for why that is the right scale under DDP); ``metrics``
 holds "loss" plus the diagnostics of vlp.losses.diagnostics as Python floats.
 
-The names, and what each loss needs, are vlp.losses.registry's (the one source: get_loss, get_spec,
-build_loss); each loss is defined in its own module (vlp.losses.infonce, .flatnce, .dcl, .siglip,
-.sogclr, .fastclip, .isogclr). `import vlp.losses.registry` loads no torch: vlp.experiment checks
-configs with it before any work. Import from the module that defines a name.
+The names, and what each loss needs, are vlp.losses.registry's (the one source: get_loss,
+get_spec), the temperature policy a loss section decides vlp.losses.temperature's; each loss is
+defined in its own module (vlp.losses.infonce, .flatnce, .dcl, .siglip, .sogclr, .fastclip,
+.isogclr). Neither loads torch at import: vlp.experiment checks configs with them before any
+work. Import from the module that defines a name.
 """

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-SCALE_GRAD_MODES = ("same", "split")  # vlp.models.temperature picks one per run
+SCALE_GRAD_MODES = ("same", "split")  # vlp.losses.temperature picks one per run
 
 
 def check_inputs(
@@ -100,7 +100,7 @@ class NegativeSoftmax(NamedTuple):
 
 def negative_softmax(logits: Tensor, pos_idx: Tensor, pos_mask: Tensor) -> NegativeSoftmax:
     """The forward math of every softmax-family loss and of the diagnostics: one masked_fill,
-    one fused log_softmax and one row max over (b, B); no autograd (see negative_lse)."""
+    one fused log_softmax and one row max over (b, B); no autograd (see negative_lse_full)."""
     masked = logits.masked_fill(pos_mask, float("-inf"))
     logp = torch.log_softmax(masked, dim=1)  # (b, B), -inf at the positive
     rows = torch.arange(logits.shape[0], device=logits.device)
@@ -185,11 +185,6 @@ def negative_lse_split(rows: Tensor, cols: Tensor, t: Tensor, pos_idx: Tensor,
 def negative_lse_full(logits: Tensor, pos_idx: Tensor, pos_mask: Tensor) -> NegativeSoftmax:
     """negative_softmax with v differentiable (logp and hit are not)."""
     return NegativeSoftmax(*_NegativeLSE.apply(logits, pos_idx, pos_mask))
-
-
-def negative_lse(logits: Tensor, pos_idx: Tensor, pos_mask: Tensor) -> Tensor:
-    """(b,) v_i = logsumexp_{j != pos} t * (s_ij - s_i,pos); InfoNCE_i = softplus(v_i). Needs B >= 2."""
-    return _NegativeLSE.apply(logits, pos_idx, pos_mask)[0]
 
 
 class Anchors(NamedTuple):

@@ -14,7 +14,7 @@ gradient is DCL's damped by the positive's probability, the "negative-positive c
 paper removes. Cross-modal negatives only (CLIP's two directions), as FlatNCE here.
 
 ``scale_grad`` as FlatNCE: "same", t gets DCL's own gradient mean_i E_w[s_ij - s_ip], which does
-not calibrate a temperature; "split" (the default mode, vlp.models.temperature), t gets
+not calibrate a temperature; "split" (the default mode, vlp.losses.temperature), t gets
 InfoNCE's. The reported ``loss`` is DCL's value; "infonce" is in the metrics as for every loss.
 
 Usage: ``loss, metrics = dcl_loss(img_b, txt_b, img_B, txt_B, logit_scale, offset=o,

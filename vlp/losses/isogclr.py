@@ -106,11 +106,6 @@ class ISogCLRLoss(ShardedState):
         super().__init__(num_samples, gamma, gamma_min, schedule, total_steps, rank=rank, world_size=world_size)
         self.rule = rule
 
-    def temperatures(self) -> Tensor:
-        """(rows, 2) fp32 copy of this rank's shard's temperatures; tau_init where not seen yet."""
-        dense = self.table.dense()
-        return torch.where(torch.isfinite(dense[:, :2]), dense[:, 2:4], self.rule.tau_init)
-
     def _start(self, old: Tensor, device) -> tuple[Tensor, Tensor, Tensor]:
         """(log u, tau, m) of the looked-up rows, each (b, 2) on ``device``; first visits get
         log u = -inf, tau_init, m = 0."""

@@ -1,7 +1,7 @@
 """The loss registry: the one source of the loss names and of what each loss needs.
 
     spec = get_spec("sogclr")          # LossSpec: factory, state, default temperature, init
-    loss = build_loss(cfg.loss, num_samples=n, total_steps=s)
+    loss = spec.build(cfg.loss, num_samples=n, total_steps=s)
     value, metrics = loss(img_l, txt_l, img_g, txt_g, t, bias, offset=o, scale_grad=g, ids=ids)
     loss.commit()                      # after each optimizer step (a collective for stateful losses)
 
@@ -10,7 +10,7 @@ a stateless one ignores them. Only a stateful loss has a checkpointed ``state_di
 config (loss.name's choices), the temperature policy (default mode, published init) and the
 trainer read these entries and check no names of their own.
 
-No torch at import: vlp.config validates with this module before torch is loaded.
+No torch at import: vlp.experiment checks configs with this module before torch is loaded.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class LossSpec:
     name: str
     target: str  # "module:attribute": the loss function, or the stateful loss's class
     stateful: bool = False  # keeps per-sample state: committed after each step, checkpointed
-    temperature: str = "learnable"  # the default temperature mode (vlp.models.temperature)
+    temperature: str = "learnable"  # the default temperature mode (vlp.losses.temperature)
     init: Optional[str] = None  # "module:function" -> the published (logit_scale, logit_bias) init
     factory: Optional[Callable] = None  # stateful: factory(cls, loss_cfg, num_samples, total_steps)
 
@@ -97,14 +97,9 @@ def get_spec(name: str) -> LossSpec:
         raise ValueError(f"unknown loss {name!r}; valid: {sorted(REGISTRY)}") from None
 
 
-def build_loss(loss_cfg, num_samples: int, total_steps: int):
-    """The loss `loss_cfg.name` names, built for a run over `num_samples` training samples."""
-    return get_spec(loss_cfg.name).build(loss_cfg, num_samples, total_steps)
-
-
 def get_loss(name: str) -> Callable:
     """The plain function of a stateless loss (the shared signature, no ``ids``)."""
     if name not in STATELESS:
         raise ValueError(f"unknown loss {name!r}; valid: {sorted(STATELESS)}"
-                         + (" (a stateful loss: use build_loss)" if name in REGISTRY else ""))
+                         + (" (a stateful loss: use get_spec(name).build)" if name in REGISTRY else ""))
     return resolve(REGISTRY[name].target)

@@ -1,1 +1,1 @@
-"""The models: the open_clip dual encoder, pretrained towers, the temperature policy."""
+"""The models: the open_clip dual encoder, pretrained towers, cached stems, packaged towers."""

@@ -5,7 +5,7 @@ The model knows nothing about ranks or losses: `forward(image, text)` returns on
 
     model, tok, train_tf, eval_tf = build_model(cfg.model, cfg.loss, data_cfg=cfg.data)
 
-The build decides, once each, the temperature policy (vlp.models.temperature: logit_scale's
+The build decides, once each, the temperature policy (vlp.losses.temperature: logit_scale's
 init and trainability here; the model carries it as `model.temperature` for the trainer's
 gradient routing and clamp) and the transform training uses (data.train_transform).
 """
@@ -28,7 +28,7 @@ from open_clip.transformer import text_global_pool
 from torch import nn
 
 from vlp.models import cached, packaged, towers
-from vlp.models.temperature import TemperaturePolicy, temperature_policy
+from vlp.losses.temperature import TemperaturePolicy, temperature_policy
 
 MODEL_CONFIG_DIR = Path(__file__).parent / "model_configs"
 open_clip.add_model_config(MODEL_CONFIG_DIR)
@@ -193,7 +193,7 @@ def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu", init_we
     the pretrained files need not exist any more). hf_text_dir is read either way (its config
     and tokenizer are part of the architecture).
 
-    Temperature (initial logit_scale / logit_bias, trainability): vlp.models.temperature's policy
+    Temperature (initial logit_scale / logit_bias, trainability): vlp.losses.temperature's policy
     for `loss_cfg`, computed here once and carried by the model (`model.temperature`).
 
     train_transform: the one training uses (vlp.models.towers.chosen_train_transform): with a

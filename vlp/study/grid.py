@@ -16,7 +16,7 @@ from vlp.data.sources import PACKAGED
 from vlp.eval.keys import EVAL_KEYS
 from vlp.losses.registry import NAMES as LOSS_NAMES
 from vlp.study.userdata import USER_KEYS, parse_user_dataset
-from vlp.util import is_url
+from vlp.locations import is_url
 
 # Grid-controlled keys: a per-loss override of these would silently break the grid.
 GRID_KEYS = ("loss.name", "data.batch_per_device", "train.seed", "train.output_dir", "train.resume")

@@ -33,6 +33,7 @@ import copy
 from pathlib import Path
 from typing import Optional
 
+from vlp.checkpoint.storage import RunFolder
 from vlp.config import ConfigError, set_dotted
 from vlp.data.shard_list import sizes_from_spec
 from vlp.data.sources import parse_packaged
@@ -139,7 +140,7 @@ class StudyWalk:
     def __call__(self, runs: list[StudyRun], ranked: bool = True) -> list[dict]:
         grid, acc, out = self.grid, self.acc, self.out
         cfgs = {r.name: run_config(self.bases[(r.dataset, r.regime)][0], grid, r, acc.num_processes) for r in runs}
-        done, error = broadcast(plan_runs(runs, cfgs, out, items=ranked) if acc.is_main_process else None, acc)
+        done, error = broadcast(plan_runs(runs, cfgs, RunFolder(out), items=ranked) if acc.is_main_process else None, acc)
         if error:
             raise ConfigError(error)
         todo = [(i, r) for i, (r, d) in enumerate(zip(runs, done), 1) if not d]

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from vlp.config import ConfigError
-from vlp.util import has_backend, is_url, missing_backend
+from vlp.locations import has_backend, is_url, missing_backend
 
 USER_KEYS = ("train", "val", "test", "shards")
 """The data keys of a user entry: train + val + test (three shard sets), or shards (one, split)."""

@@ -10,12 +10,9 @@ from vlp.eval import keys
 
 class Evaluator:
     def __init__(self, cfg, tokenizer, transform, folder):
-        """`folder`: the run folder (vlp.checkpoint.storage.RunFolder or a path); reports go to eval_stepN/
+        """`folder`: the run folder (vlp.checkpoint.storage.RunFolder); reports go to eval_stepN/
         in it (from a bucket: written locally, then uploaded)."""
-        from vlp.checkpoint.storage import RunFolder
-
-        self.cfg, self.tokenizer, self.transform = cfg, tokenizer, transform
-        self.folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
+        self.cfg, self.tokenizer, self.transform, self.folder = cfg, tokenizer, transform, folder
         self.suite()  # a malformed suite file fails now, not after training
 
     def suite(self) -> dict:

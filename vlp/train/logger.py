@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Optional
 
 from vlp.config import save_config
-from vlp.checkpoint.storage import RunFolder
 
 
 class RunLogger:
     def __init__(self, folder, enabled: bool, wandb_project: Optional[str] = None,
                  config: Optional[dict] = None):
-        self.folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
+        self.folder = folder  # the run's vlp.checkpoint.storage.RunFolder
         self.enabled = enabled
         self.wandb_project, self.config = wandb_project, config
         self._file = None

@@ -2,7 +2,7 @@
 start, whether they train, which gradient they get and where they are clamped.
 
     policy = temperature_policy(cfg.loss)      # the one place it is decided
-    # vlp.config: checks it (before torch) and fills in loss.temperature = policy.mode
+    # vlp.experiment.check: checks it (before torch) and fills in loss.temperature = policy.mode
     # build_model: init_log_scale, init_logit_bias, trainable; the model carries it (model.temperature)
     # the trainer reads model.temperature: scale_grad (every loss call), clamp_() after each step
 
@@ -28,7 +28,6 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from vlp.config import current_value
 from vlp.losses.registry import CLIP_TAU, REGISTRY, get_spec, resolve
 
 # torch (and the losses, which need it) are imported inside the functions that use them:
@@ -67,16 +66,17 @@ def initial_log_scale(init, tau: Optional[float]) -> float:
 
 
 def temperature_policy(loss_cfg) -> TemperaturePolicy:
-    """Map a LossConfig (validated or not: an unset mode gets its default) to its policy; a
-    LossConfig no policy fits (an unknown mode, split for a loss it does not apply to, an initial
-    logit_scale above the clamp) is a one-line ValueError naming the keys.
+    """Map a LossConfig (validated or not: an unset mode gets its default; vlp.config.from_dict
+    reads an old mode name under its new one) to its policy; a LossConfig no policy fits (an
+    unknown mode, split for a loss it does not apply to, an initial logit_scale above the clamp)
+    is a one-line ValueError naming the keys.
 
     The one place the policy is decided: vlp.experiment.check calls it to check the
     section and fill in the mode, build_model applies it and hands it on with the model
     (`DualEncoder.temperature`), and the trainer reads it from there."""
     spec = get_spec(loss_cfg.name)  # the loss's default mode and published init
     init = resolve(spec.init)() if spec.init else None
-    mode = current_value("loss.temperature", loss_cfg.temperature or spec.temperature)
+    mode = loss_cfg.temperature or spec.temperature
     if mode not in MODES:
         raise ValueError(f"loss.temperature must be one of {list(MODES)}, got {mode!r}")
     if mode == "split" and loss_cfg.name not in SPLIT_LOSSES:

@@ -1,4 +1,4 @@
-"""vlp.models.temperature: one LossConfig -> init, trainability, gradient routing and clamp."""
+"""vlp.losses.temperature: one LossConfig -> init, trainability, gradient routing and clamp."""
 import math
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from vlp.config import ConfigError, LossConfig
 from vlp.experiment import load_config
 from vlp.losses.siglip import siglip_init
-from vlp.models.temperature import MIN_LOG_SCALE, temperature_policy
+from vlp.losses.temperature import MIN_LOG_SCALE, temperature_policy
 
 
 @pytest.mark.parametrize("name,mode,scale_grad,trainable", [
