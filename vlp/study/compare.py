@@ -34,20 +34,12 @@ import copy
 from pathlib import Path
 from typing import Sequence
 
-import yaml
-
 from vlp.config import PACKAGED_DEFAULTS, ConfigError, apply_overrides, from_dict, load_yaml, set_dotted
 
 from vlp.experiment import check
-from vlp.checkpoint.storage import RunFolder, open_run_folder
-from vlp.study.executor import Executor, Job
+from vlp.checkpoint.storage import open_run_folder
 from vlp.study.grid import GridSpec, parse_grid
-from vlp.study.plan import expand_grid
-from vlp.study.report import write_report
-from vlp.study.rows import collect_rows
-from vlp.study.runs import broadcast, embedded_shards, plan_runs, run_config
 from vlp.study.study import run_study
-from vlp.study.tables import aggregate, markdown_table
 from vlp.study.userdata import check_datasets
 from vlp.checkpoint import lock as runlock
 
@@ -78,21 +70,9 @@ def load_compare_config(path: str | Path, overrides: Sequence[str] = (), quick: 
     return data, grid
 
 
-def resolve_data(base: dict, acc) -> dict:
-    """data.train_shards '' or 'openmoji': the embedded OpenMoji shards (train + held-out eval)."""
-    from vlp.data.embedded import SHARD_CACHE  # heavy (the renderer); only the embedded data needs it
-
-    specs = embedded_shards(base, acc, ("train", "eval"), SHARD_CACHE)
-    if specs is not None:
-        base["data"]["train_shards"] = specs["train"]
-        if not base["data"].get("eval_shards"):
-            base["data"]["eval_shards"] = specs["eval"]
-    return base
-
-
-def run_grid(base: dict, grid: GridSpec, report_only: bool = False, accelerator=None):
-    """Run every unfinished run of the grid (a tuned study with grid.sweep: vlp.study.study),
-    then write the report; returns the runs.csv rows (a study: its result dict)."""
+def run_grid(base: dict, grid: GridSpec, report_only: bool = False, accelerator=None) -> dict:
+    """Run every unfinished run of the grid, then write the report (vlp.study.study.run_study);
+    returns {"sweep", "final", "best", "price", "tried", "report"}: a plain grid's rows are its final rows."""
     if accelerator is None:  # one Accelerator for the whole grid: every run shares its precision
         from accelerate import Accelerator  # heavy (torch.distributed); only a run needs it
 
@@ -102,47 +82,7 @@ def run_grid(base: dict, grid: GridSpec, report_only: bool = False, accelerator=
     lock = None if report_only else runlock.acquire_on_main(
         open_run_folder(grid.out_dir, option="grid.out_dir"), False, accelerator.is_main_process, accelerator.print)
     try:
-        if grid.sweep:  # a tuned study: sweep on val, seeds on test
-            return run_study(base, grid, accelerator, report_only)
-        return run_plain_grid(base, grid, report_only, accelerator)
+        return run_study(base, grid, accelerator, report_only)
     finally:
         if lock is not None:
             lock.release()
-
-
-def run_plain_grid(base: dict, grid: GridSpec, report_only: bool, acc) -> list[dict]:
-    """loss × batch × seed, each run trained once and evaluated by the Trainer (data.eval_shards);
-    the report is rewritten after every run (partial results are always on disk)."""
-    base = resolve_data(copy.deepcopy(base), acc)
-    runs = expand_grid(grid)
-    cfgs = {r.name: run_config(base, grid, r, acc.num_processes) for r in runs}
-    out = open_run_folder(grid.out_dir, option="grid.out_dir")  # a local folder or a bucket, checked
-    done, error = broadcast(plan_runs(runs, cfgs, out) if acc.is_main_process else None, acc)
-    if error:  # raised on every rank, so none waits in a collective
-        raise ConfigError(error)
-    if acc.is_main_process:
-        with out.file("compare_config.yaml") as path:
-            path.write_text(yaml.safe_dump({**base, "grid": {**grid.__dict__}}, sort_keys=False))
-        print(f"[compare] {len(runs)} runs ({sum(done)} already done) -> {out.path()}", flush=True)
-
-    def partial_report(job: Job, record: dict) -> None:
-        if acc.is_main_process:
-            _write_report(out, collect_rows(runs, cfgs, acc.num_processes), grid, len(runs))
-
-    if not report_only:
-        jobs = [Job(r, cfgs[r.name], None, grid.retries, grid.keep_checkpoints, i)
-                for i, (r, finished) in enumerate(zip(runs, done), 1) if not finished]
-        with Executor(grid, acc) as executor:
-            executor.run(jobs, total=len(runs), on_done=partial_report)
-    rows = collect_rows(runs, cfgs, acc.num_processes)
-    if acc.is_main_process:
-        _write_report(out, rows, grid, len(runs))
-        print(markdown_table(aggregate(rows), grid.losses), flush=True)
-    out.close()
-    return rows
-
-
-def _write_report(out: RunFolder, rows: list[dict], grid: GridSpec, n_runs: int) -> None:
-    """runs.csv, results.md and the plots into the grid's folder (a bucket: written locally, then uploaded)."""
-    write_report(out.local_dir(""), rows, grid, n_runs)
-    out.sync_dir("")

@@ -212,7 +212,7 @@ def _parse_study(raw: dict, spec: GridSpec) -> None:
         raise ConfigError(f"config: grid.select_metric must be one of {list(EVAL_KEYS)}, got {spec.select_metric!r}")
     if spec.test_shards is not None and (not isinstance(spec.test_shards, str) or not spec.test_shards):
         raise ConfigError(f"config: grid.test_shards must be a shard spec, got {spec.test_shards!r}")
-    for key in ("regimes", "accum_price", "datasets", "sweep_bounds", "seeds_until"):
+    for key in ("final_seeds", "regimes", "accum_price", "datasets", "sweep_bounds", "seeds_until"):
         if raw.get(key) and not sweep:
             raise ConfigError(f"config: grid.{key} needs a tuned study (grid.sweep)")
     spec.regimes = _parse_regimes(raw.get("regimes"))

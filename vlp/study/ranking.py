@@ -19,10 +19,8 @@ from typing import Optional
 import torch
 
 from vlp.study.plan import SPLITS
+from vlp.study.rows import ITEMS_FILE, POINTS_FILE
 from vlp.train.loop import Trainer
-
-POINTS_FILE = "eval_points.json"
-ITEMS_FILE = "eval_items.json"
 
 
 class RankingTrainer(Trainer):
