@@ -38,7 +38,8 @@ from vlp.config import PACKAGED_DEFAULTS, ConfigError, apply_overrides, from_dic
 
 from vlp.experiment import check
 from vlp.checkpoint.storage import open_run_folder
-from vlp.study.grid import GridSpec, parse_grid
+from vlp.config.keys import GridConfig
+from vlp.study.grid import parse_grid
 from vlp.study.study import run_study
 from vlp.study.userdata import check_datasets
 from vlp.checkpoint import lock as runlock
@@ -47,8 +48,8 @@ from vlp.checkpoint import lock as runlock
 DEFAULT_CONFIG = PACKAGED_DEFAULTS / "compare_small_batch.yaml"
 
 
-def load_compare_config(path: str | Path, overrides: Sequence[str] = (), quick: bool = False) -> tuple[dict, GridSpec]:
-    """YAML + dotted overrides (grid.* included) → (base vlp config dict, GridSpec), both validated.
+def load_compare_config(path: str | Path, overrides: Sequence[str] = (), quick: bool = False) -> tuple[dict, GridConfig]:
+    """YAML + dotted overrides (grid.* included) → (base vlp config dict, GridConfig), both validated.
     quick: the YAML's top-level `quick:` map of dotted overrides is applied first (a few-minute
     version of the same study); otherwise that section is ignored."""
     path = Path(path)
@@ -70,7 +71,7 @@ def load_compare_config(path: str | Path, overrides: Sequence[str] = (), quick: 
     return data, grid
 
 
-def run_grid(base: dict, grid: GridSpec, report_only: bool = False, accelerator=None) -> dict:
+def run_grid(base: dict, grid: GridConfig, report_only: bool = False, accelerator=None) -> dict:
     """Run every unfinished run of the grid, then write the report (vlp.study.study.run_study);
     returns {"sweep", "final", "best", "price", "tried", "report"}: a plain grid's rows are its final rows."""
     if accelerator is None:  # one Accelerator for the whole grid: every run shares its precision
