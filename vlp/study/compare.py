@@ -1,31 +1,25 @@
-"""`vlp compare`: a grid of trainings (loss × per-GPU batch × seed) at an equal sample budget.
+"""`vlp compare`: a grid of trainings at an equal sample budget: arms (data set × regime × loss ×
+optimizer × per-GPU batch) × seeds, optionally tuned per arm (grid.sweep; vlp.study.study).
 
     vlp compare -c configs/compare_small_batch.yaml                  # CPU, embedded OpenMoji data
     vlp compare -c configs/compare_small_batch.yaml grid.seeds=[0] train.samples=4096
     accelerate launch -m vlp compare -c configs/compare_gpu_vitb32.yaml   # N GPUs
-    vlp compare -c configs/compare_small_batch.yaml --report-only      # rebuild table and plots
+    vlp compare -c configs/compare_small_batch.yaml --report-only      # rebuild tables and plots
 
 Fairness: every run sees the same budget of samples (steps = samples // global batch, so a
 smaller batch takes more steps; the samples actually seen are reported), the same data order
-for a given seed (the Trainer seeds the stream with train.seed), and the same held-out
-retrieval eval (data.eval_shards) at the end. Under `accelerate launch` the per-GPU batch is
-the swept knob and global batch = per-GPU × processes × accum is reported.
+for a given seed (the Trainer seeds the stream with train.seed), and the same held-out eval at
+the end. Under `accelerate launch` the per-GPU batch is the swept knob and global batch =
+per-GPU × processes × accum is reported. Files: <out_dir>/<run>/ (one Trainer run), runs.csv
+and the report (vlp.study.report).
 
-    <out_dir>/<loss>_b<batch>_s<seed>/  one Trainer run: log.jsonl, result.json, config.yaml
-    <out_dir>/runs.csv                  one row per run (config, status, eval, final diagnostics)
-    <out_dir>/results.md                mean ± std over seeds per loss × batch, best per batch bold
-    <out_dir>/metric_vs_batch.png       eval metric vs per-GPU batch (log2), one line per loss
-    <out_dir>/curves.png                diagnostics vs samples seen, one line per loss × batch
-
-Resumable: a run with result.json is skipped; an unfinished one resumes from its latest
-checkpoint; a run that raises is retried once (from its latest checkpoint), then recorded as
-failed and the grid goes on. All processes walk the grid in the same order (the Trainer's
-collectives need it); only the main process writes files. Limitation: an exception raised on
-one rank only (e.g. one GPU's OOM) usually hangs the others in a collective, as in any DDP job.
-
-grid.out_dir may be a bucket (s3://b/grid, gs://...): every run's folder is a bucket run folder
-(vlp.train), runs.csv / results.md / plots are written locally and uploaded, and a rerun resumes
-the grid from what the bucket holds. A tuned study (grid.sweep) needs a local folder.
+Resumable: a done run is skipped; an unfinished one resumes from its latest checkpoint; a run
+that raises is retried (grid.retries), then recorded as failed and the grid goes on. All
+processes walk the grid in the same order (the Trainer's collectives need it); only the main
+process writes files. Limitation: an exception raised on one rank only (e.g. one GPU's OOM)
+usually hangs the others in a collective, as in any DDP job. A plain grid's grid.out_dir may be a
+bucket (s3://b/grid, gs://...): its files are written locally and uploaded, and a rerun resumes
+from what the bucket holds.
 """
 
 from __future__ import annotations

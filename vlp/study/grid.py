@@ -72,17 +72,20 @@ def _check_sweep_map(table: Any, where: str) -> None:
             raise ConfigError(f"config: {where}.{key} must be a non-empty list without duplicates, got {values!r}")
 
 
+def _check_sweep(sweep: dict, where: str) -> bool:
+    """A sweep: dotted key -> values, or optimizer -> such a map; True for the latter."""
+    per_optim = any(isinstance(v, dict) for v in sweep.values())
+    for name, table in sweep.items() if per_optim else [("", sweep)]:
+        if per_optim and name not in OPTIMIZERS:
+            raise ConfigError(f"config: {where}.{name}: not an optimizer {list(OPTIMIZERS)}")
+        _check_sweep_map(table, f"{where}.{name}" if per_optim else where)
+    return per_optim
+
+
 def _parse_study(raw: dict, spec: GridConfig) -> None:
     """The study keys of grid: (sweep, optimizers, regimes, accum_price, datasets, ...), joined."""
     sweep = spec.sweep
-    per_optim = any(isinstance(v, dict) for v in sweep.values())
-    if per_optim:
-        for name, table in sweep.items():
-            if name not in OPTIMIZERS:
-                raise ConfigError(f"config: grid.sweep.{name}: not an optimizer {list(OPTIMIZERS)}")
-            _check_sweep_map(table, f"grid.sweep.{name}")
-    elif sweep:
-        _check_sweep_map(sweep, "grid.sweep")
+    per_optim = _check_sweep(sweep, "grid.sweep")
     if per_optim and spec.optimizers and set(spec.optimizers) - set(sweep):
         raise ConfigError(f"config: grid.sweep has no settings for optimizer(s) "
                           f"{sorted(set(spec.optimizers) - set(sweep))}")
@@ -123,13 +126,7 @@ def _parse_regimes(raw: Any) -> dict[str, dict]:
             where = f"grid.regimes.{name}.sweep"
             if not isinstance(sweep, dict) or not sweep:
                 raise ConfigError(f"config: {where} must be a non-empty mapping, got {sweep!r}")
-            if any(isinstance(v, dict) for v in sweep.values()):
-                for optim, values in sweep.items():
-                    if optim not in OPTIMIZERS:
-                        raise ConfigError(f"config: {where}.{optim}: not an optimizer {list(OPTIMIZERS)}")
-                    _check_sweep_map(values, f"{where}.{optim}")
-            else:
-                _check_sweep_map(sweep, where)
+            _check_sweep(sweep, where)
         out[name] = {"set": sets, "sweep": sweep}
     if not out:
         raise ConfigError("config: grid.regimes leaves every regime out")

@@ -146,12 +146,9 @@ def sweep_of(grid, regime: str) -> dict:
     return own or grid.sweep
 
 
-def loss_overrides(grid, loss: str) -> tuple:
-    return tuple(sorted(grid.loss_overrides.get(loss, {}).items()))
-
-
 def run_of(grid, arm: Arm, setting: tuple, seed: int, **price) -> Run:
-    return Run(arm, setting, seed, loss_overrides(grid, arm.loss), **price)
+    """The run of ``arm`` with its loss's overrides (grid.loss_overrides)."""
+    return Run(arm, setting, seed, tuple(sorted(grid.loss_overrides.get(arm.loss, {}).items())), **price)
 
 
 def sweep_runs(grid) -> list[Run]:

@@ -62,13 +62,11 @@ def results_report(out: Path, rows: list[dict], grid, total_runs: int) -> str:
         "percent (held-out retrieval after the last step); best per batch size in **bold**; "
         "InfoNCE and logit scale from the last training step."
         + (f" Chance R@1 = {100 * chance:.2f} %." if chance else ""), "",
-        tables.markdown_table(table, grid.losses), "",
-    ]
-    if failed:
-        lines += ["Failed runs: " + "; ".join(failed), ""]
+        text := tables.markdown_table(table, grid.losses), "",
+    ] + (["Failed runs: " + "; ".join(failed), ""] if failed else [])
     (out / "results.md").write_text("\n".join(lines))
     plots.plot_metric_vs_batch(table, grid.metric, grid.losses, out / "metric_vs_batch.png", chance)
-    return tables.markdown_table(table, grid.losses)
+    return text
 
 
 def test_rows(final_rows: list[dict]) -> list[dict]:
@@ -82,7 +80,7 @@ def study_report(out: Path, result: dict, grid, facts: dict) -> str:
     """A tuned study's study.md, study.json and figures (final, sweep; the map's map and
     mechanism); its markdown."""
     sweep_rows, final_rows, price_rows, best = result["sweep"], result["final"], result["price"], result["best"]
-    facts.setdefault("tried", result.get("tried") or tuning.tried_settings_of_rows(sweep_rows))
+    facts["tried"] = result["tried"]
     facts["notes"] = tuning.edge_notes(grid, best, facts["tried"])
     facts.setdefault("points", transfer.point_fractions(final_rows))
     facts.setdefault("budget", max((r.get("samples_seen") or 0 for r in final_rows), default=0))
@@ -103,17 +101,12 @@ def study_report(out: Path, result: dict, grid, facts: dict) -> str:
         "final": [{k: v for k, v in e.items() if k != "arm"} for e in table],
         "final_at_val_best_point": [{k: v for k, v in e.items() if k != "arm"} for e in at_best],
         "price": tables.price_table(price_rows)}, indent=1, default=str))
-    write_study_figures(out, table, sweep_rows, best, grid, facts["notes"])
-    return text
-
-
-def write_study_figures(out: Path, table: list[dict], sweep_rows: list[dict], best: dict, grid,
-                        notes: list[dict]) -> None:
     plots.plot_final(table, grid.metric, out / "final.png")
-    plots.plot_sweep(sweep_rows, best, notes, grid.select_metric, SWEEP_KEY, out / "sweep.png")
+    plots.plot_sweep(sweep_rows, best, facts["notes"], grid.select_metric, SWEEP_KEY, out / "sweep.png")
     if is_map(grid):
         plots.plot_map(table, grid.metric, out / "map.png")
         plots.plot_mechanism(table, grid.metric, out / "mechanism.png")
+    return text
 
 
 def is_map(grid) -> bool:

@@ -23,7 +23,6 @@ from vlp.study.plan import REFERENCE_LOSS, SPLITS, Arm, Run
 from vlp.study.stats import (bootstrap_ci, holm, item_seed_bootstrap, look_level, paired_difference, seed_summary,
                              simultaneous_ci)
 
-KS = (1, 5, 10)
 DIAG_KEYS = ("infonce", "log_xi", "grad_ratio", "frac_saturated", "ess_neg", "acc", "logit_scale")
 """Diagnostics from the last training step."""
 DIAG = ("grad_ratio", "logit_scale", "infonce", "frac_saturated")
@@ -99,15 +98,11 @@ def _read_json(folder: RunFolder, name: str) -> Optional[dict]:
 
 
 # ---------------------------------------------------------------------------- study: metrics
-def recall_at(ranks: list[int], k: int) -> float:
-    return sum(r <= k for r in ranks) / len(ranks)
-
-
 def split_metrics(items: dict) -> dict[str, float]:
     """{direction_R@k, mean_R@k} of one split's ranks {image_to_text: [...], text_to_image: [...]}."""
     out = {}
-    for k in KS:
-        both = [recall_at(items[d], k) for d in keys.DIRECTIONS]
+    for k in RECALL_KS:
+        both = [sum(r <= k for r in items[d]) / len(items[d]) for d in keys.DIRECTIONS]
         out.update({keys.recall(d, k): r for d, r in zip(keys.DIRECTIONS, both)})
         out[keys.mean_recall(k)] = sum(both) / 2
     return out

@@ -68,10 +68,6 @@ def run_dir(out_dir: str, name: str) -> str:
     return f"{str(out_dir).rstrip('/')}/{name}" if is_url(out_dir) else str(Path(out_dir) / name)
 
 
-def _folder(out) -> RunFolder:
-    return out if isinstance(out, RunFolder) else RunFolder(out)
-
-
 def stale_key(saved: dict, current: dict) -> Optional[str]:
     """First dotted key whose value differs between a run's saved config and the current one
     (keys only one side has are ignored: a field added to Config later keeps old runs valid)."""
@@ -82,11 +78,11 @@ def stale_key(saved: dict, current: dict) -> Optional[str]:
     return None
 
 
-def plan_runs(runs: list, cfgs: dict[str, Config], out: Path, items: bool = False) -> tuple[list[bool], str]:
+def plan_runs(runs: list, cfgs: dict[str, Config], out: RunFolder, items: bool = False) -> tuple[list[bool], str]:
     """(done flag per run, error); a run folder written under another config is an error, so
     results of two configs are never mixed in one table. items: done also needs eval_items.json
     (a study run's per-query ranks)."""
-    done, out = [], _folder(out)  # a local folder or a bucket (vlp.checkpoint.storage.RunFolder)
+    done = []
     for run in runs:
         try:
             saved = out.read_bytes(f"{run.name}/config.yaml").decode()

@@ -19,10 +19,8 @@ study (grid.sweep) tunes every arm with the same budget, selects on val, reports
     price    = grid.accum_price: the batch b·k as k accumulated micro-batches of b, timed
     report   = study.md (sweep, final, verdicts, the map, cost), study.json and the figures
 
-The three rooms: vlp.study.plan says which runs (pure), vlp.study.runs / vlp.study.executor run
-them, vlp.study.rows / tables / plots / report report them. This module walks the steps.
-
-Runs: <out_dir>/<Run.name>/ (Trainer files; a tuned study's also eval_items.json, the 1-based rank
+vlp.study.plan says which runs (pure), vlp.study.executor runs them, vlp.study.rows / report
+report them; this module walks the steps. Runs: <out_dir>/<Run.name>/ (Trainer files; a tuned study's also eval_items.json, the 1-based rank
 of every val and test query in both directions, from which all its metrics and bootstraps are
 computed). Reruns skip done runs (result.json, and eval_items.json where ranked).
 Data: data.train_shards 'openmoji' trains on the OpenMoji 'fit' names, selects on 'val' and reports
@@ -33,7 +31,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from vlp.config import ConfigError, set_dotted
 from vlp.data.shard_list import sizes_from_spec
@@ -78,9 +76,9 @@ def with_dataset(tree: dict, dataset: str, user: Optional[dict] = None) -> dict:
     if not dataset:
         return tree
     data = tree.setdefault("data", {})
+    if data.get("eval_shards"):
+        raise ConfigError("config: grid.datasets ranks each data set's own val and test: leave data.eval_shards unset")
     if user is not None:
-        if data.get("eval_shards"):
-            raise ConfigError("config: grid.datasets ranks each data set's own val and test: leave data.eval_shards unset")
         data["train_shards"], data["eval_shards"] = user["fit"], user["val"]
         return tree
     spec = data.get("train_shards") or DEFAULT_SOURCE
@@ -90,8 +88,6 @@ def with_dataset(tree: dict, dataset: str, user: Optional[dict] = None) -> dict:
         raise ConfigError(f"config: {e}") from None
     if parsed is None:
         raise ConfigError(f"config: grid.datasets needs data.train_shards to name a packaged data set, got {spec!r}")
-    if data.get("eval_shards"):
-        raise ConfigError("config: grid.datasets ranks each data set's own val and test: leave data.eval_shards unset")
     data["train_shards"] = f"{dataset}:{parsed[1]}" if parsed[1] else dataset
     return tree
 

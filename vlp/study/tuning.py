@@ -36,15 +36,6 @@ def tried_settings(runs: list[Run]) -> dict[Arm, list[tuple]]:
     return out
 
 
-def tried_settings_of_rows(rows: list[dict]) -> dict[Arm, list[tuple]]:
-    """Per arm, the distinct settings of the ok study rows in their order (what ran)."""
-    out: dict[Arm, list[tuple]] = {}
-    for row in rows:
-        if row["status"] == "ok" and row["setting"] not in out.setdefault(row["arm"], []):
-            out[row["arm"]].append(row["setting"])
-    return out
-
-
 def key_values(settings: list[tuple], chosen: tuple, key: str) -> list:
     """The values of ``key`` among ``settings`` that equal ``chosen`` on every other key, sorted."""
     others = {k: v for k, v in chosen if k != key}
