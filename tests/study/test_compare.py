@@ -215,7 +215,8 @@ def test_cli_hook_parses():
 
 # ---------------------------------------------------------------------------- pure functions
 def _row(loss, batch, seed, r1, status="ok", infonce=2.0):
-    return {"run": f"{loss}_b{batch}_s{seed}", "loss": loss, "batch_per_device": batch, "global_batch": 2 * batch,
+    return {"run": f"{loss}_b{batch}_s{seed}", "arm": Arm(loss=loss, batch_per_device=batch), "loss": loss,
+            "batch_per_device": batch, "global_batch": 2 * batch,
             "seed": seed, "steps": 64 // batch, "samples_seen": 64, "status": status, "wall_time_s": 10.0,
             **{k: (r1 if status == "ok" else None) for k in EVAL_KEYS},
             **{k: (infonce if status == "ok" else None) for k in DIAG_KEYS}}

@@ -4,11 +4,9 @@
     Run                      an arm trained once: + its swept setting, seed and loss overrides
     sweep_runs(grid)         every arm × its regime's settings × sweep seed (a tuned study)
     select_best(rows, m)     per arm, the setting with the best mean val metric
-    final_runs(grid, best)   the selected setting of every arm × final seed (a plain grid: every
-                             arm × seed, its one setting being the base config)
+    final_runs(grid, best)   the selected setting of every arm × final seed (a plain grid: its runs)
     price_runs(grid, best)   the accumulated batch b·k as k micro-batches of b (timed)
-    cells_of(grid)           (data set, regime, batch) of every cell (grid.datasets may run a data
-                             set on fewer batches or regimes)
+    arms_of(grid)            every arm, from cells_of: (data set, regime, batch) of every cell
 An axis lives in `Arm` and in the function here that varies it (arms_of); edge extension of the
 sweep (grid.sweep_bounds) is vlp.study.tuning's. Nothing here trains, reads run folders or writes.
 """
@@ -48,7 +46,7 @@ class Arm:
         return "/".join(p for p in (self.dataset, self.regime, self.loss, self.optimizer) if p) + \
             f"/b{self.batch_per_device}"
 
-    def with_(self, **axes) -> "Arm":
+    def with_(self, **axes) -> "Arm":  # the arm with other values on some axes
         return dataclasses.replace(self, **axes)
 
     def columns(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from vlp.study.plan import REFERENCE_LOSS
-from vlp.study.tables import arm_cells, arm_order, group_label, groups, mechanism_points
+from vlp.study.tables import arm_cells, group_label, groups, mechanism_points
 
 LOSS_COLOURS = {"infonce": "tab:blue", "flatnce": "tab:orange", "sogclr": "tab:green", "siglip": "tab:purple"}
 OPTIM_STYLES = {"adamw": "-", "lars": "--", "sgd": ":", "": "-"}
@@ -102,7 +102,7 @@ def plot_final(table: list[dict], metric: str, path: Optional[Path] = None):
     difference to InfoNCE per arm with its 95 % CI; seeds' own differences as dots."""
     fig = figure(figsize=(11, 4))
     ax, ax_d = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    table = sorted(table, key=arm_order)
+    table = sorted(table, key=lambda e: e["arm"].order())
     labels = [e["arm"].label for e in table]
     for i, e in enumerate(table):
         s = e.get(metric)
@@ -171,8 +171,8 @@ def plot_mechanism(table: list[dict], metric: str, path: Optional[Path] = None):
     fig = figure(figsize=(6, 4.5))
     ax = fig.add_subplot(1, 1, 1)
     markers = dict(zip(groups(table), "os^Dv<>pP*Xh"))
-    for group in dict.fromkeys((p["dataset"], p["regime"]) for p in points):
-        mine = [p for p in points if (p["dataset"], p["regime"]) == group]
+    for group in dict.fromkeys(p["arm"].table for p in points):
+        mine = [p for p in points if p["arm"].table == group]
         for p in mine:
             d = p["diff"]
             err = 0.0 if d.get("lo") is None else 100 * (d["hi"] - d["mean"])

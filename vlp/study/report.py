@@ -100,7 +100,8 @@ def study_report(out: Path, result: dict, grid, facts: dict) -> str:
         "seeds": [{**n, "arm": arm(n["arm"])} for n in facts["seeds"]],
         "final": [{k: v for k, v in e.items() if k != "arm"} for e in table],
         "final_at_val_best_point": [{k: v for k, v in e.items() if k != "arm"} for e in at_best],
-        "price": tables.price_table(price_rows)}, indent=1, default=str))
+        "price": [{k: v for k, v in e.items() if k != "arm"} for e in tables.price_table(price_rows)]},
+        indent=1, default=str))
     plots.plot_final(table, grid.metric, out / "final.png")
     plots.plot_sweep(sweep_rows, best, facts["notes"], grid.select_metric, SWEEP_KEY, out / "sweep.png")
     if is_map(grid):
