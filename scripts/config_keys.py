@@ -3,7 +3,7 @@
     python scripts/config_keys.py           # rewrite the list between the page's two markers
     python scripts/config_keys.py --check   # exit 1 when the page is out of step (a test runs this)
 
-Each key's type, default, rule and resume rule come from vlp.config.KEYS (the fields' metadata);
+Each key's type, default, rule and resume rule come from vlp.config.KEYS and GRID_KEYS (the fields' metadata);
 its meaning from the docstring under the field.
 """
 
@@ -45,10 +45,14 @@ def type_text(tp) -> str:
         return " or ".join(type_text(a) for a in args if a is not type(None)) + " or null"
     if typing.get_origin(tp) is typing.Literal:
         return "one of " + ", ".join(f"`{a}`" for a in args)
-    return tp.__name__
+    if typing.get_origin(tp) in (list, dict):
+        return f"list of {args[0].__name__}" if typing.get_origin(tp) is list else "mapping"
+    return "list or mapping" if tp is typing.Any else tp.__name__  # Any: grid.datasets
 
 
 def value_text(value) -> str:
+    if value in ([], {}):
+        return "`[]`" if value == [] else "`{}`"
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -57,6 +61,8 @@ def value_text(value) -> str:
 
 
 def resume_text(rule: config_rules.KeyRule) -> str:
+    if rule.kind == config_rules.PLAN.kind:
+        return "plans the runs (a grid: key)"
     if rule.kind == config_rules.REFUSE:
         return f"refused ({rule.why})"
     if rule.kind == config_rules.LAYOUT:
@@ -73,14 +79,14 @@ def cell(text: str) -> str:
 
 
 def keys_markdown() -> str:
-    """The generated part of the page: one table per section."""
+    """The generated part of the page: one table per section, `grid:` (vlp compare) last."""
     docs = docstrings()
-    sections = typing.get_type_hints(config.Config)
+    sections = {**typing.get_type_hints(config.Config), "grid": config_keys.GridConfig}
     lines = []
     for section, cls in sections.items():
         lines += [f"### `{section}`", "", docs.get(cls.__name__, ""), "",
                   "| key | type | default | accepts | on resume | meaning |", "|---|---|---|---|---|---|"]
-        for name, k in config.KEYS.items():
+        for name, k in {**config.KEYS, **config.GRID_KEYS}.items():
             if name.split(".")[0] != section:
                 continue
             accepts = "" if k.rule is config_rules.ANY else k.rule.allowed

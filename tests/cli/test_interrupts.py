@@ -137,7 +137,7 @@ def _training(out: Path, before_step: int = 8) -> list[str]:
 def _check_finished(out: Path, names) -> None:
     """Each run is complete: its result files parse, and its record, if written, says ok (a second
     Ctrl-C may end the command between a run's last file and its compare.json, which the study
-    reads for a failed run's error only: vlp.study.rows.study_row)."""
+    reads for a failed run's error only: vlp.study.rows.run_row)."""
     for name in names:
         run = out / name
         result = json.loads((run / "result.json").read_text())

@@ -39,12 +39,14 @@ def test_compare_grids_name_every_registered_loss():
     one run per loss, each a valid config with that loss and its default temperature mode."""
     from vlp.losses.registry import NAMES
     from vlp.losses.registry import get_spec
-    from vlp.study.compare import expand_grid, parse_grid, run_config
+    from vlp.study.grid import parse_grid
+    from vlp.study.plan import sweep_runs
+    from vlp.study.runs import run_config
 
     assert {"dcl", "fastclip", "isogclr"} <= set(NAMES)
     grid = parse_grid({"losses": ["dcl", "fastclip", "isogclr"], "batch_per_device": [8], "seeds": [0],
                        "loss_overrides": {"isogclr": {"loss.rho": 1.0, "loss.tau_lr": 1e-3}}})
-    runs = {r.loss: r for r in expand_grid(grid)}
+    runs = {r.arm.loss: r for r in sweep_runs(grid)}
     assert sorted(runs) == ["dcl", "fastclip", "isogclr"]
     for name, run in runs.items():
         cfg = run_config({"train": {"samples": 64}}, grid, run)

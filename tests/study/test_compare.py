@@ -12,7 +12,7 @@ from vlp.study import executor, plots
 from vlp.study.compare import load_compare_config, run_grid
 from vlp.study.grid import parse_grid
 from vlp.config import steps_for
-from vlp.study.plan import expand_grid
+from vlp.study.plan import Arm, sweep_runs
 from vlp.study.plots import mean_curve, plot_curves, plot_metric_vs_batch
 from vlp.study.rows import DIAG_KEYS, read_log
 from vlp.study.runs import run_config, stale_key
@@ -50,7 +50,7 @@ def _check_png(path):
 
 def test_tiny_grid_end_to_end_then_rerun_skips_everything(tiny_shards, tmp_path, monkeypatch):
     grid = _grid(tmp_path / "cmp")
-    rows = run_grid(_base(tiny_shards), grid)
+    rows = run_grid(_base(tiny_shards), grid)["final"]
     out = tmp_path / "cmp"
     csv_rows = _csv(out / "runs.csv")
     assert len(rows) == len(csv_rows) == 8
@@ -79,7 +79,7 @@ def test_tiny_grid_end_to_end_then_rerun_skips_everything(tiny_shards, tmp_path,
 
     monkeypatch.setattr(executor, "train_only", no_training)
     (out / "runs.csv").unlink()
-    rows_again = run_grid(_base(tiny_shards), grid)
+    rows_again = run_grid(_base(tiny_shards), grid)["final"]
     assert rows_again == rows
     assert _csv(out / "runs.csv") == csv_rows
 
@@ -113,7 +113,7 @@ def test_crashed_run_is_retried_once_then_recorded_and_grid_continues(tiny_shard
     monkeypatch.setattr(executor, "train_only", _fake_train(
         calls, fail=lambda cfg: cfg.loss.name == "flatnce" and cfg.data.batch_per_device == 8))
     grid = _grid(tmp_path / "cmp")  # grid.retries unset: one retry
-    rows = run_grid(_base(tiny_shards), grid)
+    rows = run_grid(_base(tiny_shards), grid)["final"]
     assert len(calls) == 8 + 2  # two failing runs, each tried twice
     assert calls.count("flatnce_b8_s0") == calls.count("flatnce_b8_s1") == 2
     failed = [r for r in rows if r["status"] != "ok"]
@@ -142,14 +142,14 @@ def test_equal_budget_arithmetic(tiny_shards, tmp_path):
     assert steps_for(1000, 128) == 7  # samples actually seen: 896, reported as such
     grid = _grid(tmp_path, warmup_samples=64, log_every_samples=16, batch_per_device=[2, 8])
     base = _base(tiny_shards, samples=128)
-    runs = expand_grid(grid)
+    runs = sweep_runs(grid)
     assert [r.name for r in runs[:4]] == ["infonce_b2_s0", "flatnce_b2_s0", "infonce_b8_s0", "flatnce_b8_s0"]
     for world in (1, 2):
         for run in runs:
             cfg = run_config(base, grid, run, world)
-            gb = run.batch_per_device * world
+            gb = run.arm.batch_per_device * world
             assert (cfg.loss.name, cfg.data.batch_per_device, cfg.train.seed) == (
-                run.loss, run.batch_per_device, run.seed)
+                run.arm.loss, run.arm.batch_per_device, run.seed)
             assert cfg.train.samples == 128 and cfg.optim.warmup_steps == 64 // gb
             assert cfg.train.log_every == max(1, 16 // gb)
             assert cfg.train.output_dir == str(tmp_path / run.name) and cfg.train.resume == "latest"
@@ -160,7 +160,7 @@ def test_equal_budget_arithmetic(tiny_shards, tmp_path):
 def test_loss_overrides_and_grid_validation(tmp_path):
     grid = parse_grid({"losses": ["infonce", "flatnce"], "batch_per_device": [8], "seeds": [0],
                        "loss_overrides": {"flatnce": {"loss": {"temperature": "split"}, "optim.lr": 1e-4}}})
-    runs = {r.loss: r for r in expand_grid(grid)}
+    runs = {r.arm.loss: r for r in sweep_runs(grid)}
     base = {"train": {"samples": 64}}
     assert run_config(base, grid, runs["flatnce"]).loss.temperature == "split"
     assert run_config(base, grid, runs["flatnce"]).optim.lr == 1e-4
@@ -182,7 +182,7 @@ def test_loss_overrides_and_grid_validation(tmp_path):
             parse_grid(raw)
     typo = parse_grid({**good, "loss_overrides": {"infonce": {"optim.lrr": 1.0}}})
     with pytest.raises(ConfigError, match="unknown key 'optim.lrr'"):
-        run_config(base, typo, expand_grid(typo)[0])
+        run_config(base, typo, sweep_runs(typo)[0])
 
 
 @pytest.mark.parametrize("name,runs,model", [("compare_small_batch.yaml", 240, "vlp-micro"),
@@ -197,10 +197,10 @@ def test_shipped_configs_load(name, runs, model):
     assert len(sweep_runs(grid)) == runs
     assert len(grid.final_seeds) >= (3 if name == "compare_b8_lars.yaml" else 4)
     for run in sweep_runs(grid):
-        if run.regime == "lit":  # its towers are built from PyPI packages; the config is what is checked here
+        if run.arm.regime == "lit":  # its towers are built from PyPI packages; the config is what is checked here
             continue
         cfg = run_config(base, grid, run)
-        assert cfg.model.name == model and cfg.optim.name == run.optim
+        assert cfg.model.name == model and cfg.optim.name == run.arm.optimizer
     base, grid = load_compare_config(REPO / "configs" / name, ["grid.seeds=[5]", "train.samples=4096"])
     assert grid.seeds == [5] and base["train"]["samples"] == 4096
 
@@ -215,7 +215,8 @@ def test_cli_hook_parses():
 
 # ---------------------------------------------------------------------------- pure functions
 def _row(loss, batch, seed, r1, status="ok", infonce=2.0):
-    return {"run": f"{loss}_b{batch}_s{seed}", "loss": loss, "batch_per_device": batch, "global_batch": 2 * batch,
+    return {"run": f"{loss}_b{batch}_s{seed}", "arm": Arm(loss=loss, batch_per_device=batch), "loss": loss,
+            "batch_per_device": batch, "global_batch": 2 * batch,
             "seed": seed, "steps": 64 // batch, "samples_seen": 64, "status": status, "wall_time_s": 10.0,
             **{k: (r1 if status == "ok" else None) for k in EVAL_KEYS},
             **{k: (infonce if status == "ok" else None) for k in DIAG_KEYS}}
@@ -255,7 +256,7 @@ def test_plots_have_one_series_per_loss_and_per_loss_batch(tmp_path):
         return [{"step": k, "samples_seen": k * gb, **{key: seed + k for key in plots.CURVE_KEYS}}
                 for k in range(1, 5)]
 
-    curves = {("", loss, "", b): [log(s, b) for s in (0, 1, 2)] for loss in ("infonce", "flatnce") for b in (8, 32)}
+    curves = {Arm(loss=loss, batch_per_device=b): [log(s, b) for s in (0, 1, 2)] for loss in ("infonce", "flatnce") for b in (8, 32)}
     fig = plot_curves(curves, path=tmp_path / "c.png")
     panels = [ax for ax in fig.axes if ax.get_title() in plots.CURVE_KEYS]
     assert len(panels) == len(plots.CURVE_KEYS)
@@ -263,7 +264,7 @@ def test_plots_have_one_series_per_loss_and_per_loss_batch(tmp_path):
     _check_png(tmp_path / "c.png")
     assert sorted(t.get_text() for t in fig.axes[-1].get_legend().get_texts()) == [
         "flatnce/b32", "flatnce/b8", "infonce/b32", "infonce/b8"]
-    xs, ys = mean_curve(curves[("", "infonce", "", 8)], "infonce")
+    xs, ys = mean_curve(curves[Arm(loss="infonce", batch_per_device=8)], "infonce")
     assert xs == [8, 16, 24, 32] and ys == [2.0, 3.0, 4.0, 5.0]  # mean over seeds 0, 1, 2
 
 

@@ -19,7 +19,7 @@ OPTIMUM = {"infonce": 2e-5, "flatnce": 0.3}  # both outside [1e-4, 0.1]
 
 def _walk(runs, ranked=True):
     return [{"run": r.name, "arm": r.arm, "setting": r.setting, "seed": r.seed, "status": "ok",
-             "val/mean_R@10": 0.5 - (math.log10(dict(r.setting)["optim.lr"]) - math.log10(OPTIMUM[r.loss])) ** 2}
+             "val/mean_R@10": 0.5 - (math.log10(dict(r.setting)["optim.lr"]) - math.log10(OPTIMUM[r.arm.loss])) ** 2}
             for r in runs]
 
 
@@ -31,7 +31,7 @@ def test_shipped_bounds_reach_an_interior_optimum_the_old_ones_did_not(config):
                                    "grid.accum_price=null"])
     assert grid.sweep_bounds["optim.lr"][0] <= 1e-6 and grid.sweep_bounds["optim.lr"][1] >= 1.0
     rows, best, tried = tune(_walk, grid, ACC)
-    chosen = {arm[2]: dict(setting)["optim.lr"] for arm, setting in best.items()}
+    chosen = {arm.loss: dict(setting)["optim.lr"] for arm, setting in best.items()}
     for loss, lr in chosen.items():  # the nearest value of the x3 walk: within a factor sqrt(3) of the optimum
         assert abs(math.log(lr / OPTIMUM[loss])) <= math.log(3) / 2 + 1e-6, (loss, lr)
     assert edge_notes(grid, best, tried) == []  # interior: no arm ends at an edge or a bound

@@ -14,7 +14,7 @@ from vlp.study import executor, tables
 from vlp.study.rows import final_table
 from vlp.study.compare import run_grid
 from vlp.study.grid import parse_grid
-from vlp.study.plan import price_runs, sweep_runs
+from vlp.study.plan import Arm, price_runs, sweep_runs
 
 
 def _grid(out, timm_json, bert_dir, **extra):
@@ -64,7 +64,7 @@ def test_tiny_map_two_regimes_workers_report_and_rerun(study_shards, tmp_path, t
 
 def test_map_tables_and_mechanism_by_hand():
     def cell(regime, loss, batch, mean, sigma, diff=None):
-        return {"arm": ("", regime, loss, "adamw", batch), "dataset": "", "regime": regime, "loss": loss,
+        return {"arm": Arm("", regime, loss, "adamw", batch), "dataset": "", "regime": regime, "loss": loss,
                 "optim": "adamw", "batch_per_device": batch, "setting": (),
                 "n": 4, "mean_R@10": {"mean": mean, "std": 0.01, "lo": mean - 0.02, "hi": mean + 0.02},
                 "grad_ratio": {"mean": sigma}, "logit_scale": {"mean": 14.0},
@@ -78,7 +78,7 @@ def test_map_tables_and_mechanism_by_hand():
     assert "| 8 | flatnce | adamw | base | 4 | 53.0 ± 1.0 [51.0, 55.0] | +3.0 [+1.0, +5.0] ✓ | — | 0.003 | 14.0 |" in text
     points = tables.mechanism_points(table, "mean_R@10")
     assert [(p["batch_per_device"], p["sigma_v"]) for p in points] == [(8, 0.002), (128, 0.9)]
-    price = [{"status": "ok", "arm": ("", "lit", "infonce", "adamw", 8), "accum": 16, "samples_per_s": 300.0,
+    price = [{"status": "ok", "arm": Arm("", "lit", "infonce", "adamw", 8), "accum": 16, "samples_per_s": 300.0,
               "peak_step_mem_mb": 11.0}]
     cost = tables.cost_markdown(table, price, "mean_R@10", {})
     assert "| 128 = 8 × 16 accumulated | infonce | 300 | 11.0 | 40.0 ± 1.0 [38.0, 42.0] (= batch 128) |" in cost
@@ -91,12 +91,12 @@ def test_holm_and_the_mechanism_fit_on_every_cell_by_hand():
     info = {8: (0.50, 0.52, 0.54), 128: (0.40, 0.40, 0.40)}
     flat = {8: (0.55, 0.58, 0.59), 128: (0.40, 0.41, 0.39)}
     sigma = {8: 0.001, 128: 0.1}
-    rows = [{"arm": ("", "lit", loss, "adamw", b), "status": "ok", "seed": s, "setting": (), "mean_R@10": values[b][s],
+    rows = [{"arm": Arm("", "lit", loss, "adamw", b), "status": "ok", "seed": s, "setting": (), "mean_R@10": values[b][s],
              "grad_ratio": sigma[b] if loss == "infonce" else 0.5}
             for loss, values in (("infonce", info), ("flatnce", flat)) for b in (8, 128) for s in range(3)]
     table = final_table(rows, ("mean_R@10",))
-    d8 = next(e for e in table if e["arm"] == ("", "lit", "flatnce", "adamw", 8))["diff/mean_R@10"]
-    d128 = next(e for e in table if e["arm"] == ("", "lit", "flatnce", "adamw", 128))["diff/mean_R@10"]
+    d8 = next(e for e in table if e["arm"] == Arm("", "lit", "flatnce", "adamw", 8))["diff/mean_R@10"]
+    d128 = next(e for e in table if e["arm"] == Arm("", "lit", "flatnce", "adamw", 128))["diff/mean_R@10"]
     p8 = 1 - 16 / math.sqrt(258)
     assert d8["p"] == pytest.approx(p8, rel=1e-9) and d8["p_holm"] == pytest.approx(2 * p8, rel=1e-9)
     assert d8["holm"] and d8["m"] == 2 and d128["p_holm"] == pytest.approx(1.0) and not d128["holm"]
@@ -137,7 +137,7 @@ def test_map_config_refusals(raw, needle):
 def test_a_regime_set_to_false_is_left_out():
     grid = parse_grid({"losses": ["infonce"], "batch_per_device": [4], "seeds": [0], "sweep": {"optim.lr": [1e-3]},
                        "optimizers": ["adamw"], "regimes": {"scratch": False, "lit": {"model.lock_image": True}}})
-    assert list(grid.regimes) == ["lit"] and {r.regime for r in sweep_runs(grid)} == {"lit"}
+    assert list(grid.regimes) == ["lit"] and {r.arm.regime for r in sweep_runs(grid)} == {"lit"}
 
 
 def test_regimes_need_a_study():
@@ -147,8 +147,8 @@ def test_regimes_need_a_study():
 
 def test_price_runs_use_the_big_arms_setting(tmp_path, timm_json, bert_dir):
     grid = _grid(tmp_path / "m", timm_json, bert_dir)
-    best = {("", "scratch", "infonce", "adamw", 8): (("optim.lr", 3e-3),),
-            ("", "lit", "flatnce", "adamw", 8): (("optim.lr", 1e-2),)}
+    best = {Arm("", "scratch", "infonce", "adamw", 8): (("optim.lr", 3e-3),),
+            Arm("", "lit", "flatnce", "adamw", 8): (("optim.lr", 1e-2),)}
     runs = price_runs(grid, best)
     assert [r.name for r in runs] == ["scratch_infonce_adamw_b4x2_lr0.003_s0", "lit_flatnce_adamw_b4x2_lr0.01_s0"]
     assert dict(runs[0].overrides)["train.accum_steps"] == 2 and dict(runs[0].overrides)["train.samples"] == 16

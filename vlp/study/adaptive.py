@@ -20,7 +20,7 @@ of maps.
 
 from __future__ import annotations
 
-from vlp.study.plan import REFERENCE_LOSS, StudyRun, loss_overrides
+from vlp.study.plan import REFERENCE_LOSS, Arm, Run, run_of
 from vlp.study.stats import look_sizes, seeds_open
 
 SCALE = 100.0
@@ -51,7 +51,7 @@ def _is_open(d: dict, grid, looks: int) -> bool:
                                            d.get("m") or 1))
 
 
-def open_arms(table: list[dict], grid, n: int) -> list[tuple]:
+def open_arms(table: list[dict], grid, n: int) -> list[Arm]:
     """The arms (non-reference) whose paired Δ on grid.metric has exactly ``n`` seeds (it reached
     this look) and is open: its simultaneous interval (over its table's m cells and the looks)
     contains 0 and its half-width exceeds grid.seeds_until.half_width points, or it has one seed
@@ -61,18 +61,15 @@ def open_arms(table: list[dict], grid, n: int) -> list[tuple]:
             and _is_open(d, grid, looks)]
 
 
-def more_seed_runs(grid, best: dict, arms: list[tuple], seeds: list[int]) -> list[StudyRun]:
+def more_seed_runs(grid, best: dict, arms: list[Arm], seeds: list[int]) -> list[Run]:
     """The selected setting of every open arm and of its reference (InfoNCE at the same data set,
     regime, optimizer and batch) with each new seed; a reference shared by several arms runs once."""
     runs = []
     for seed in seeds:
         for arm in arms:
-            dataset, regime, loss, optim, batch = arm
-            for name in (REFERENCE_LOSS, loss):
-                key = (dataset, regime, name, optim, batch)
+            for key in (arm.with_(loss=REFERENCE_LOSS), arm):
                 if key in best:
-                    runs.append(StudyRun(name, optim, batch, best[key], seed, loss_overrides(grid, name), regime,
-                                         dataset=dataset))
+                    runs.append(run_of(grid, key, best[key], seed))
     return list(dict.fromkeys(runs))
 
 

@@ -1,26 +1,22 @@
-"""The plan: which runs a grid or a study is made of, as pure functions of the GridSpec.
+"""The plan: which runs a grid is made of, as pure functions of the GridSpec.
 
-    plain grid   expand_grid(grid): loss × per-GPU batch × seed (RunSpec)
-    tuned study  arm = (regime, loss, optimizer, per-GPU batch)
-                 sweep_runs(grid):        every arm × its regime's settings × sweep seed
-                 select_best(rows, m):    per arm, the setting with the best mean val metric
-                 final_runs(grid, best):  the selected setting of every arm × final seed
-                 price_runs(grid, best):  the accumulated batch b·k as k micro-batches of b (timed)
-    the axes     cells_of(grid):          (data set, regime, batch) of every cell (grid.datasets may
-                                          run a data set on fewer batches or regimes)
-Edge extension of the sweep (grid.sweep_bounds) is vlp.study.tuning's.
-
-Nothing here trains, reads run folders or writes files (vlp.study.runs and vlp.study.executor
-run the plan; vlp.study.report reports it).
+    Arm                      one cell of the map: data set × regime × loss × optimizer × per-GPU batch
+    Run                      an arm trained once: + its swept setting, seed and loss overrides
+    sweep_runs(grid)         every arm × its regime's settings × sweep seed (a tuned study)
+    select_best(rows, m)     per arm, the setting with the best mean val metric
+    final_runs(grid, best)   the selected setting of every arm × final seed (a plain grid: its runs)
+    price_runs(grid, best)   the accumulated batch b·k as k micro-batches of b (timed)
+    arms_of(grid)            every arm, from cells_of: (data set, regime, batch) of every cell
+An axis lives in `Arm` and in the function here that varies it (arms_of); edge extension of the
+sweep (grid.sweep_bounds) is vlp.study.tuning's. Nothing here trains, reads run folders or writes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any, Optional
-
-from vlp.study.grid import GridSpec
 
 REFERENCE_LOSS = "infonce"
 """The loss every other loss is compared with, paired by seed, at the same regime, optimizer and batch."""
@@ -28,62 +24,71 @@ SPLITS = ("val", "test")
 """A study selects on val and reports on test."""
 
 
-# ---------------------------------------------------------------------------- plain grid
 @dataclass(frozen=True)
-class RunSpec:
-    loss: str
-    batch_per_device: int
-    seed: int
-    overrides: tuple[tuple[str, Any], ...] = ()
-    """Per-loss dotted overrides, applied after the base config."""
+class Arm:
+    """One cell of the map: what a comparison holds fixed across its seeds and settings. An axis
+    the grid does not vary is '' (a plain grid's data set, regime and optimizer: the base config's)."""
+
+    dataset: str = ""
+    regime: str = ""
+    loss: str = REFERENCE_LOSS
+    optimizer: str = ""
+    batch_per_device: int = 0
 
     @property
-    def name(self) -> str:
-        return f"{self.loss}_b{self.batch_per_device}_s{self.seed}"
+    def table(self) -> tuple[str, str]:
+        """(data set, regime): the table of the report this arm is a row of."""
+        return self.dataset, self.regime
+
+    @property
+    def label(self) -> str:
+        """'dataset/regime/loss/optimizer/b<batch>', the axes the grid does not vary left out."""
+        return "/".join(p for p in (self.dataset, self.regime, self.loss, self.optimizer) if p) + \
+            f"/b{self.batch_per_device}"
+
+    def with_(self, **axes) -> "Arm":  # the arm with other values on some axes
+        return dataclasses.replace(self, **axes)
+
+    def columns(self) -> dict[str, Any]:
+        """The arm as a row's columns (runs.csv, study.json): optim for the optimizer."""
+        return {"dataset": self.dataset, "regime": self.regime, "loss": self.loss, "optim": self.optimizer,
+                "batch_per_device": self.batch_per_device}
+
+    def order(self) -> tuple:
+        """Table order: data set, regime, batch, optimizer, the reference loss first."""
+        return (self.dataset, self.regime, self.batch_per_device, self.optimizer, self.loss != REFERENCE_LOSS,
+                self.loss)
 
 
-def expand_grid(grid: GridSpec) -> list[RunSpec]:
-    """All runs, seed-major: after the first seed the table already has every loss × batch cell."""
-    return [
-        RunSpec(loss, batch, seed, tuple(sorted(grid.loss_overrides.get(loss, {}).items())))
-        for seed in grid.seeds for batch in grid.batch_per_device for loss in grid.losses
-    ]
-
-
-# ---------------------------------------------------------------------------- tuned study
 @dataclass(frozen=True)
-class StudyRun:
-    """One training of the study (the attributes vlp.study.runs.run_config reads)."""
+class Run:
+    """One training of the grid (the attributes vlp.study.runs.run_config reads)."""
 
-    loss: str
-    optim: str
-    batch_per_device: int
-    setting: tuple[tuple[str, Any], ...]
-    seed: int
+    arm: Arm
+    setting: tuple[tuple[str, Any], ...] = ()
+    """The swept (dotted key, value) pairs (a plain grid: none)."""
+    seed: int = 0
     loss_overrides: tuple[tuple[str, Any], ...] = ()
-    regime: str = ""
-    """grid.regimes name ('' without regimes): its settings are in the run's base config."""
     accum: int = 1
     """> 1: a price run (grid.accum_price): contrastive accumulation, timed, not evaluated."""
     samples: Optional[int] = None
-    """A price run's train.samples (None: the study's budget)."""
-    dataset: str = ""
-    """grid.datasets name ('' without datasets): it replaces the data set in the run's base config."""
-
-    @property
-    def arm(self) -> tuple[str, str, str, str, int]:
-        return self.dataset, self.regime, self.loss, self.optim, self.batch_per_device
+    """A price run's train.samples (None: the grid's budget)."""
 
     @property
     def overrides(self) -> tuple[tuple[str, Any], ...]:
+        optim = (("optim.name", self.arm.optimizer),) if self.arm.optimizer else ()
         extra = () if self.accum == 1 else (("train.accum_steps", self.accum), ("train.samples", self.samples))
-        return (*self.loss_overrides, ("optim.name", self.optim), *self.setting, *extra)
+        return (*self.loss_overrides, *optim, *self.setting, *extra)
 
     @property
     def name(self) -> str:
-        batch = f"b{self.batch_per_device}" + (f"x{self.accum}" if self.accum > 1 else "")
-        head = "".join(f"{part}_" for part in (self.dataset, self.regime) if part)
-        return f"{head}{self.loss}_{self.optim}_{batch}_{setting_tag(self.setting)}_s{self.seed}"
+        """'infonce_b8_s0' (a plain grid) or '[dataset_][regime_]infonce_adamw_b8[xk]_lr0.001_s0'."""
+        a = self.arm
+        batch = f"b{a.batch_per_device}" + (f"x{self.accum}" if self.accum > 1 else "")
+        if not a.optimizer:
+            return f"{a.loss}_{batch}_s{self.seed}"
+        head = "".join(f"{part}_" for part in a.table if part)
+        return f"{head}{a.loss}_{a.optimizer}_{batch}_{setting_tag(self.setting)}_s{self.seed}"
 
 
 def setting_tag(setting: tuple[tuple[str, Any], ...]) -> str:
@@ -99,41 +104,38 @@ def setting_tag(setting: tuple[tuple[str, Any], ...]) -> str:
 
 def settings_for(sweep: dict, optim: str) -> list[tuple[tuple[str, Any], ...]]:
     """The cartesian product of the sweep's values for one optimizer: ``sweep`` maps dotted keys
-    to value lists, or optimizer names to such maps."""
+    to value lists, or optimizer names to such maps ({}: the one empty setting)."""
     table = sweep.get(optim, {}) if any(isinstance(v, dict) for v in sweep.values()) else sweep
     keys = list(table)
     return [tuple(zip(keys, values)) for values in itertools.product(*(table[k] for k in keys))]
 
 
-def regimes_of(grid) -> list[str]:
-    """The regime names ([''] without grid.regimes)."""
-    return list(grid.regimes) or [""]
-
-
-def datasets_of(grid) -> list[str]:
-    """The data set names ([''] without grid.datasets: the data config as given)."""
-    return list(getattr(grid, "datasets", None) or {}) or [""]
-
-
 def groups_of(grid) -> list[tuple[str, str]]:
-    """(data set, regime) of every table of the study, in the grid's order; a data set may be
-    limited to some regimes (grid.datasets.<name>.regimes)."""
+    """(data set, regime) of every table of the grid, in its order (('', ''): one table); a data
+    set may be limited to some regimes (grid.datasets.<name>.regimes)."""
     out = []
-    for dataset in datasets_of(grid):
+    for dataset in list(grid.datasets) or [""]:
         only = (grid.datasets.get(dataset) or {}).get("regimes") if dataset else None
-        out += [(dataset, regime) for regime in regimes_of(grid) if only is None or regime in only]
+        out += [(dataset, regime) for regime in list(grid.regimes) or [""] if only is None or regime in only]
     return out
 
 
-def batches_of(grid, dataset: str) -> list[int]:
-    """The per-GPU batches of a data set (grid.datasets.<name>.batch_per_device, else the grid's)."""
-    only = (grid.datasets.get(dataset) or {}).get("batch_per_device") if dataset else None
-    return [b for b in grid.batch_per_device if only is None or b in only]
-
-
 def cells_of(grid) -> list[tuple[str, str, int]]:
-    """(data set, regime, per-GPU batch) of every cell of the map."""
-    return [(dataset, regime, batch) for dataset, regime in groups_of(grid) for batch in batches_of(grid, dataset)]
+    """(data set, regime, per-GPU batch) of every cell of the map (grid.datasets.<name>.batch_per_device
+    may run a data set on fewer batches)."""
+    out = []
+    for dataset, regime in groups_of(grid):
+        only = (grid.datasets.get(dataset) or {}).get("batch_per_device") if dataset else None
+        out += [(dataset, regime, b) for b in grid.batch_per_device if only is None or b in only]
+    return out
+
+
+def arms_of(grid, batch: Optional[int] = None) -> list[Arm]:
+    """Every arm, in the grid's order (cell, optimizer, loss); ``batch``: the arms of that batch
+    in every table (grid.accum_price)."""
+    cells = cells_of(grid) if batch is None else [(d, r, batch) for d, r in groups_of(grid)]
+    return [Arm(dataset, regime, loss, optim, b) for dataset, regime, b in cells
+            for optim in grid.optimizers or [""] for loss in grid.losses]
 
 
 def sweep_of(grid, regime: str) -> dict:
@@ -142,27 +144,23 @@ def sweep_of(grid, regime: str) -> dict:
     return own or grid.sweep
 
 
-def loss_overrides(grid, loss: str) -> tuple:
-    return tuple(sorted(grid.loss_overrides.get(loss, {}).items()))
+def run_of(grid, arm: Arm, setting: tuple, seed: int, **price) -> Run:
+    """The run of ``arm`` with its loss's overrides (grid.loss_overrides)."""
+    return Run(arm, setting, seed, tuple(sorted(grid.loss_overrides.get(arm.loss, {}).items())), **price)
 
 
-def sweep_runs(grid) -> list[StudyRun]:
+def sweep_runs(grid) -> list[Run]:
     """Every arm × setting × sweep seed, seed-major (one full sweep first)."""
-    return [StudyRun(loss, optim, batch, setting, seed, loss_overrides(grid, loss), regime, dataset=dataset)
-            for seed in grid.seeds for dataset, regime, batch in cells_of(grid)
-            for optim in grid.optimizers for loss in grid.losses
-            for setting in settings_for(sweep_of(grid, regime), optim)]
+    return [run_of(grid, arm, setting, seed) for seed in grid.seeds for arm in arms_of(grid)
+            for setting in settings_for(sweep_of(grid, arm.regime), arm.optimizer)]
 
 
-def final_runs(grid, best: dict[tuple, tuple]) -> list[StudyRun]:
-    """The selected setting of every arm with each final seed."""
-    return [StudyRun(loss, optim, batch, best[(dataset, regime, loss, optim, batch)], seed, loss_overrides(grid, loss),
-                     regime, dataset=dataset)
-            for seed in grid.final_seeds for dataset, regime, batch in cells_of(grid)
-            for optim in grid.optimizers for loss in grid.losses if (dataset, regime, loss, optim, batch) in best]
+def final_runs(grid, best: dict[Arm, tuple]) -> list[Run]:
+    """The selected setting of every arm with each final seed, seed-major."""
+    return [run_of(grid, arm, best[arm], seed) for seed in grid.final_seeds for arm in arms_of(grid) if arm in best]
 
 
-def price_runs(grid, best: dict[tuple, tuple]) -> list[StudyRun]:
+def price_runs(grid, best: dict[Arm, tuple]) -> list[Run]:
     """grid.accum_price: per regime × optimizer × loss, the contrastive batch b·k as k
     micro-batches of b (train.accum_steps), with the setting selected for the b·k arm (whose
     gradient it is, exactly): timed and its peak memory measured, not evaluated."""
@@ -170,16 +168,15 @@ def price_runs(grid, best: dict[tuple, tuple]) -> list[StudyRun]:
     if not price:
         return []
     b, k = price["batch_per_device"], price["accum_steps"]
-    return [StudyRun(loss, optim, b, best[(dataset, regime, loss, optim, b * k)], seed, loss_overrides(grid, loss),
-                     regime, accum=k, samples=price["samples"], dataset=dataset)
-            for seed in price.get("seeds", [0]) for dataset, regime in groups_of(grid) for optim in grid.optimizers
-            for loss in grid.losses if (dataset, regime, loss, optim, b * k) in best]
+    return [run_of(grid, arm.with_(batch_per_device=b), best[arm], seed, accum=k, samples=price["samples"])
+            for seed in price.get("seeds", [0]) for arm in arms_of(grid, b * k) if arm in best]
 
 
-def select_best(rows: list[dict], metric: str) -> dict[tuple, tuple]:
+def select_best(rows: list[dict], metric: str) -> dict[Arm, tuple]:
     """Per arm, the setting with the highest mean val ``metric`` over its ok runs, i.e. over the
-    sweep seeds (grid.seeds; ties: the setting listed first). rows: study rows with 'arm', 'setting', 'status', f'val/{metric}'."""
-    means: dict[tuple, dict[tuple, list[float]]] = {}
+    sweep seeds (grid.seeds; ties: the setting listed first). rows: with 'arm', 'setting',
+    'status', f'val/{metric}'."""
+    means: dict[Arm, dict[tuple, list[float]]] = {}
     for row in rows:
         if row["status"] == "ok" and row.get(f"val/{metric}") is not None:
             means.setdefault(row["arm"], {}).setdefault(row["setting"], []).append(row[f"val/{metric}"])
@@ -188,10 +185,3 @@ def select_best(rows: list[dict], metric: str) -> dict[tuple, tuple]:
         scored = [(sum(v) / len(v), -i, s) for i, (s, v) in enumerate(by_setting.items())]
         best[arm] = max(scored)[2]
     return best
-
-
-
-def arm_label(arm: tuple) -> str:
-    """(data set, regime, loss, optimizer, batch) -> 'dataset/regime/loss/optimizer/b<batch>',
-    empty parts left out (a plain grid's arm is ('', loss, '', batch): 'loss/b<batch>')."""
-    return "/".join(part for part in arm[:-1] if part) + f"/b{arm[-1]}"

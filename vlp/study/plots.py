@@ -16,8 +16,8 @@ import statistics
 from pathlib import Path
 from typing import Optional, Sequence
 
-from vlp.study.plan import REFERENCE_LOSS, arm_label
-from vlp.study.tables import arm_cells, arm_order, group_label, groups, mechanism_points
+from vlp.study.plan import REFERENCE_LOSS
+from vlp.study.tables import arm_cells, group_label, groups, mechanism_points
 
 LOSS_COLOURS = {"infonce": "tab:blue", "flatnce": "tab:orange", "sogclr": "tab:green", "siglip": "tab:purple"}
 OPTIM_STYLES = {"adamw": "-", "lars": "--", "sgd": ":", "": "-"}
@@ -74,18 +74,16 @@ def mean_curve(logs: list[list[dict]], key: str) -> tuple[list[int], list[float]
 
 def plot_curves(curves: dict[tuple, list[list[dict]]], path: Optional[Path] = None,
                 keys: Sequence[str] = CURVE_KEYS):
-    """Diagnostics vs samples seen, mean over the seeds of each arm ((data set, regime,) loss,
-    optimizer, batch; a plain grid's arm is ('', loss, '', batch)): colour = loss, line style = optimizer,
-    width = batch (thicker = larger)."""
+    """Diagnostics vs samples seen, mean over the seeds of each arm (vlp.study.plan.Arm): colour =
+    loss, line style = optimizer, width = batch (thicker = larger)."""
     fig = figure(figsize=(15, 7))
     axes = [fig.add_subplot(2, 3, i + 1) for i in range(len(keys))]
-    batches = sorted({arm[-1] for arm in curves})
+    batches = sorted({arm.batch_per_device for arm in curves})
     for arm, logs in curves.items():
-        loss, optim, batch = arm[-3:]
         for ax, key in zip(axes, keys):
             xs, ys = mean_curve(logs, key)
-            ax.plot(xs, ys, color=LOSS_COLOURS.get(loss, "k"), linestyle=OPTIM_STYLES.get(optim, "-."),
-                    linewidth=1.0 + batches.index(batch), label=arm_label(arm))
+            ax.plot(xs, ys, color=LOSS_COLOURS.get(arm.loss, "k"), linestyle=OPTIM_STYLES.get(arm.optimizer, "-."),
+                    linewidth=1.0 + batches.index(arm.batch_per_device), label=arm.label)
     for ax, key in zip(axes, keys):
         ax.set_title(key)
         ax.set_xlabel("samples seen")
@@ -104,8 +102,8 @@ def plot_final(table: list[dict], metric: str, path: Optional[Path] = None):
     difference to InfoNCE per arm with its 95 % CI; seeds' own differences as dots."""
     fig = figure(figsize=(11, 4))
     ax, ax_d = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    table = sorted(table, key=arm_order)
-    labels = [arm_label(e["arm"]) for e in table]
+    table = sorted(table, key=lambda e: e["arm"].order())
+    labels = [e["arm"].label for e in table]
     for i, e in enumerate(table):
         s = e.get(metric)
         if s is None:
@@ -116,7 +114,7 @@ def plot_final(table: list[dict], metric: str, path: Optional[Path] = None):
     ax.set_ylabel(f"test {metric} (%)")
     ax.set_title("mean and 95 % CI over seeds", fontsize=10)
     ax.grid(alpha=0.3)
-    diffs = [(arm_label(e["arm"]), e.get(f"diff/{metric}")) for e in table if e["loss"] != REFERENCE_LOSS]
+    diffs = [(e["arm"].label, e.get(f"diff/{metric}")) for e in table if e["loss"] != REFERENCE_LOSS]
     diffs = [(label, d) for label, d in diffs if d is not None]
     for i, (_, d) in enumerate(diffs):
         err = (d["hi"] - d["mean"]) if d["lo"] is not None else 0.0
@@ -173,8 +171,8 @@ def plot_mechanism(table: list[dict], metric: str, path: Optional[Path] = None):
     fig = figure(figsize=(6, 4.5))
     ax = fig.add_subplot(1, 1, 1)
     markers = dict(zip(groups(table), "os^Dv<>pP*Xh"))
-    for group in dict.fromkeys((p["dataset"], p["regime"]) for p in points):
-        mine = [p for p in points if (p["dataset"], p["regime"]) == group]
+    for group in dict.fromkeys(p["arm"].table for p in points):
+        mine = [p for p in points if p["arm"].table == group]
         for p in mine:
             d = p["diff"]
             err = 0.0 if d.get("lo") is None else 100 * (d["hi"] - d["mean"])
@@ -214,18 +212,18 @@ def plot_sweep(rows: list[dict], best: dict, notes: list[dict], metric: str, key
     against ``key`` (log axis); the selection as a filled marker, a selection at a declared bound
     as a red square. Colour = loss, width = batch."""
     curves = sweep_curves(rows, metric, key)
-    tables = list(dict.fromkeys(arm[:2] for arm in curves))
-    batches = sorted({arm[-1] for arm in curves})
+    tables = list(dict.fromkeys(arm.table for arm in curves))
+    batches = sorted({arm.batch_per_device for arm in curves})
     fig = figure(figsize=(5.5 * max(1, len(tables)), 4.2))
     bounded = {n["arm"] for n in notes if n["kind"] == "bound" and n["key"] == key}
     for i, group in enumerate(tables):
         ax = fig.add_subplot(1, len(tables), i + 1)
         for arm, points in curves.items():
-            if arm[:2] != group:
+            if arm.table != group:
                 continue
-            colour = LOSS_COLOURS.get(arm[2], "k")
-            ax.plot(*zip(*points), color=colour, linewidth=0.8 + batches.index(arm[-1]), alpha=0.8,
-                    label=arm_label(arm[2:]))
+            colour = LOSS_COLOURS.get(arm.loss, "k")
+            ax.plot(*zip(*points), color=colour, linewidth=0.8 + batches.index(arm.batch_per_device), alpha=0.8,
+                    label=arm.with_(dataset="", regime="").label)
             chosen = dict(best.get(arm, ())).get(key)
             for x, y in points:
                 if x == chosen:

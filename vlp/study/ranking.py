@@ -19,10 +19,9 @@ from typing import Optional
 import torch
 
 from vlp.study.plan import SPLITS
+from vlp.study.rows import ITEMS_FILE, POINTS_FILE, split_metrics
 from vlp.train.loop import Trainer
-
-POINTS_FILE = "eval_points.json"
-ITEMS_FILE = "eval_items.json"
+from vlp.util import atomic_write
 
 
 class RankingTrainer(Trainer):
@@ -42,7 +41,7 @@ class RankingTrainer(Trainer):
                                        self.accelerator.device) for split in SPLITS}
             self.model.train()
             self.record(items)
-            flat = {f"{split}/mean_R@{k}": mean_recall(items[split], k) for split in SPLITS for k in (1, 10)}
+            flat = {f"{split}/mean_R@{k}": split_metrics(items[split])[f"mean_R@{k}"] for split in SPLITS for k in (1, 10)}
         self.accelerator.wait_for_everyone()
         return flat
 
@@ -53,20 +52,9 @@ class RankingTrainer(Trainer):
         points_path = folder / POINTS_FILE
         points = json.loads(points_path.read_text()) if points_path.is_file() else {}
         points[str(self.samples_seen)] = items
-        write_json(points_path, points)
+        atomic_write(points_path, json.dumps(points))
         if self.step >= self.total_steps:
-            write_json(folder / ITEMS_FILE, items)
-
-
-def write_json(path: Path, data) -> None:
-    path.with_suffix(".tmp").write_text(json.dumps(data))
-    path.with_suffix(".tmp").replace(path)
-
-
-def mean_recall(items: dict[str, list[int]], k: int) -> float:
-    """mean_R@k of one split's ranks: the mean over both directions of the share of ranks <= k."""
-    hits = [sum(r <= k for r in ranks) / len(ranks) for ranks in items.values()]
-    return sum(hits) / len(hits)
+            atomic_write(folder / ITEMS_FILE, json.dumps(items))
 
 
 def rank_items(model, tokenizer, transform, spec: str, cfg, device) -> dict[str, list[int]]:

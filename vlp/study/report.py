@@ -1,8 +1,11 @@
-"""The report's files, rebuilt from the run folders' rows (`vlp compare --report-only` redoes all).
+"""The report: one writer, rebuilt from the run folders' rows (`vlp compare --report-only` redoes all).
 
-    plain grid  write_report:        runs.csv, results.md, metric_vs_batch.png, curves.png
-    study       write_study_report:  study.md, study.json, final.png, curves.png, sweep.png, map.png,
-                                     mechanism.png
+    write_report(out, result, grid)  runs.csv (every run), then what the grid has:
+        no sweep (a plain grid)      results.md (mean ± std per loss × batch), metric_vs_batch.png
+        a sweep (a tuned study)      study.md (sweep, final, verdicts; with several batches, regimes
+                                     or data sets the map, cost and mechanism), study.json,
+                                     final.png, sweep.png, map.png, mechanism.png
+        both                         curves.png
 
 Tables come from vlp.study.tables, figures from vlp.study.plots: one stack for both.
 """
@@ -10,13 +13,14 @@ Tables come from vlp.study.tables, figures from vlp.study.plots: one stack for b
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from pathlib import Path
 from typing import Optional
 
+from vlp.checkpoint.storage import RunFolder
 from vlp.eval.keys import CHANCE_R1, EVAL_KEYS
 from vlp.study import adaptive, plots, tables, transfer, tuning
-from vlp.study.plan import arm_label
 from vlp.study.rows import DIAG_KEYS, final_table, read_log
 
 CSV_COLUMNS = ("run", "loss", "temperature", "batch_per_device", "global_batch", "seed", "steps",
@@ -24,20 +28,29 @@ CSV_COLUMNS = ("run", "loss", "temperature", "batch_per_device", "global_batch",
 STUDY_METRICS = ("mean_R@1", "mean_R@10")
 
 
-# ---------------------------------------------------------------------------- plain grid
-def write_csv(rows: list[dict], path: Path) -> None:
-    with open(path, "w", newline="") as f:
+def write_report(out: RunFolder, result: dict, grid, facts: Optional[dict] = None) -> str:
+    """The report's files from ``result`` (rows: "sweep", "final", "price"; "best": the setting of
+    every arm) into the grid's folder (a bucket: written locally, then uploaded); its text.
+    facts: {"tried": settings per arm (vlp.study.tuning), "fit_sizes": training pairs per table}."""
+    local, rows = out.local_dir(""), [r for k in ("sweep", "final", "price") for r in result.get(k) or []]
+    with open(local / "runs.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         writer.writeheader()
-        for row in rows:
-            writer.writerow({k: "" if row.get(k) is None else row[k] for k in CSV_COLUMNS})
+        writer.writerows({k: "" if row.get(k) is None else row[k] for k in CSV_COLUMNS} for row in rows)
+    finals = result["final"]
+    text = (study_report(local, result, grid, dict(facts or {})) if grid.sweep
+            else results_report(local, finals, grid, len(result["best"]) * len(grid.final_seeds)))
+    curves: dict = {}
+    for r in finals:
+        if r["status"] == "ok":
+            curves.setdefault(r["arm"], []).append(read_log(local / r["run"] / "log.jsonl"))
+    plots.plot_curves(curves, local / "curves.png")
+    out.sync_dir("")
+    return text
 
 
-
-def write_report(out: Path, rows: list[dict], grid, total_runs: int) -> None:
-    """runs.csv, results.md, metric_vs_batch.png and curves.png from the rows so far (``grid``:
-    vlp.study.compare.GridSpec; ``total_runs``: runs in the grid)."""
-    write_csv(rows, out / "runs.csv")
+def results_report(out: Path, rows: list[dict], grid, total_runs: int) -> str:
+    """A plain grid's results.md and metric_vs_batch.png; its table."""
     table = tables.aggregate(rows)
     ok = [r for r in rows if r["status"] == "ok"]
     chance = next((r[CHANCE_R1] for r in ok if r.get(CHANCE_R1)), None)
@@ -49,20 +62,13 @@ def write_report(out: Path, rows: list[dict], grid, total_runs: int) -> None:
         "percent (held-out retrieval after the last step); best per batch size in **bold**; "
         "InfoNCE and logit scale from the last training step."
         + (f" Chance R@1 = {100 * chance:.2f} %." if chance else ""), "",
-        tables.markdown_table(table, grid.losses), "",
-    ]
-    if failed:
-        lines += ["Failed runs: " + "; ".join(failed), ""]
+        text := tables.markdown_table(table, grid.losses), "",
+    ] + (["Failed runs: " + "; ".join(failed), ""] if failed else [])
     (out / "results.md").write_text("\n".join(lines))
     plots.plot_metric_vs_batch(table, grid.metric, grid.losses, out / "metric_vs_batch.png", chance)
-    curves: dict[tuple, list[list[dict]]] = {}
-    for r in ok:
-        arm = ("", r["loss"], "", r["batch_per_device"])
-        curves.setdefault(arm, []).append(read_log(out / r["run"] / "log.jsonl"))
-    plots.plot_curves(curves, out / "curves.png")
+    return text
 
 
-# ---------------------------------------------------------------------------- study
 def test_rows(final_rows: list[dict]) -> list[dict]:
     """The final rows with their test metrics (and per-run bootstraps) under the metric's name."""
     return [{**r, **{m: r.get(f"test/{m}") for m in STUDY_METRICS},
@@ -70,13 +76,11 @@ def test_rows(final_rows: list[dict]) -> list[dict]:
              **{f"hits/{m}": r.get(f"hits/test/{m}") for m in STUDY_METRICS}} for r in final_rows]
 
 
-def write_study_report(out: Path, sweep_rows: list[dict], final_rows: list[dict], best: dict, grid,
-                       price_rows: Optional[list[dict]] = None, facts: Optional[dict] = None) -> str:
-    """study.md, study.json and the figures (final, curves, sweep; the map's map and mechanism);
-    returns the markdown. facts: {"tried": settings per arm (vlp.study.tuning), "fit_sizes":
-    training pairs per (data set, regime)}."""
-    price_rows, facts = price_rows or [], dict(facts or {})
-    facts.setdefault("tried", tuning.tried_settings_of_rows(sweep_rows))
+def study_report(out: Path, result: dict, grid, facts: dict) -> str:
+    """A tuned study's study.md, study.json and figures (final, sweep; the map's map and
+    mechanism); its markdown."""
+    sweep_rows, final_rows, price_rows, best = result["sweep"], result["final"], result["price"], result["best"]
+    facts["tried"] = result["tried"]
     facts["notes"] = tuning.edge_notes(grid, best, facts["tried"])
     facts.setdefault("points", transfer.point_fractions(final_rows))
     facts.setdefault("budget", max((r.get("samples_seen") or 0 for r in final_rows), default=0))
@@ -88,30 +92,22 @@ def write_study_report(out: Path, sweep_rows: list[dict], final_rows: list[dict]
     facts["seeds"] = adaptive.seed_reasons(table, grid)
     text = study_markdown(table, at_best, sweep_rows, final_rows, price_rows, best, grid, facts)
     (out / "study.md").write_text(text)
+    arm = dataclasses.asdict
     (out / "study.json").write_text(json.dumps({
-        "best": [{"arm": list(a), "setting": [list(kv) for kv in s]} for a, s in best.items()],
-        "edges": [{**n, "arm": list(n["arm"])} for n in facts["notes"]],
-        "val_best_point": [{"arm": list(a), "samples": s} for a, s in choice.items()],
-        "seeds": [{**n, "arm": list(n["arm"])} for n in facts["seeds"]],
+        "best": [{"arm": arm(a), "setting": [list(kv) for kv in s]} for a, s in best.items()],
+        "edges": [{**n, "arm": arm(n["arm"])} for n in facts["notes"]],
+        "val_best_point": [{"arm": arm(a), "samples": s} for a, s in choice.items()],
+        "seeds": [{**n, "arm": arm(n["arm"])} for n in facts["seeds"]],
         "final": [{k: v for k, v in e.items() if k != "arm"} for e in table],
         "final_at_val_best_point": [{k: v for k, v in e.items() if k != "arm"} for e in at_best],
-        "price": tables.price_table(price_rows)}, indent=1, default=str))
-    write_study_figures(out, table, sweep_rows, final_rows, best, grid, facts["notes"])
-    return text
-
-
-def write_study_figures(out: Path, table: list[dict], sweep_rows: list[dict], final_rows: list[dict], best: dict,
-                        grid, notes: list[dict]) -> None:
+        "price": [{k: v for k, v in e.items() if k != "arm"} for e in tables.price_table(price_rows)]},
+        indent=1, default=str))
     plots.plot_final(table, grid.metric, out / "final.png")
-    plots.plot_sweep(sweep_rows, best, notes, grid.select_metric, SWEEP_KEY, out / "sweep.png")
+    plots.plot_sweep(sweep_rows, best, facts["notes"], grid.select_metric, SWEEP_KEY, out / "sweep.png")
     if is_map(grid):
         plots.plot_map(table, grid.metric, out / "map.png")
         plots.plot_mechanism(table, grid.metric, out / "mechanism.png")
-    curves: dict[tuple, list] = {}
-    for r in final_rows:
-        if r["status"] == "ok":
-            curves.setdefault(r["arm"], []).append(read_log(out / r["run"] / "log.jsonl"))
-    plots.plot_curves(curves, out / "curves.png")
+    return text
 
 
 def is_map(grid) -> bool:
@@ -230,7 +226,7 @@ def seeds_lines(reasons: list[dict], grid) -> list[str]:
         return []
     lines = ["## Seeds per comparison (test)", "", f"| comparison (Δ vs infonce, {grid.metric}) | seeds | why |",
              "|---|---|---|"]
-    lines += [f"| {arm_label(n['arm'])} | {n['n']} | {n['reason']} |" for n in reasons]
+    lines += [f"| {n['arm'].label} | {n['n']} | {n['reason']} |" for n in reasons]
     return lines + [""]
 
 

@@ -1,17 +1,17 @@
 """Rows: what one finished (or failed) run's folder says, as one dict, and the final table of a
-study (one entry per arm, seeds summarised, paired differences to InfoNCE).
+grid (one entry per arm, seeds summarised, paired differences to InfoNCE).
 
-    run_row(run, cfg)             a plain grid's runs.csv row (result.json, compare.json, log.jsonl)
-    study_row(run, run_dir, ...)  a study run's row: val / test metrics from eval_items.json, bootstraps
-    final_table(rows, metrics)    per arm: seed summaries, per-run bootstrap, paired Δ to InfoNCE
+    run_row(run, cfg)           a run's row: its arm and coordinates, status, the Trainer's eval
+                                (result.json), val / test metrics and bootstraps (a ranked run's
+                                eval_items.json), final diagnostics, samples/s, peak step memory
+    final_table(rows, metrics)  per arm: seed summaries, per-run bootstrap, paired Δ to InfoNCE
 
-Pure reads of the run folders: `vlp compare --report-only` rebuilds every row.
+Pure reads of the run folders (local or a bucket): `vlp compare --report-only` rebuilds every row.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Optional
 
 from vlp import records
@@ -19,51 +19,75 @@ from vlp.config import Config
 from vlp.eval import keys
 from vlp.eval.keys import RECALL_KS
 from vlp.checkpoint.storage import RunFolder
-from vlp.study.plan import REFERENCE_LOSS, SPLITS, RunSpec, StudyRun
+from vlp.study.plan import REFERENCE_LOSS, SPLITS, Arm, Run
 from vlp.study.stats import (bootstrap_ci, holm, item_seed_bootstrap, look_level, paired_difference, seed_summary,
                              simultaneous_ci)
 
-KS = (1, 5, 10)
 DIAG_KEYS = ("infonce", "log_xi", "grad_ratio", "frac_saturated", "ess_neg", "acc", "logit_scale")
-"""A plain grid's diagnostics, from the last training step."""
+"""Diagnostics from the last training step."""
 DIAG = ("grad_ratio", "logit_scale", "infonce", "frac_saturated")
-"""A study's diagnostics, from the last training step (grad_ratio: σ(v), the map's mechanism)."""
+"""The final table's diagnostics (grad_ratio: σ(v), the map's mechanism)."""
 COST = ("samples_per_s", "peak_step_mem_mb")
+POINTS_FILE = "eval_points.json"
+ITEMS_FILE = "eval_items.json"
+"""A ranked run's val and test ranks at every budget point, and at the end (vlp.study.ranking)."""
 
 
-def read_log(path: Path) -> list[dict]:
+def read_log(path) -> list[dict]:
     """The training records ("type": "train", vlp/records.py) of a log.jsonl, one per step
     (the last wins on resume)."""
     return records.last_per_step(records.read_records(path, records.TRAIN))
 
 
-# ---------------------------------------------------------------------------- plain grid
-def run_row(run: RunSpec, cfg: Config, world: int = 1) -> Optional[dict]:
-    """The runs.csv row of a finished or failed run (None while it has not been attempted)."""
+def run_row(run: Run, cfg: Config, world: int = 1, ranked: bool = False, metric_keys: tuple[str, ...] = (),
+            n_boot: int = 1000) -> Optional[dict]:
+    """The row of a finished or failed run (None while it has not been attempted). ``ranked``:
+    it is ok only with its val / test ranks (eval_items.json), whose metrics, and bootstraps of
+    ``metric_keys`` over the test items, it then carries."""
     folder = RunFolder(cfg.train.output_dir)  # a local folder or a bucket
     result, record = _read_json(folder, "result.json"), _read_json(folder, "compare.json") or {}
-    if result is None and not record:
+    items = _read_json(folder, ITEMS_FILE) if ranked else None
+    if result is None and not record and items is None:
         return None
     log = read_log(folder.download("log.jsonl")) if folder.exists("log.jsonl") else []
+    points = _read_json(folder, POINTS_FILE) if ranked else None
     folder.close()
-    last = log[-1] if log else {}
+    last, ok = (log[-1] if log else {}), result is not None and (items is not None or not ranked)
+    done = result or {}
+    seconds = done.get("train_time_s")
     row = {
-        "run": run.name, "loss": run.loss, "temperature": cfg.loss.temperature,
-        "batch_per_device": run.batch_per_device,
-        "global_batch": (result or {}).get("global_batch", run.batch_per_device * world * cfg.train.accum_steps),
-        "seed": run.seed,
-        "steps": (result or last).get("step", 0), "samples_seen": (result or last).get("samples_seen", 0),
-        "wall_time_s": record.get("wall_time_s", (result or {}).get("train_time_s")),
-        "status": "ok" if result is not None else record.get("status", "failed"),
-        "error": "" if result is not None else record.get("error", ""),
+        "run": run.name, "arm": run.arm, **run.arm.columns(), "accum": run.accum, "setting": run.setting,
+        "temperature": cfg.loss.temperature,
+        "global_batch": done.get("global_batch", run.arm.batch_per_device * world * cfg.train.accum_steps),
+        "seed": run.seed, "steps": (result or last).get("step", 0),
+        "samples_seen": (result or last).get("samples_seen", 0),
+        "wall_time_s": record.get("wall_time_s", seconds), "status": "ok" if ok else "failed",
+        "error": "" if ok else record.get("error", ""),
+        "samples_per_s": done.get("samples_seen", 0) / seconds if seconds else None,
+        "peak_step_mem_mb": done.get("peak_step_mem_mb"),
     }
     for k in RECALL_KS:
-        both = [(result or {}).get(keys.eval_key(keys.recall(d, k))) for d in keys.DIRECTIONS]
+        both = [done.get(keys.eval_key(keys.recall(d, k))) for d in keys.DIRECTIONS]
         row.update({keys.recall(d, k): v for d, v in zip(keys.DIRECTIONS, both)})
         row[keys.mean_recall(k)] = None if None in both else sum(both) / 2
-    row[keys.CHANCE_R1] = (result or {}).get(keys.eval_key(keys.CHANCE_R1))
+    row[keys.CHANCE_R1] = done.get(keys.eval_key(keys.CHANCE_R1))
     row.update({k: last.get(k) for k in DIAG_KEYS})
+    if ok and ranked:
+        row.update(ranked_metrics(items, points or {}, metric_keys, n_boot, run.seed))
     return row
+
+
+def ranked_metrics(items: dict, points: dict, metric_keys: tuple[str, ...], n_boot: int, seed: int) -> dict:
+    """A ranked run's val / test metrics, per-item test hits and their bootstrap intervals, and
+    its budget points ({samples seen: {"val/mean_R@10": ..., ...}}, in the order of the budget)."""
+    out = {f"{split}/{k}": v for split in SPLITS for k, v in split_metrics(items[split]).items()}
+    for key in metric_keys:  # e.g. mean_R@10 -> bootstrap over the test items
+        k = int(key.rsplit("@", 1)[1])
+        out[f"hits/test/{key}"] = item_hits(items["test"], k)  # per test item: the paired bootstrap's input
+        out[f"boot/test/{key}"] = bootstrap_ci(out[f"hits/test/{key}"], n_boot=n_boot, seed=seed)
+    out["points"] = {int(samples): {f"{split}/{k}": v for split in SPLITS for k, v in split_metrics(at[split]).items()}
+                     for samples, at in sorted(points.items(), key=lambda kv: int(kv[0]))}
+    return out
 
 
 def _read_json(folder: RunFolder, name: str) -> Optional[dict]:
@@ -73,20 +97,12 @@ def _read_json(folder: RunFolder, name: str) -> Optional[dict]:
         return None
 
 
-def collect_rows(runs: list[RunSpec], cfgs: dict[str, Config], world: int = 1) -> list[dict]:
-    return [row for run in runs if (row := run_row(run, cfgs[run.name], world)) is not None]
-
-
 # ---------------------------------------------------------------------------- study: metrics
-def recall_at(ranks: list[int], k: int) -> float:
-    return sum(r <= k for r in ranks) / len(ranks)
-
-
 def split_metrics(items: dict) -> dict[str, float]:
     """{direction_R@k, mean_R@k} of one split's ranks {image_to_text: [...], text_to_image: [...]}."""
     out = {}
-    for k in KS:
-        both = [recall_at(items[d], k) for d in keys.DIRECTIONS]
+    for k in RECALL_KS:
+        both = [sum(r <= k for r in items[d]) / len(items[d]) for d in keys.DIRECTIONS]
         out.update({keys.recall(d, k): r for d, r in zip(keys.DIRECTIONS, both)})
         out[keys.mean_recall(k)] = sum(both) / 2
     return out
@@ -102,53 +118,6 @@ def item_hits(items: dict, k: int) -> list[float]:
     return [float(r <= k) for r in i2t + t2i]
 
 
-# ---------------------------------------------------------------------------- rows
-def study_row(run: StudyRun, run_dir: Path, metric_keys: tuple[str, ...], n_boot: int = 1000,
-              items: bool = True) -> Optional[dict]:
-    """A run's row: status, val and test metrics from eval_items.json (``items``; a price run
-    has none), bootstrap intervals of the test metrics, final diagnostics, samples/s and peak
-    step memory. None if the run was never attempted."""
-    items_path, record_path, result_path = run_dir / "eval_items.json", run_dir / "compare.json", run_dir / "result.json"
-    if not items_path.is_file() and not record_path.is_file() and not result_path.is_file():
-        return None
-    row = {"run": run.name, "arm": run.arm, "dataset": run.dataset, "regime": run.regime, "loss": run.loss,
-           "optim": run.optim,
-           "batch_per_device": run.batch_per_device, "accum": run.accum, "setting": run.setting, "seed": run.seed,
-           "status": "ok" if (items_path.is_file() or not items) and result_path.is_file() else "failed"}
-    if row["status"] != "ok":
-        row["error"] = json.loads(record_path.read_text()).get("error", "") if record_path.is_file() else ""
-        return row
-    if items:
-        ranks = json.loads(items_path.read_text())
-        for split in SPLITS:
-            row.update({f"{split}/{k}": v for k, v in split_metrics(ranks[split]).items()})
-        for key in metric_keys:  # e.g. mean_R@10 -> bootstrap over the test items
-            k = int(key.rsplit("@", 1)[1])
-            row[f"hits/test/{key}"] = item_hits(ranks["test"], k)  # per test item: the paired bootstrap's input
-            row[f"boot/test/{key}"] = bootstrap_ci(row[f"hits/test/{key}"], n_boot=n_boot, seed=run.seed)
-        row["points"] = point_metrics(run_dir / "eval_points.json")
-    log = read_log(run_dir / "log.jsonl")
-    last = log[-1] if log else {}
-    row.update({k: last.get(k) for k in DIAG})
-    result = json.loads(result_path.read_text())
-    seconds = result.get("train_time_s")
-    row.update({"steps": result.get("step"), "samples_seen": result.get("samples_seen"),
-                "global_batch": result.get("global_batch"), "wall_time_s": seconds,
-                "samples_per_s": result.get("samples_seen", 0) / seconds if seconds else None,
-                "peak_step_mem_mb": result.get("peak_step_mem_mb")})
-    return row
-
-
-def point_metrics(path: Path) -> dict[int, dict[str, float]]:
-    """A run's budget points (eval_points.json; {} without one): {samples seen: {"val/mean_R@10":
-    ..., "test/mean_R@10": ..., ...}} in the order of the budget."""
-    if not path.is_file():
-        return {}
-    points = json.loads(path.read_text())
-    return {int(samples): {f"{split}/{k}": v for split in SPLITS for k, v in split_metrics(items[split]).items()}
-            for samples, items in sorted(points.items(), key=lambda kv: int(kv[0]))}
-
-
 def final_table(rows: list[dict], metrics: tuple[str, ...], reference: str = REFERENCE_LOSS,
                 looks: int = 1) -> list[dict]:
     """One entry per arm: seed summaries of each test metric and diagnostic, mean per-run
@@ -157,15 +126,14 @@ def final_table(rows: list[dict], metrics: tuple[str, ...], reference: str = REF
     and, where the rows carry per-item hits (``hits/<metric>``), the paired bootstrap over test
     items and seeds (``boot_items``). ``looks``: the planned looks of grid.seeds_until (1: none),
     which every interval and p-value is corrected for (vlp.study.stats.look_level)."""
-    by_arm: dict[tuple, list[dict]] = {}
+    by_arm: dict[Arm, list[dict]] = {}
     for row in rows:
         if row["status"] == "ok":
             by_arm.setdefault(row["arm"], []).append(row)
     table = []
     for arm, members in by_arm.items():
-        dataset, regime, loss, optim, batch = arm
-        entry = {"arm": arm, "dataset": dataset, "regime": regime, "loss": loss, "optim": optim, "batch_per_device": batch,
-                 "setting": members[0]["setting"], "n": len(members)}
+        refs = by_arm.get(arm.with_(loss=reference), [])
+        entry = {"arm": arm, **arm.columns(), "setting": members[0]["setting"], "n": len(members)}
         for key in metrics + DIAG + COST:
             entry[key] = seed_summary([r.get(key) for r in members])
         entry["grad_ratio_by_seed"] = {r["seed"]: r.get("grad_ratio") for r in members}  # the mechanism's fit
@@ -173,14 +141,12 @@ def final_table(rows: list[dict], metrics: tuple[str, ...], reference: str = REF
             boot = [r.get(f"boot/{key}") for r in members if r.get(f"boot/{key}")]
             entry[f"boot/{key}"] = (sum(b[0] for b in boot) / len(boot), sum(b[1] for b in boot) / len(boot)) \
                 if boot else None
-            ref = {r["seed"]: r.get(key) for r in by_arm.get((dataset, regime, reference, optim, batch), [])}
-            entry[f"diff/{key}"] = None if loss == reference else paired_difference(
-                {r["seed"]: r.get(key) for r in members}, ref, looks)
+            entry[f"diff/{key}"] = None if arm.loss == reference else paired_difference(
+                {r["seed"]: r.get(key) for r in members}, {r["seed"]: r.get(key) for r in refs}, looks)
             if entry[f"diff/{key}"] is not None:
                 entry[f"diff/{key}"]["boot_items"] = item_seed_bootstrap(
                     {r["seed"]: r.get(f"hits/{key}") for r in members},
-                    {r["seed"]: r.get(f"hits/{key}") for r in by_arm.get((dataset, regime, reference, optim, batch), [])},
-                    level=look_level(looks))
+                    {r["seed"]: r.get(f"hits/{key}") for r in refs}, level=look_level(looks))
         table.append(entry)
     correct_per_table(table, metrics, looks)
     return table
@@ -193,9 +159,9 @@ def correct_per_table(table: list[dict], metrics: tuple[str, ...], looks: int = 
     (lo_sim, hi_sim: Bonferroni, each cell's t-interval at level 1 − 0.05 / (m · looks)) to each of
     those differences, in place (their p is already corrected for the looks)."""
     for key in metrics:
-        for group in dict.fromkeys((e["dataset"], e["regime"]) for e in table):
+        for group in dict.fromkeys(e["arm"].table for e in table):
             family = {i: e[f"diff/{key}"]["p"] for i, e in enumerate(table)
-                      if (e["dataset"], e["regime"]) == group and e.get(f"diff/{key}") is not None}
+                      if e["arm"].table == group and e.get(f"diff/{key}") is not None}
             for i, corrected in holm(family).items():
                 d = table[i][f"diff/{key}"]
                 d.update(corrected)

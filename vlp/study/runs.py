@@ -32,7 +32,7 @@ HARMLESS_KEYS = tuple(k for k, rule in resume_rules.RESUME_RULES.items() if not 
 def run_config(base: dict, grid, run, world: int = 1) -> Config:
     """The Trainer config of one run: base + per-loss overrides + the grid's coordinates."""
     tree = copy.deepcopy(base)
-    sets = {**dict(run.overrides), "loss.name": run.loss, "data.batch_per_device": run.batch_per_device,
+    sets = {**dict(run.overrides), "loss.name": run.arm.loss, "data.batch_per_device": run.arm.batch_per_device,
             "train.seed": run.seed, "train.output_dir": run_dir(grid.out_dir, run.name),
             "train.resume": "latest"}  # an unfinished run continues from its last checkpoint
     for key, value in sets.items():
@@ -46,10 +46,10 @@ def run_config(base: dict, grid, run, world: int = 1) -> Config:
         cfg.optim.warmup_steps = steps_for(grid.warmup_samples, batch)
     if grid.log_every_samples is not None:
         cfg.train.log_every = max(1, steps_for(grid.log_every_samples, batch))
-    if not getattr(grid, "keep_models", True):  # a study ranking the model in memory keeps no weights
+    if not grid.keep_models:  # a study ranking the model in memory keeps no weights
         cfg.train.save_final = False
-    points = getattr(grid, "budget_points", 1)
-    if points > 1 and getattr(run, "accum", 1) == 1:  # a ranked study run: val and test at every point
+    points = grid.budget_points
+    if points > 1 and run.accum == 1:  # a ranked study run: val and test at every point
         cfg.train.eval_every = point_interval(steps_for(cfg.train.samples, batch), points, run.name)
     return check(cfg)
 

@@ -1,7 +1,9 @@
-"""The tuned study of `vlp compare` (a grid with `grid.sweep`): every arm tuned with the same
-budget, selected on val, reported on test with seeds and paired statistics.
+"""The driver of `vlp compare`: it decides which runs run next; an Executor (vlp.study.executor)
+runs them. A plain grid is a study with no sweep and no seeds rule: every arm's one setting (the
+base config) with each seed, trained and evaluated by the Trainer (data.eval_shards). A tuned
+study (grid.sweep) tunes every arm with the same budget, selects on val, reports on test:
 
-    arm      = (regime, loss, optimizer, per-GPU batch)
+    arm      = data set × regime × loss × optimizer × per-GPU batch (vlp.study.plan.Arm)
     sweep    = the same settings grid for every arm (per optimizer: an AdamW lr range is not a
                LARS one; per regime if it has its own), run with grid.seeds: val metric per setting
     select   = per arm, the setting with the best mean val metric over those seeds
@@ -17,12 +19,10 @@ budget, selected on val, reported on test with seeds and paired statistics.
     price    = grid.accum_price: the batch b·k as k accumulated micro-batches of b, timed
     report   = study.md (sweep, final, verdicts, the map, cost), study.json and the figures
 
-The three rooms: vlp.study.plan says which runs (pure), vlp.study.runs / vlp.study.executor run
-them, vlp.study.rows / tables / plots / report report them. This module walks the steps.
-
-Runs: <out_dir>/<regime>_<loss>_<optim>_b<batch>_<setting>_s<seed>/ (Trainer files + eval_items.json,
-the 1-based rank of every val and test query in both directions, from which all study metrics
-and bootstraps are computed). Reruns skip runs with result.json and eval_items.json.
+vlp.study.plan says which runs (pure), vlp.study.executor runs them, vlp.study.rows / report
+report them; this module walks the steps. Runs: <out_dir>/<Run.name>/ (Trainer files; a tuned study's also eval_items.json, the 1-based rank
+of every val and test query in both directions, from which all its metrics and bootstraps are
+computed). Reruns skip done runs (result.json, and eval_items.json where ranked).
 Data: data.train_shards 'openmoji' trains on the OpenMoji 'fit' names, selects on 'val' and reports
 on 'test' (= the demo's held-out 'eval' names; vlp/data/sources/openmoji.py).
 """
@@ -33,15 +33,17 @@ import copy
 from pathlib import Path
 from typing import Optional
 
-from vlp.checkpoint.storage import RunFolder
+import yaml
+
+from vlp.checkpoint.storage import open_run_folder
 from vlp.config import ConfigError, set_dotted
 from vlp.data.shard_list import sizes_from_spec
 from vlp.data.sources import parse_packaged
 from vlp.study.adaptive import more_seed_runs, open_arms, seeds_of_look, sizes_of
 from vlp.study.executor import Executor, Job, warm_caches
-from vlp.study.plan import StudyRun, final_runs, groups_of, price_runs, select_best, sweep_runs
-from vlp.study.report import STUDY_METRICS, test_rows, write_study_report
-from vlp.study.rows import final_table, study_row
+from vlp.study.plan import Run, arms_of, final_runs, groups_of, price_runs, select_best, sweep_runs
+from vlp.study.report import STUDY_METRICS, test_rows, write_report
+from vlp.study.rows import final_table, run_row
 from vlp.study.runs import broadcast, embedded_shards, plan_runs, run_config
 from vlp.study.tuning import extension_runs, tried_settings
 from vlp.study.userdata import user_specs
@@ -74,9 +76,9 @@ def with_dataset(tree: dict, dataset: str, user: Optional[dict] = None) -> dict:
     if not dataset:
         return tree
     data = tree.setdefault("data", {})
+    if data.get("eval_shards"):
+        raise ConfigError("config: grid.datasets ranks each data set's own val and test: leave data.eval_shards unset")
     if user is not None:
-        if data.get("eval_shards"):
-            raise ConfigError("config: grid.datasets ranks each data set's own val and test: leave data.eval_shards unset")
         data["train_shards"], data["eval_shards"] = user["fit"], user["val"]
         return tree
     spec = data.get("train_shards") or DEFAULT_SOURCE
@@ -86,15 +88,27 @@ def with_dataset(tree: dict, dataset: str, user: Optional[dict] = None) -> dict:
         raise ConfigError(f"config: {e}") from None
     if parsed is None:
         raise ConfigError(f"config: grid.datasets needs data.train_shards to name a packaged data set, got {spec!r}")
-    if data.get("eval_shards"):
-        raise ConfigError("config: grid.datasets ranks each data set's own val and test: leave data.eval_shards unset")
     data["train_shards"] = f"{dataset}:{parsed[1]}" if parsed[1] else dataset
     return tree
 
 
-def regime_bases(base: dict, grid, acc) -> dict[tuple[str, str], tuple[dict, dict[str, str]]]:
+def resolve_data(base: dict, acc) -> dict:
+    """A plain grid's data: data.train_shards '' or 'openmoji' is the embedded OpenMoji shards
+    (train + held-out eval, the latter data.eval_shards unless given)."""
+    from vlp.data.embedded import SHARD_CACHE  # heavy (the renderer); only the embedded data needs it
+
+    specs = embedded_shards(base, acc, ("train", "eval"), SHARD_CACHE)
+    if specs is not None:
+        base["data"]["train_shards"] = specs["train"]
+        base["data"]["eval_shards"] = base["data"].get("eval_shards") or specs["eval"]
+    return base
+
+
+def regime_bases(base: dict, grid, acc) -> dict[tuple[str, str], tuple[dict, Optional[dict[str, str]]]]:
     """Per (data set, regime): (its base config = base + the regime's settings, the data set
-    named, data resolved; its val and test shard specs)."""
+    named, data resolved; its val and test shard specs, None for a plain grid's Trainer eval)."""
+    if not grid.sweep:
+        return {("", ""): (resolve_data(copy.deepcopy(base), acc), None)}
     if grid.datasets and grid.test_shards:
         raise ConfigError("config: grid.datasets ranks each data set's own val and test: leave grid.test_shards unset")
     out, users = {}, {}
@@ -106,10 +120,7 @@ def regime_bases(base: dict, grid, acc) -> dict[tuple[str, str], tuple[dict, dic
             users[dataset] = user_specs(dataset, grid.datasets[dataset], acc)
         user = users.get(dataset)
         tree, specs = resolve_study_data(with_dataset(tree, dataset, user), acc, STUDY_SHARDS)
-        if user is not None:
-            specs["test"] = user["test"]
-        if grid.test_shards:
-            specs["test"] = grid.test_shards
+        specs["test"] = grid.test_shards or (user or {}).get("test") or specs["test"]
         if not specs["val"] or not specs["test"]:
             raise ConfigError("config: a study (grid.sweep) needs data.eval_shards (val) and grid.test_shards "
                               "(or data.train_shards: openmoji)")
@@ -130,25 +141,35 @@ def fit_sizes(bases: dict) -> dict[tuple[str, str], Optional[int]]:
 
 
 class StudyWalk:
-    """One step of the study (sweep, final or price runs): plan which are done, run the rest
-    with the study's Executor, read every run's row."""
+    """One step of the grid (its runs, a sweep's, the final or price runs): plan which are done,
+    run the rest with the grid's Executor, read every run's row. ``on_done``: called after each
+    run (a plain grid rewrites its report)."""
 
-    def __init__(self, grid, acc, bases: dict, executor: Executor, report_only: bool):
+    def __init__(self, grid, acc, bases: dict, executor: Executor, report_only: bool, on_done=None):
         self.grid, self.acc, self.bases, self.executor, self.report_only = grid, acc, bases, executor, report_only
-        self.out = Path(grid.out_dir)
+        self.out, self.on_done = open_run_folder(grid.out_dir, option="grid.out_dir"), on_done
+        self.cfgs: dict = {}  # every walked run's config, by name
 
-    def __call__(self, runs: list[StudyRun], ranked: bool = True) -> list[dict]:
+    def __call__(self, runs: list[Run], ranked: bool = True) -> list[dict]:
+        if not runs:
+            return []
         grid, acc, out = self.grid, self.acc, self.out
-        cfgs = {r.name: run_config(self.bases[(r.dataset, r.regime)][0], grid, r, acc.num_processes) for r in runs}
-        done, error = broadcast(plan_runs(runs, cfgs, RunFolder(out), items=ranked) if acc.is_main_process else None, acc)
-        if error:
+        ranked = ranked and bool(grid.sweep)  # a plain grid's runs are evaluated by the Trainer
+        cfgs = {r.name: run_config(self.bases[r.arm.table][0], grid, r, acc.num_processes) for r in runs}
+        self.cfgs.update(cfgs)
+        done, error = broadcast(plan_runs(runs, cfgs, out, items=ranked) if acc.is_main_process else None, acc)
+        if error:  # raised on every rank, so none waits in a collective
             raise ConfigError(error)
         todo = [(i, r) for i, (r, d) in enumerate(zip(runs, done), 1) if not d]
-        acc.print(f"[compare] {len(runs)} runs ({len(runs) - len(todo)} already done) -> {out}")
+        acc.print(f"[compare] {len(runs)} runs ({len(runs) - len(todo)} already done) -> {out.path()}")
         if todo and not self.report_only:
-            self.executor.run([Job(r, cfgs[r.name], self.bases[(r.dataset, r.regime)][1] if ranked else None, grid.retries,
-                                   grid.keep_checkpoints, i) for i, r in todo], total=len(runs))
-        return [row for r in runs if (row := study_row(r, out / r.name, STUDY_METRICS, items=ranked)) is not None]
+            self.executor.run([Job(r, cfgs[r.name], self.bases[r.arm.table][1] if ranked else None, grid.retries,
+                                   grid.keep_checkpoints, i) for i, r in todo], total=len(runs), on_done=self.on_done)
+        return self.rows(runs, ranked)
+
+    def rows(self, runs: list[Run], ranked: bool) -> list[dict]:
+        return [row for r in runs if (row := run_row(r, self.cfgs[r.name], self.acc.num_processes, ranked,
+                                                     STUDY_METRICS)) is not None]
 
 
 def tune(walk: StudyWalk, grid, acc) -> tuple[list[dict], dict, dict]:
@@ -184,23 +205,27 @@ def add_seeds(walk: StudyWalk, grid, acc, best: dict, finals: list[dict]) -> lis
 
 
 def run_study(base: dict, grid, acc, report_only: bool = False) -> dict:
-    """Sweep (extended at its edges), select, final seeds, price runs, report. Every process walks
-    the same runs in the same order; with grid.workers > 1 (one process) runs go to that many
-    worker processes."""
+    """Sweep (extended at its edges) and select, final seeds, more seeds where open, price runs,
+    report; a plain grid: its runs, the report rewritten after each. Every process walks the same
+    runs in the same order; with grid.workers > 1 (one process) runs go to worker processes."""
     bases = regime_bases(base, grid, acc)
-    out = Path(grid.out_dir)
-    if acc.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-    if not report_only:
+    if grid.sweep and not report_only:
         warm_caches(bases, grid, acc)
+    plain = {arm: () for arm in arms_of(grid)} if not grid.sweep else None
     with Executor(grid, acc) as executor:
         walk = StudyWalk(grid, acc, bases, executor, report_only)
-        sweep, best, tried = tune(walk, grid, acc)
+        if plain is not None:  # the report after every run: partial results are always on disk
+            runs = final_runs(grid, plain)
+            walk.on_done = lambda job, record: acc.is_main_process and write_report(
+                walk.out, {"final": walk.rows(runs, False), "best": plain}, grid)
+        sweep, best, tried = tune(walk, grid, acc) if plain is None else ([], plain, {})
         finals = add_seeds(walk, grid, acc, best, walk(final_runs(grid, best)))
         prices = walk(price_runs(grid, best), ranked=False)
-    text = ""
+    result = {"sweep": sweep, "final": finals, "best": best, "price": prices, "tried": tried, "report": ""}
     if acc.is_main_process:
-        facts = {"tried": tried, "fit_sizes": fit_sizes(bases)}
-        text = write_study_report(out, sweep, finals, best, grid, prices, facts)
-        print(text, flush=True)
-    return {"sweep": sweep, "final": finals, "best": best, "price": prices, "report": text, "tried": tried}
+        with walk.out.file("compare_config.yaml") as path:
+            path.write_text(yaml.safe_dump({**base, "grid": {**grid.__dict__}}, sort_keys=False))
+        result["report"] = write_report(walk.out, result, grid, {"fit_sizes": fit_sizes(bases) if grid.sweep else {}})
+        print(result["report"], flush=True)
+    walk.out.close()
+    return result

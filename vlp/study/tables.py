@@ -14,7 +14,7 @@ import statistics
 from typing import Optional, Sequence
 
 from vlp.eval.keys import EVAL_KEYS
-from vlp.study.plan import REFERENCE_LOSS, arm_label, setting_tag
+from vlp.study.plan import REFERENCE_LOSS, setting_tag
 from vlp.study.rows import DIAG_KEYS
 from vlp.study.stats import LEVEL, ci_label, linear_fit, seed_summary, signed, verdict
 
@@ -72,15 +72,15 @@ def _mean_std(values: list[float]) -> Optional[tuple[float, float]]:
 
 
 def aggregate(rows: list[dict], keys: Sequence[str] = EVAL_KEYS + DIAG_KEYS + ("wall_time_s",)) -> list[dict]:
-    """One table row per (loss, batch_per_device): counts, and (mean, std) over the ok seeds per key."""
-    groups: dict[tuple[str, int], list[dict]] = {}
+    """One table row per arm (a plain grid's: loss × batch): counts, and (mean, std) over the ok seeds per key."""
+    groups: dict = {}
     for row in rows:
-        groups.setdefault((row["loss"], row["batch_per_device"]), []).append(row)
+        groups.setdefault(row["arm"], []).append(row)
     table = []
-    for (loss, batch), members in groups.items():
+    for arm, members in groups.items():
         ok = [r for r in members if r["status"] == "ok"]
         ref = (ok or members)[0]
-        entry = {"loss": loss, "batch_per_device": batch, "global_batch": ref["global_batch"],
+        entry = {"loss": arm.loss, "batch_per_device": arm.batch_per_device, "global_batch": ref["global_batch"],
                  "steps": ref["steps"], "samples_seen": ref["samples_seen"],
                  "n_ok": len(ok), "n_runs": len(members)}
         entry.update({k: _mean_std([r.get(k) for r in ok]) for k in keys})
@@ -149,14 +149,9 @@ def sweep_markdown(rows: list[dict], best: dict, metric: str) -> str:
             shown = f"{100 * sum(values) / len(values):.1f}" if values else "failed"
             if best.get(arm) == setting:
                 shown = f"**{shown}**"
-            lines.append(f"| {arm_label(arm)} | {setting_tag(setting)} | {shown} | {len(values)} |")
+            lines.append(f"| {arm.label} | {setting_tag(setting)} | {shown} | {len(values)} |")
     return "\n".join(lines)
 
-
-
-def arm_order(e: dict) -> tuple:
-    """Table order: data set, regime, batch, optimizer, the reference loss first."""
-    return (e.get("dataset", ""), e["regime"], e["batch_per_device"], e["optim"], e["loss"] != REFERENCE_LOSS, e["loss"])
 
 
 def diff_label(table: list[dict]) -> str:
@@ -172,8 +167,8 @@ def final_markdown(table: list[dict], metrics: tuple[str, ...]) -> str:
                  f"Δ after Holm ({m})", f"Δ bootstrap items × seeds ({m})"]
     head += ["grad_ratio", "logit_scale", "InfoNCE (last step)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for e in sorted(table, key=arm_order):
-        cells = [arm_label(e["arm"]), setting_tag(e["setting"]), str(e["n"])]
+    for e in sorted(table, key=lambda e: e["arm"].order()):
+        cells = [e["arm"].label, setting_tag(e["setting"]), str(e["n"])]
         for m in metrics:
             boot = e.get(f"boot/{m}")
             d = e.get(f"diff/{m}")
@@ -189,20 +184,22 @@ def final_markdown(table: list[dict], metrics: tuple[str, ...]) -> str:
 def verdicts(table: list[dict], metric: str) -> list[str]:
     """One sentence per (data set, regime, optimizer, batch) with a reference arm."""
     out = []
-    cells = sorted({(e["dataset"], e["regime"], e["optim"], e["batch_per_device"]) for e in table})
-    for dataset, regime, optim, batch in cells:
-        diffs = {e["loss"]: e.get(f"diff/{metric}") for e in table if (e["dataset"], e["regime"]) == (dataset, regime)
-                 and e["optim"] == optim and e["batch_per_device"] == batch and e["loss"] != REFERENCE_LOSS}
+    cells = sorted({e["arm"].with_(loss=REFERENCE_LOSS) for e in table},  # the arms with their reference loss
+                   key=lambda a: (a.dataset, a.regime, a.optimizer, a.batch_per_device))
+    for cell in cells:
+        diffs = {e["loss"]: e.get(f"diff/{metric}") for e in table
+                 if e["arm"].with_(loss=REFERENCE_LOSS) == cell and e["loss"] != REFERENCE_LOSS}
         if diffs:
-            where = "".join(f"{part}, " for part in (dataset, regime) if part)
-            out.append(f"{where}{optim}, batch {batch}: " + verdict(diffs, REFERENCE_LOSS, f"test {metric}"))
+            where = "".join(f"{part}, " for part in cell.table if part)
+            out.append(f"{where}{cell.optimizer}, batch {cell.batch_per_device}: "
+                       + verdict(diffs, REFERENCE_LOSS, f"test {metric}"))
     return out
 
 
 # ---------------------------------------------------------------------------- the map
 def groups(table: list[dict]) -> list[tuple[str, str]]:
     """The (data set, regime) tables in the order the grid listed them (the table keeps that order)."""
-    return list(dict.fromkeys((e["dataset"], e["regime"]) for e in table))
+    return list(dict.fromkeys(e["arm"].table for e in table))
 
 
 def group_label(group: tuple[str, str]) -> str:
@@ -211,8 +208,7 @@ def group_label(group: tuple[str, str]) -> str:
 
 
 def arm_cells(table: list[dict], group: tuple[str, str]) -> list[dict]:
-    return sorted((e for e in table if (e["dataset"], e["regime"]) == group),
-                  key=lambda e: (e["batch_per_device"], e["optim"], e["loss"] != REFERENCE_LOSS, e["loss"]))
+    return sorted((e for e in table if e["arm"].table == group), key=lambda e: e["arm"].order())
 
 
 def map_markdown(table: list[dict], metric: str, only: Optional[list[tuple[str, str]]] = None) -> str:
@@ -240,11 +236,11 @@ def map_markdown(table: list[dict], metric: str, only: Optional[list[tuple[str, 
 
 def price_table(prices: list[dict]) -> list[dict]:
     """Price runs (ok) grouped by arm: mean samples/s and peak step memory over their seeds."""
-    by_arm: dict[tuple, list[dict]] = {}
+    by_arm: dict = {}
     for row in prices:
         if row["status"] == "ok":
             by_arm.setdefault(row["arm"], []).append(row)
-    return [{"dataset": arm[0], "regime": arm[1], "loss": arm[2], "optim": arm[3], "batch_per_device": arm[4],
+    return [{"arm": arm, **arm.columns(),
              "accum": rows[0]["accum"], "samples_per_s": seed_summary([r.get("samples_per_s") for r in rows]),
              "peak_step_mem_mb": seed_summary([r.get("peak_step_mem_mb") for r in rows])}
             for arm, rows in by_arm.items()]
@@ -263,7 +259,7 @@ def cost_markdown(table: list[dict], prices: list[dict], metric: str, price: dic
         for e in cells:
             out.append(f"| {e['batch_per_device']} | {e['loss']} | {mean_cell(e.get('samples_per_s'), '{:.0f}')} | "
                        f"{mean_cell(e.get('peak_step_mem_mb'), '{:.1f}')} | {pct(e.get(metric))} |")
-        for p in (p for p in priced if (p["dataset"], p["regime"]) == group):
+        for p in (p for p in priced if p["arm"].table == group):
             big = p["batch_per_device"] * p["accum"]
             same = next((e for e in cells if e["loss"] == p["loss"] and e["optim"] == p["optim"]
                          and e["batch_per_device"] == big), None)
@@ -281,10 +277,9 @@ def mechanism_points(table: list[dict], metric: str) -> list[dict]:
     for e in table:
         if e["loss"] != CHALLENGER or e.get(f"diff/{metric}") is None:
             continue
-        ref = next((r for r in table if r["loss"] == REFERENCE_LOSS and r["arm"][:2] == e["arm"][:2]
-                    and r["optim"] == e["optim"] and r["batch_per_device"] == e["batch_per_device"]), None)
+        ref = next((r for r in table if r["arm"] == e["arm"].with_(loss=REFERENCE_LOSS)), None)
         if ref is not None and ref.get("grad_ratio") is not None:
-            out.append({"dataset": e["dataset"], "regime": e["regime"], "optim": e["optim"],
+            out.append({"arm": e["arm"], "dataset": e["dataset"], "regime": e["regime"], "optim": e["optim"],
                         "batch_per_device": e["batch_per_device"],
                         "sigma_v": ref["grad_ratio"]["mean"], "diff": e[f"diff/{metric}"],
                         "sigma_by_seed": ref.get("grad_ratio_by_seed") or {}})
@@ -319,8 +314,8 @@ def fit_reading(fit: Optional[dict]) -> str:
 def fit_groups(points: list[dict]) -> list[tuple[str, list[dict]]]:
     """The mechanism fits: per (data set, regime) table, per data set over its regimes (with
     several data sets and regimes), and over everything (with more than one table)."""
-    tables = list(dict.fromkeys((p["dataset"], p["regime"]) for p in points))
-    out = [(group_label(g), [p for p in points if (p["dataset"], p["regime"]) == g]) for g in tables]
+    tables = list(dict.fromkeys(p["arm"].table for p in points))
+    out = [(group_label(g), [p for p in points if p["arm"].table == g]) for g in tables]
     datasets = list(dict.fromkeys(p["dataset"] for p in points))
     if len(datasets) > 1 and len(tables) > len(datasets):
         out += [(f"{d}, every regime", [p for p in points if p["dataset"] == d]) for d in datasets]
@@ -334,7 +329,7 @@ def mechanism_markdown(table: list[dict], metric: str) -> str:
     CI] and after Holm; then the fit of Δ on log10 σ(v) per table, per data set and over all."""
     order = {g: i for i, g in enumerate(groups(table))}  # the grid's order
     points = sorted(mechanism_points(table, metric),
-                    key=lambda p: (order[(p["dataset"], p["regime"])], p["optim"], p["batch_per_device"]))
+                    key=lambda p: (order[p["arm"].table], p["optim"], p["batch_per_device"]))
     lines = [f"| data set · regime | optimizer | per-GPU batch | InfoNCE σ(v) | {CHALLENGER} − {REFERENCE_LOSS} "
              "[95 % CI] | Δ after Holm |", "|---|---|---|---|---|---|"]
     for p in points:

@@ -24,10 +24,10 @@ VAL_BEST_RULE = ("per arm, the budget point with the highest val {metric}, avera
                  "(ties: the later point); every seed of the arm is then read at that point on test")
 
 
-def point_choice(rows: list[dict], metric: str) -> dict[tuple, int]:
+def point_choice(rows: list[dict], metric: str) -> dict:
     """Per arm (ok rows with budget points), the samples-seen point whose val ``metric``, averaged
     over the arm's seeds that have it, is highest; ties go to the later point."""
-    by_arm: dict[tuple, dict[int, list[float]]] = {}
+    by_arm: dict = {}
     for row in rows:
         for samples, metrics in (row.get("points") or {}).items() if row["status"] == "ok" else ():
             if metrics.get(f"val/{metric}") is not None:
@@ -35,7 +35,7 @@ def point_choice(rows: list[dict], metric: str) -> dict[tuple, int]:
     return {arm: max(points, key=lambda s: (statistics.fmean(points[s]), s)) for arm, points in by_arm.items()}
 
 
-def rows_at(rows: list[dict], choice: dict[tuple, int], metrics: tuple[str, ...]) -> list[dict]:
+def rows_at(rows: list[dict], choice: dict, metrics: tuple[str, ...]) -> list[dict]:
     """The ok rows whose arm has a chosen point, with each test metric read at that point (the
     final table's input: metric keys without a split prefix; no per-run bootstrap)."""
     out = []
@@ -92,15 +92,14 @@ def transfer_rows(table: list[dict], metric: str) -> list[dict]:
     """One row per (regime, optimizer, batch, loss) cell other than the reference: per data set
     its paired Δ and verdict sign, and the reading."""
     datasets = list(dict.fromkeys(e["dataset"] for e in table))
-    cells = sorted({(e["regime"], e["optim"], e["batch_per_device"], e["loss"]) for e in table
-                    if e["loss"] != REFERENCE_LOSS}, key=lambda c: (c[0], c[2], c[1], c[3]))
-    by_key = {(e["dataset"], e["regime"], e["optim"], e["batch_per_device"], e["loss"]): e for e in table}
+    cells = sorted({e["arm"].with_(dataset="") for e in table if e["loss"] != REFERENCE_LOSS},
+                   key=lambda a: (a.regime, a.batch_per_device, a.optimizer, a.loss))
+    by_arm = {e["arm"]: e for e in table}
     out = []
-    for regime, optim, batch, loss in cells:
-        diffs = {d: (by_key.get((d, regime, optim, batch, loss)) or {}).get(f"diff/{metric}") for d in datasets}
+    for cell in cells:  # the arm with its data set left out
+        diffs = {d: (by_arm.get(cell.with_(dataset=d)) or {}).get(f"diff/{metric}") for d in datasets}
         signs = {d: verdict_sign(diff) for d, diff in diffs.items()}
-        out.append({"regime": regime, "optim": optim, "batch_per_device": batch, "loss": loss, "diffs": diffs,
-                    "signs": signs, "reading": transfer_reading(signs)})
+        out.append({**cell.columns(), "diffs": diffs, "signs": signs, "reading": transfer_reading(signs)})
     return out
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlp.study.plan import StudyRun, arm_label, loss_overrides, settings_for, sweep_of
+from vlp.study.plan import Arm, Run, run_of, settings_for, sweep_of
 
 STEP = 3.0
 """The factor between an edge value and the next one beyond it."""
@@ -26,22 +26,13 @@ UNBOUNDED_EDGE_MIN = 3
 TOLERANCE = 1e-9
 
 
-def tried_settings(runs: list[StudyRun]) -> dict[tuple, list[tuple]]:
+def tried_settings(runs: list[Run]) -> dict[Arm, list[tuple]]:
     """Per arm, the distinct settings of ``runs`` in their order."""
-    out: dict[tuple, list[tuple]] = {}
+    out: dict[Arm, list[tuple]] = {}
     for run in runs:
         settings = out.setdefault(run.arm, [])
         if run.setting not in settings:
             settings.append(run.setting)
-    return out
-
-
-def tried_settings_of_rows(rows: list[dict]) -> dict[tuple, list[tuple]]:
-    """Per arm, the distinct settings of the ok study rows in their order (what ran)."""
-    out: dict[tuple, list[tuple]] = {}
-    for row in rows:
-        if row["status"] == "ok" and row["setting"] not in out.setdefault(row["arm"], []):
-            out[row["arm"]].append(row["setting"])
     return out
 
 
@@ -69,13 +60,12 @@ def _replace(setting: tuple, key: str, value: Any) -> tuple:
     return tuple((k, value if k == key else v) for k, v in setting)
 
 
-def extension_runs(grid, best: dict[tuple, tuple], tried: dict[tuple, list[tuple]]) -> list[StudyRun]:
+def extension_runs(grid, best: dict[Arm, tuple], tried: dict[Arm, list[tuple]]) -> list[Run]:
     """For every arm whose selected value of a bounded key (grid.sweep_bounds) is the lowest or
     highest it tried: the next value beyond it (inside the bound, not yet tried), the other keys
     as selected, with every sweep seed. Empty when every selection is interior or at a bound."""
     runs = []
     for arm, chosen in best.items():
-        dataset, regime, loss, optim, batch = arm
         settings = tried.get(arm, [chosen])
         for key, bound in grid.sweep_bounds.items():
             if key not in dict(chosen) or not isinstance(dict(chosen)[key], (int, float)):
@@ -84,19 +74,18 @@ def extension_runs(grid, best: dict[tuple, tuple], tried: dict[tuple, list[tuple
             for value in nexts:
                 setting = _replace(chosen, key, value)
                 if setting not in settings:
-                    runs += [StudyRun(loss, optim, batch, setting, seed, loss_overrides(grid, loss), regime,
-                                      dataset=dataset) for seed in grid.seeds]
+                    runs += [run_of(grid, arm, setting, seed) for seed in grid.seeds]
     return list(dict.fromkeys(runs))
 
 
-def edge_notes(grid, best: dict[tuple, tuple], tried: dict[tuple, list[tuple]]) -> list[dict]:
+def edge_notes(grid, best: dict[Arm, tuple], tried: dict[Arm, list[tuple]]) -> list[dict]:
     """Every selection at an edge of the values its arm tried: {arm, label, key, value, kind} with
     kind 'bound' (the next value would cross grid.sweep_bounds), 'edge' (no bound declared for the
     key, swept over >= 3 values: the optimum may lie outside) or 'open' (a bounded key whose next
     value was not run, e.g. --report-only before the extension ran)."""
     notes = []
     for arm, chosen in best.items():
-        settings = tried.get(arm) or settings_for(sweep_of(grid, arm[1]), arm[3])
+        settings = tried.get(arm) or settings_for(sweep_of(grid, arm.regime), arm.optimizer)
         for key, value in chosen:
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
@@ -108,7 +97,7 @@ def edge_notes(grid, best: dict[tuple, tuple], tried: dict[tuple, list[tuple]]) 
                 nexts, outside = beyond(value, values, bound)
                 kind = "open" if nexts else "bound" if outside else None
             if kind:
-                notes.append({"arm": arm, "label": arm_label(arm), "key": key, "value": value, "kind": kind})
+                notes.append({"arm": arm, "label": arm.label, "key": key, "value": value, "kind": kind})
     return notes
 
 
