@@ -117,7 +117,7 @@ def shard_identity(path: str) -> tuple:
     try:
         stat = os.stat(local)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: not found (a broken link?)") from None
+        raise FileNotFoundError(f"{path}: not found") from None
     if not stat.st_size:
         raise ValueError(f"{path}: empty file (0 bytes)")
     return stat.st_dev, stat.st_ino
