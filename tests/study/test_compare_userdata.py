@@ -1,9 +1,12 @@
 """The map on your data: grid.datasets entries that name your own shards (train / val / test, or
 one set split by caption hash), built from CSVs of images written here with PIL by `vlp shards`.
-In process: the entries' refusals, the caption-hash split and the data each (data set, regime)
-trains, selects and reports on. End to end (slow tier): configs/compare_your_data.yaml with
+In process: the entries' refusals, bad shards refused by `vlp compare` in one line before anything
+is written, the caption-hash split and the data each (data set, regime) trains, selects and reports on. End to end (slow tier): configs/compare_your_data.yaml with
 --quick, cut to a tiny grid, on two such sets: a table, a verdict row and seeds per set."""
 import json
+import os
+import re
+import tarfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,13 +14,14 @@ import pytest
 from PIL import Image, ImageDraw
 
 import forked
+from vlp.cli import main
 from vlp.config import ConfigError
 from vlp.data.shard_list import expand_sources
 from vlp.data.sources.splits import study_split
 from vlp.data.write import shards_from_source
 from vlp.study.grid import parse_grid
 from vlp.study.study import regime_bases
-from vlp.study.userdata import read_pairs, user_specs
+from vlp.study.userdata import check_datasets, read_pairs, user_specs
 from vlp_testing import PYTHON, REPO, run_env
 
 ACC = SimpleNamespace(is_main_process=True, num_processes=1, wait_for_everyone=lambda: None)
@@ -210,7 +214,7 @@ def test_a_split_with_an_empty_split_is_one_line_and_leaves_no_shard(tmp_path):
     with pytest.raises(ConfigError, match=r"^config: grid.datasets.tiny.shards: 3 pairs give no val or test pair by caption "
                                           r"hash \(~10 % each\): give more pairs, or train, val and test shard specs$"):
         user_specs("tiny", grid.datasets["tiny"], ACC, tmp_path / "cache")
-    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert not (tmp_path / "cache").exists()  # no shard, and not the folders it made
 
 
 @pytest.mark.server
@@ -237,3 +241,88 @@ def test_user_data_sets_in_a_bucket_are_read_and_split(scheme, tmp_path):
         assert three["fit"] == url and len(read_pairs(three["test"])) == 60
     finally:
         store.stop()
+
+
+def keep_members(source: str, target: Path, exts: tuple[str, ...]) -> None:
+    """A copy of a shard with only the members whose extension is in ``exts``."""
+    with tarfile.open(source) as tar, tarfile.open(target, "w") as out:
+        for info in tar.getmembers():
+            if info.name.rsplit(".", 1)[-1] in exts:
+                out.addfile(info, tar.extractfile(info))
+
+
+def bad_files(root: Path, tiny_shards: dict) -> None:
+    """Under ``root``: good train / val / test shards (OpenMoji pairs at 32 px) and bad ones."""
+    train = expand_sources(tiny_shards["train"])[0]
+    (root / "d").mkdir()
+    for name, source in (("train", train[0]), ("val", train[1]), ("test", expand_sources(tiny_shards["eval"])[0][0])):
+        (root / "d" / f"{name}.tar").write_bytes(Path(source).read_bytes())
+    (root / "d" / "zero.tar").write_bytes(b"")
+    tarfile.open(root / "d" / "none.tar", "w").close()  # a valid tar without members
+    (root / "d" / "text.tar").write_text("a caption, not a tar\n" * 40)
+    keep_members(train[2], root / "d" / "images.tar", ("png",))
+    keep_members(train[2], root / "d" / "captions.tar", ("txt",))
+    os.symlink("train.tar", root / "d" / "link.tar")
+    os.symlink("gone.tar", root / "d" / "dangling.tar")
+
+
+@pytest.mark.parametrize("entry, key, needle", [
+    ({"train": "d/zero.tar"}, "train", "d/zero.tar: empty file \\(0 bytes\\)"),
+    ({"train": "d/none.tar"}, "train", "d/none.tar: no samples \\(an empty tar\\)"),
+    ({"val": "d/zero.tar"}, "val", "empty file"),
+    ({"val": "d/none.tar"}, "val", "no samples"),
+    ({"test": "d/none.tar"}, "test", "no samples"),
+    ({"train": "d/images.tar"}, "train", "image\\+caption pair \\(missing_caption: 8; member extensions: png\\)"),
+    ({"test": "d/images.tar"}, "test", "missing_caption"),
+    ({"val": "d/captions.tar"}, "val", "missing_image: 8; member extensions: txt"),
+    ({"val": "d/text.tar"}, "val", "not a tar archive"),
+    ({"test": "d/dangling.tar"}, "test", "d/dangling.tar: not found"),
+    ({"val": "d/./train.tar"}, "val", "d/./train.tar is the same shard as train's d/train.tar"),
+    ({"val": "d/link.tar"}, "val", "same shard as train's"),
+    ({"val": "ABS/d/train.tar"}, "val", "same shard as train's d/train.tar"),
+    ({"test": "d/../d/train.tar"}, "test", "same shard as train's"),
+    ({"test": "d/{val,link}.tar"}, "test", "d/val.tar is the same shard as val's d/val.tar"),
+    ({"shards": "d/none.tar"}, "shards", "no samples"),
+    ({"shards": "d/images.tar::d/captions.tar"}, "shards", "missing_caption"),
+], ids=["train-0-bytes", "train-empty-tar", "val-0-bytes", "val-empty-tar", "test-empty-tar", "train-no-captions",
+        "test-no-captions", "val-no-images", "val-not-a-tar", "test-broken-link", "val-train-dot-spelled",
+        "val-train-symlinked", "val-train-absolute", "test-train-dotdot", "test-holds-val", "shards-empty-tar",
+        "shards-no-captions"])
+def test_a_bad_user_data_set_is_one_line_before_anything_is_written(entry, key, needle, tmp_path, monkeypatch,
+                                                                     capsys, tiny_shards):
+    """`vlp compare` on a user set with an empty, unreadable or captionless shard, or one shard in two
+    splits however spelled: one line naming the set and its split, status 2, nothing written."""
+    bad_files(tmp_path, tiny_shards)
+    monkeypatch.chdir(tmp_path)
+    sets = entry if "shards" in entry else {"train": "d/train.tar", "val": "d/val.tar", "test": "d/test.tar", **entry}
+    sets = {k: v.replace("ABS", str(tmp_path)) for k, v in sets.items()}
+    status = main(["compare", "-c", str(REPO / "configs/compare_your_data.yaml"), "grid.out_dir=out",
+                   f"grid.datasets={json.dumps({'mine': sets})}"])
+    err = capsys.readouterr().err
+    assert status == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"vlp: error: config: grid.datasets.mine.{key}: "), err
+    assert re.search(needle, err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # no out_dir, no .cache
+
+
+def test_good_user_shards_pass_the_check(tmp_path, monkeypatch, tiny_shards):
+    bad_files(tmp_path, tiny_shards)
+    monkeypatch.chdir(tmp_path)
+    check_datasets(_grid({"mine": {"train": "d/train.tar", "val": "d/val.tar", "test": "d/test.tar"},
+                          "one": {"shards": "d/{train,val,test}.tar"}}).datasets)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("entry, key, needle", [
+    ({"val": "URL/d/none.tar"}, "val", "URL/d/none.tar: no samples \\(an empty tar\\)"),
+    ({"test": "URL/d/./x/../train.tar"}, "test", "URL/d/./x/../train.tar is the same shard as train's URL/d/train.tar"),
+], ids=["val-empty-tar", "test-train-respelled"])
+def test_a_bad_user_data_set_at_a_url_is_one_line(entry, key, needle, tmp_path, http_root, tiny_shards):
+    """The same check on shards served over HTTP, read by vlp.data's shard reader; URLs compared normalized."""
+    root, base = http_root
+    bad_files(root, tiny_shards)
+    sets = {"train": "URL/d/train.tar", "val": "URL/d/val.tar", "test": "URL/d/test.tar", **entry}
+    grid = _grid({"mine": {k: v.replace("URL", base) for k, v in sets.items()}})
+    with pytest.raises(ConfigError, match=f"^config: grid.datasets.mine.{key}: {needle.replace('URL', base)}"):
+        check_datasets(grid.datasets)

@@ -12,8 +12,12 @@ val, the rest fit; a caption lands in one split only), written once as local sha
 
     parse_user_dataset(name, table)   the entry's data keys -> {"shards": {fit, val, test} | None,
                                       "source": spec | None}; one ConfigError line per problem (pure)
+    check_datasets(datasets)          every user set, before anything is written: each split's shards
+                                      exist and are not empty, the first samples of its first shards
+                                      give image+caption pairs, and no shard is in two splits (by what
+                                      the file is, not how its path is spelled); one ConfigError line
     user_specs(name, entry, acc)      its {fit, val, test} shard specs (the split written once by the
-                                      main process); local shards that do not exist: one line
+                                      main process; a failed split leaves no folder behind)
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from vlp.config import ConfigError
-from vlp.locations import has_backend, is_url, missing_backend
+from vlp.locations import has_backend, is_local, is_url, missing_backend
 
 USER_KEYS = ("train", "val", "test", "shards")
 """The data keys of a user entry: train + val + test (three shard sets), or shards (one, split)."""
@@ -35,6 +41,9 @@ SCHEMES = ("s3", "gs", "gcs", "http", "https", "file")
 NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
 USER_CACHE = Path(".cache") / "shards" / "user"
 """Where the caption-hash split of a single shard set is written (relative to the working folder)."""
+PROBE_SHARDS, PROBE_SAMPLES = 3, 8
+"""Checked before any run: the first PROBE_SAMPLES samples of each split's first PROBE_SHARDS shards
+are read (the others: a local file exists and is not empty; a URL is read when the runs read it)."""
 
 
 def _check_spec(name: str, key: str, spec: Any) -> str:
@@ -94,13 +103,87 @@ def check_local(name: str, specs: dict[str, str]) -> None:
             raise ConfigError(f"config: grid.datasets.{name}.{key}: {e}") from None
 
 
+def shard_identity(path: str) -> tuple:
+    """A shard by what it is, not by how its path is spelled: a local file's (device, inode) (through
+    symlinks, './' and relative paths), a URL with its scheme and host lowercased and its path
+    normalized. FileNotFoundError / ValueError for a local file that is missing or empty."""
+    from urllib.parse import unquote, urlsplit
+
+    if not is_local(path):
+        url = urlsplit(path)
+        scheme = {"gcs": "gs"}.get(url.scheme.lower(), url.scheme.lower())
+        return scheme, url.netloc.lower(), posixpath.normpath(url.path or "/"), url.query
+    local = unquote(urlsplit(path).path) if is_url(path) else path
+    try:
+        stat = os.stat(local)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: not found") from None
+    if not stat.st_size:
+        raise ValueError(f"{path}: empty file (0 bytes)")
+    return stat.st_dev, stat.st_ino
+
+
+def probe_shard(path: str) -> Optional[str]:
+    """Why the first samples of one shard give no image+caption pair (read by vlp.data's shard
+    reader, local or remote), or None when one of them does."""
+    from collections import Counter
+
+    from vlp.data.tars import check_sample, describe_unreadable, read_head, read_shard
+
+    skipped, errors, exts, kinds = Counter(), [], set(), Counter()
+    for _, key, members in read_shard(path, 0, PROBE_SAMPLES, skipped, seen_exts=exts, errors=errors):
+        kind = check_sample(key, members, path)
+        if not isinstance(kind, str):
+            return None
+        kinds[kind] += 1
+    if errors:
+        head = read_head(path)
+        return f"{path}: {describe_unreadable(head)}" if head else errors[0]
+    if not kinds:
+        return f"{path}: no samples (an empty tar)"
+    return (f"{path}: none of its first {sum(kinds.values())} samples is an image+caption pair "
+            f"({', '.join(f'{k}: {n}' for k, n in sorted(kinds.items()))}; member extensions: "
+            f"{', '.join(sorted(exts)) or 'none'}): a sample needs an image (.png, .jpg, ...) and a caption "
+            "(.txt) under one key")
+
+
+def check_split(name: str, key: str, spec: str) -> dict[tuple, str]:
+    """One split of a user data set: its shards exist and are not empty, and the first samples of
+    its first shards give an image+caption pair; {shard_identity: path}. One ConfigError line."""
+    from vlp.data.shard_list import expand_sources
+
+    try:
+        paths = [path for paths in expand_sources(spec) for path in paths]
+        found = {shard_identity(path): path for path in paths}
+        why = next(filter(None, map(probe_shard, paths[:PROBE_SHARDS])), None)
+    except (OSError, ValueError) as e:
+        why = str(e)
+    if why:
+        raise ConfigError(f"config: grid.datasets.{name}.{key}: {why}")
+    return found
+
+
+def check_user_dataset(name: str, entry: dict) -> None:
+    """A user data set before anything is written (check_split per split); no shard in two of
+    train, val and test, compared by shard_identity. One ConfigError line naming the split."""
+    specs = {"train" if split == "fit" else split: spec for split, spec in entry["shards"].items()} \
+        if entry.get("shards") else {"shards": entry["source"]}
+    seen: dict[tuple, tuple[str, str]] = {}
+    for key, spec in specs.items():
+        found = check_split(name, key, spec)
+        for identity, path in found.items():
+            if identity in seen:
+                other, first = seen[identity]
+                raise ConfigError(f"config: grid.datasets.{name}.{key}: {path} is the same shard as {other}'s "
+                                  f"{first}: train, val and test must be three different shard sets")
+        seen.update({identity: (key, path) for identity, path in found.items()})
+
+
 def check_datasets(datasets: dict[str, dict]) -> None:
-    """Every user data set's local shards exist (before any folder is made); one line."""
+    """Every user data set (check_user_dataset), before any folder is made; one line."""
     for name, entry in datasets.items():
-        if entry.get("shards"):
-            check_local(name, entry["shards"])
-        elif entry.get("source"):
-            check_local(name, {"shards": entry["source"]})
+        if entry.get("shards") or entry.get("source"):
+            check_user_dataset(name, entry)
 
 
 def split_key(spec: str) -> str:
@@ -137,7 +220,7 @@ def read_pairs(spec: str) -> list[tuple[bytes, str]]:
 def write_split(name: str, spec: str, root: Path) -> dict[str, str]:
     """Split one shard set by caption hash into fit / val / test shards under ``root`` in one
     streaming pass (once: a folder with its sizes.json is reused); {split: spec}. ValueError when
-    a split is empty; a failure leaves no shard behind."""
+    a split is empty; a failure leaves no shard behind, nor the folders it made."""
     from collections import Counter
 
     from vlp.data.encode import encode_pair
@@ -147,6 +230,7 @@ def write_split(name: str, spec: str, root: Path) -> dict[str, str]:
 
     splits = ("fit", "val", "test")
     if not all((root / split / "sizes.json").is_file() for split in splits):
+        made = [folder for folder in (root, *root.parents) if not folder.exists()]
         writers = {split: ShardWriter(root / split, split, 1000, overwrite=True) for split in splits}
         counts: Counter = Counter()
         try:
@@ -163,10 +247,23 @@ def write_split(name: str, spec: str, root: Path) -> dict[str, str]:
         except BaseException:
             for writer in writers.values():
                 writer.abort()
+            remove_made(made)
             raise
         for writer in writers.values():
             writer.close()
     return {split: shard_spec(root / split, prefix=split) for split in splits}
+
+
+def remove_made(made: list[Path]) -> None:
+    """Remove the folders a failed split made (``made``: the deepest first), each only if empty
+    once the deeper ones are gone (a folder another split wrote into stays)."""
+    if made:
+        shutil.rmtree(made[0], ignore_errors=True)
+    for folder in made[1:]:
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
 
 
 def user_specs(name: str, entry: dict, acc, cache: Path = USER_CACHE) -> Optional[dict[str, str]]:
