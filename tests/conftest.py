@@ -18,6 +18,12 @@ from tiers import SLOW_LIST, SLOW_S, base_id, groups, join_group, markers, plain
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _compile_cache(tmp_path_factory):
+    """torch.compile's on-disk cache, one per session (under pytest's tree) for every test's processes."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
+
+
 @pytest.fixture(autouse=True)
 def _temp_files_inside_pytests_tree(tmp_path_factory, monkeypatch):
     """Each test's temporary files, and its processes', go to a folder of pytest's own tree (which

@@ -217,6 +217,20 @@ def test_a_split_with_an_empty_split_is_one_line_and_leaves_no_shard(tmp_path):
     assert not (tmp_path / "cache").exists()  # no shard, and not the folders it made
 
 
+def test_vlp_compare_on_a_set_too_small_to_split_writes_nothing(tmp_path, monkeypatch, capsys):
+    """The same through `vlp compare`: one line, status 2, no grid.out_dir and no .cache (the data
+    is resolved before the grid folder's lock is taken)."""
+    csv = write_csv(tmp_path / "c", "tiny", 3, 3)
+    shards_from_source(str(csv), tmp_path / "tiny", progress=False)
+    monkeypatch.chdir(tmp_path)
+    status = main(["compare", "-c", str(REPO / "configs/compare_your_data.yaml"), "grid.out_dir=out",
+                   f"grid.datasets={json.dumps({'tiny': {'shards': 'tiny'}})}"])
+    err = capsys.readouterr().err
+    assert status == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("vlp: error: config: grid.datasets.tiny.shards: 3 pairs give no val or test pair"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "tiny"]  # no out_dir, no .cache
+
+
 @pytest.mark.server
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_user_data_sets_in_a_bucket_are_read_and_split(scheme, tmp_path):

@@ -34,7 +34,7 @@ from vlp.experiment import check
 from vlp.checkpoint.storage import open_run_folder
 from vlp.config.keys import GridConfig
 from vlp.study.grid import parse_grid
-from vlp.study.study import run_study
+from vlp.study.study import regime_bases, run_study
 from vlp.study.userdata import check_datasets
 from vlp.checkpoint import lock as runlock
 
@@ -73,11 +73,12 @@ def run_grid(base: dict, grid: GridConfig, report_only: bool = False, accelerato
 
         precision = from_dict(copy.deepcopy(base)).train.precision
         accelerator = Accelerator(mixed_precision="no" if precision == "fp32" else precision)
+    bases = regime_bases(base, grid, accelerator)  # data resolved first: a set that cannot split writes no grid folder
     # one writer per grid folder, as per run folder (a second `vlp compare` is refused in one line)
     lock = None if report_only else runlock.acquire_on_main(
         open_run_folder(grid.out_dir, option="grid.out_dir"), False, accelerator.is_main_process, accelerator.print)
     try:
-        return run_study(base, grid, accelerator, report_only)
+        return run_study(bases, grid, accelerator, report_only)
     finally:
         if lock is not None:
             lock.release()
