@@ -8,7 +8,7 @@ same per-device batch (64), samples seen, optimiser (AdamW lr 1e-3, wd 0.1, beta
 eps 1e-6, 50 warmup steps, cosine), fp32, 1 process, 1 worker, seeds 0 and 1. Only the
 trainers differ (and with them the data order: each has its own shuffler).
 
-Both final weights are evaluated by the same code: vlp.evaluate.load_model_from_checkpoint
+Both final weights are evaluated by the same code: vlp.eval.checkpoints.load_model_from_checkpoint
 (vlp: the exported open_clip_model.pt; open_clip_train: checkpoints/epoch_1.pt, its
 state_dict) then vlp.eval.suite.run_eval_suite on the held-out OpenMoji eval shards (names never
 seen in training): R@1 image->text and text->image, and their mean.
@@ -30,7 +30,7 @@ from bench.train_throughput import open_clip_cmd, vlp_cmd  # noqa: E402
 
 def evaluate(weights: Path, model: str, eval_spec: str) -> dict:
     from vlp.eval.suite import run_eval_suite
-    from vlp.evaluate import load_model_from_checkpoint
+    from vlp.eval.checkpoints import load_model_from_checkpoint
 
     net, tokenizer, eval_tf = load_model_from_checkpoint(str(weights), model_name=model)
     suite = {"batch_size": 256, "retrieval": [{"name": "openmoji_eval", "shards": eval_spec}]}

@@ -109,7 +109,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from vlp.evaluate import evaluate_checkpoint
+    from vlp.eval.checkpoints import evaluate_checkpoint
 
     results = evaluate_checkpoint(
         checkpoint=args.checkpoint, model_name=args.model, suite=args.suite, shards=args.shards,

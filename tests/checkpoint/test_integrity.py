@@ -15,7 +15,7 @@ import torch
 
 from vlp.checkpoint import files as ckpt
 from vlp.checkpoint import integrity
-from vlp.evaluate import load_sharded_full
+from vlp.eval.checkpoints import load_sharded_full
 from vlp.train.parts import RNG
 from vlp.checkpoint.storage import RunFolder
 from vlp.checkpoint.checkpointer import Checkpointer, latest_valid, list_checkpoints, set_aside

@@ -84,7 +84,7 @@ def test_old_pt_checkpoint_resumes_and_evaluates(old_code, tiny_shards, tmp_path
 
 def test_old_dcp_checkpoint_resumes_in_one_and_two_processes(old_code, tiny_shards, tmp_path):
     from vlp.experiment import load_config
-    from vlp.evaluate import load_sharded_full
+    from vlp.eval.checkpoints import load_sharded_full
     from vlp.train.loop import Trainer
 
     old = tmp_path / "old"

@@ -104,7 +104,7 @@ def test_trainer_and_vlp_eval_use_eval_s_reader(monkeypatch, tiny_clip, tmp_path
 
 
 def test_class_folder_entry_from_the_cli_builder(tmp_path):
-    from vlp.evaluate import build_suite
+    from vlp.eval.checkpoints import build_suite
 
     write_class_folders(tmp_path / "pets", ["cat", "dog"], per_class=1)
     spec = build_suite(None, None, None, "simple", 8, "fp32", classes=[str(tmp_path / "pets")],

@@ -186,7 +186,7 @@ def test_tag_and_hub_name_resolve_offline(offline_hub):
 
 def test_published_sigmoid_model_keeps_its_logit_bias(offline_hub, tmp_path):
     """A hub model whose config has init_logit_bias (SigLIP-style) loads strictly, bias included."""
-    from vlp.evaluate import load_published
+    from vlp.eval.checkpoints import load_published
 
     cache, _ = offline_hub
     torch.manual_seed(3)
@@ -357,7 +357,7 @@ def test_preprocessing_travels_with_the_checkpoint(tiny_shards, tmp_path, timm_j
     even when the weights file the run started from is gone."""
     import shutil
 
-    from vlp.evaluate import load_model_from_checkpoint
+    from vlp.eval.checkpoints import load_model_from_checkpoint
     from vlp.train.loop import Trainer
 
     weights = tmp_path / "trunk.pth"

@@ -234,7 +234,7 @@ def main(path: str) -> None:
     import torch  # noqa: F401
 
     import vlp.cli  # noqa: F401
-    import vlp.evaluate  # noqa: F401
+    import vlp.eval.checkpoints  # noqa: F401
     import vlp.train.loop  # noqa: F401
 
     gc.freeze()  # a child's collections skip what it inherited: no copy-on-write of the whole heap

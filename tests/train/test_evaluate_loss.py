@@ -5,7 +5,7 @@ import torch
 from vlp.config import Config, LossConfig, ModelConfig
 
 from vlp.experiment import check
-from vlp.evaluate import load_model_from_checkpoint
+from vlp.eval.checkpoints import load_model_from_checkpoint
 from vlp.models.model import build_model, export_open_clip
 
 

@@ -251,7 +251,7 @@ def test_fsdp_refuses_what_it_cannot_do(tiny_shards, tmp_path):
 
 @pytest.mark.multiproc
 def test_vlp_eval_reads_a_dcp_checkpoint(runs):
-    from vlp.evaluate import load_model_from_checkpoint
+    from vlp.eval.checkpoints import load_model_from_checkpoint
 
     model, _, _ = load_model_from_checkpoint(str(runs / "fsdp" / "checkpoints" / "step_00000012"))
     final = _weights(runs / "fsdp")  # the consolidated export at the end of the same run
@@ -262,7 +262,7 @@ def test_vlp_eval_reads_a_dcp_checkpoint(runs):
 def test_trainer_resumes_a_two_rank_dcp_checkpoint_in_one_process(runs, tiny_shards, tmp_path):
     """World size 2 -> 1 through the trainer (train.resume_mode=continue allows the change):
     DCP reads the 2-rank shards into the 1-process replica, AdamW state included."""
-    from vlp.evaluate import load_sharded_full
+    from vlp.eval.checkpoints import load_sharded_full
     from vlp.train.loop import Trainer
 
     src = runs / "fsdp" / "checkpoints" / "step_00000008"

@@ -95,7 +95,7 @@ def load_suite(path: str) -> dict:
 def counting(loader: Iterable, skipped: Counter, stop: Optional[Callable[[], None]] = None) -> Iterator:
     """The loader's batches, adding each batch's skip counts to `skipped` (dict batches: their
     "skipped"; tuple batches: a dict third element) and dropping batches left empty by skips;
-    `stop()` before each (it raises to end the eval: `vlp eval`'s Ctrl-C, vlp.evaluate)."""
+    `stop()` before each (it raises to end the eval: `vlp eval`'s Ctrl-C, vlp.eval.checkpoints)."""
     for batch in loader:
         if stop is not None:
             stop()

@@ -40,7 +40,7 @@ from vlp.losses.diagnostics import DeviceScalars
 from vlp.losses.registry import get_spec
 from vlp.models.model import DualEncoder, build_model
 from vlp.train import parallel, preempt
-from vlp.train.evaluator import Evaluator
+from vlp.eval.evaluator import Evaluator
 from vlp.train.feature_cache import training_features
 from vlp.train.logger import RunLogger, check_wandb, show_step
 from vlp.train.memory import StepMemory
