@@ -78,7 +78,7 @@ def run_grid(base: dict, grid: GridConfig, report_only: bool = False, accelerato
     lock = None if report_only else runlock.acquire_on_main(
         open_run_folder(grid.out_dir, option="grid.out_dir"), False, accelerator.is_main_process, accelerator.print)
     try:
-        return run_study(bases, grid, accelerator, report_only)
+        return run_study(base, bases, grid, accelerator, report_only)
     finally:
         if lock is not None:
             lock.release()

@@ -204,11 +204,11 @@ def add_seeds(walk: StudyWalk, grid, acc, best: dict, finals: list[dict]) -> lis
     return finals
 
 
-def run_study(bases: dict, grid, acc, report_only: bool = False) -> dict:
+def run_study(base: dict, bases: dict, grid, acc, report_only: bool = False) -> dict:
     """Sweep (extended at its edges) and select, final seeds, more seeds where open, price runs,
     report; a plain grid: its runs, the report rewritten after each. Every process walks the same
     runs in the same order; with grid.workers > 1 (one process) runs go to worker processes.
-    `bases`: regime_bases'."""
+    `bases`: regime_bases(base, grid, acc)."""
     if grid.sweep and not report_only:
         warm_caches(bases, grid, acc)
     plain = {arm: () for arm in arms_of(grid)} if not grid.sweep else None
