@@ -13,7 +13,7 @@ from vlp_testing import PYTHON, REPO, run_env
 REPRESENTATIVE = [
     "tests/data/test_worker_death.py::test_a_connection_error_with_every_worker_alive_keeps_its_message",
     "tests/checkpoint/test_runlock.py::test_killed_holder_is_stale",
-    "tests/train/test_two_process.py::test_two_ranks_equal_one_rank_with_gathered_gradients",
+    "tests/cli/test_cluster.py::test_a_preempted_launch_says_it_once_and_exits_0_with_the_marker",
 ]
 
 
