@@ -164,7 +164,7 @@ def test_second_vlp_compare_on_a_locked_grid_folder_is_one_line(tmp_path, tiny_s
         before = sorted(p.name for p in out.iterdir())
         args = ["-m", "vlp", "compare", "-c", str(REPO / "configs/compare_small_batch.yaml"),
                 f"data.train_shards={tiny_shards['train']}", f"data.eval_shards={tiny_shards['eval']}",
-                f"grid.out_dir={out}", "grid.sweep=null", "grid.regimes=null", "grid.accum_price=null", "grid.datasets=null",
+                f"grid.out_dir={out}", "grid.sweep=null", "grid.final_seeds=null", "grid.regimes=null", "grid.accum_price=null", "grid.datasets=null",
                 "grid.sweep_bounds=null", "grid.workers=1", "grid.batch_per_device=[8]",
                 "grid.losses=[infonce]", "grid.seeds=[0]", "grid.seeds_until=null",
                 "train.samples=32"]
