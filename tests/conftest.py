@@ -19,9 +19,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _compile_cache(tmp_path_factory):
-    """torch.compile's on-disk cache, one per session (under pytest's tree) for every test's processes."""
+def _session_temp(tmp_path_factory):
+    """The session's and its module fixtures' temporary files (a module's 2-rank launch: torch's
+    elastic agent's torchelastic_* logs) under pytest's tree, as each test's are (below); torch.compile's
+    on-disk cache, one per session there, for every test's processes."""
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("session-tmp"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
+    tempfile.tempdir = None
 
 
 @pytest.fixture(autouse=True)
