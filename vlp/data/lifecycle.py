@@ -57,6 +57,25 @@ def start_worker(worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent()
     seed_worker(worker_id)
+    if sys.excepthook is not _worker_error:
+        _WORKER_HOOK[:] = [sys.excepthook]
+        sys.excepthook = _worker_error
+
+
+_WORKER_HOOK: list = []  # in a worker: sys.excepthook before _worker_error
+
+
+def _worker_error(kind, value, tb) -> None:
+    """A worker's sys.excepthook (multiprocessing's resource sharer reports its thread's errors
+    there): the main process that ended while a batch's storage was on its way to it (a second
+    Ctrl-C, a SIGKILL) is not this worker's error to print; the main process says how it ended."""
+    frames, inner = [], tb
+    while inner is not None:
+        frames.append(inner.tb_frame.f_code.co_filename)
+        inner = inner.tb_next
+    if issubclass(kind, (ConnectionError, EOFError)) and any(f.endswith("resource_sharer.py") for f in frames):
+        return
+    (_WORKER_HOOK[0] if _WORKER_HOOK else sys.__excepthook__)(kind, value, tb)
 
 
 def seed_worker(worker_id: int) -> None:
