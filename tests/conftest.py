@@ -4,6 +4,7 @@ report slow unlisted tests) and the pytest-xdist groups (tests that must share o
 tests/support/tiers.py ``groups``). The tests' helpers live in tests/support/."""
 import os
 import resource
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -16,16 +17,6 @@ from xdist.scheduler import LoadGroupScheduling
 from tiers import SLOW_LIST, SLOW_S, base_id, groups, join_group, markers, plain_id, read_list
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _session_temp(tmp_path_factory):
-    """The session's and its module fixtures' temporary files (a module's 2-rank launch: torch's
-    elastic agent's torchelastic_* logs) under pytest's tree, as each test's are (below); torch.compile's
-    on-disk cache, one per session there, for every test's processes."""
-    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("session-tmp"))
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
-    tempfile.tempdir = None
 
 
 @pytest.fixture(autouse=True)
@@ -120,8 +111,23 @@ def _worker(config) -> bool:
     return hasattr(config, "workerinput")  # an xdist worker: its controller reports and writes
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's tmp_path_factory exists
 def pytest_configure(config):
+    """The session's temporary files, from collection on, under pytest's tree as each test's are
+    (below): its module fixtures' (a module's 2-rank launch: torch's elastic agent's torchelastic_*
+    logs), and torch.compile's on-disk cache, one per session, for every test's processes. Before
+    collection: importing torch._dynamo makes that cache's folder in the temp dir."""
     _CONFIG[:] = [config]
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # started as `pytest &` from a script (a shell ignores SIGINT in its background jobs, and
+        # Python then installs no handler): every process a test starts would inherit it, and the
+        # tests of Ctrl-C would send it to processes that cannot take it (launch/local.sh cannot
+        # even trap a signal ignored on entry)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    factory = config._tmp_path_factory
+    os.environ["TMPDIR"] = str(factory.mktemp("session-tmp"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(factory.mktemp("inductor"))
+    tempfile.tempdir = None
 
 
 def pytest_runtest_logreport(report):

@@ -45,7 +45,8 @@ def _each_stop_saves(segment, out) -> Iterator[tuple[int, list[str], str]]:
 @pytest.mark.multiproc
 def test_every_stop_of_a_plain_run_with_workers_then_resume_bit_identical(tiny_shards, tmp_path):
     """`vlp train` with 2 loader workers: SIGTERM, SIGUSR1 and SIGINT to the process group each save
-    at the step boundary with one line (exit 75, 75, 130); a loader worker SIGKILLed is one line
+    at the step boundary with one line (exit 75, 75, 130), SIGHUP too (129) but not under nohup; a
+    loader worker SIGKILLed is one line
     naming it, its shard and the step (exit 1, nothing saved); two Ctrl-C exit 130 at once; the
     main process SIGKILLed takes its workers with it. Resumed after each, the run ends with the
     weights of a run never stopped."""
@@ -63,6 +64,15 @@ def test_every_stop_of_a_plain_run_with_workers_then_resume_bit_identical(tiny_s
         assert f"({signal.Signals(sig).name})" in lines[-1], lines
         if sig == signal.SIGINT:
             assert len(lines) == 2 and "press Ctrl-C again to abort without saving" in lines[0], lines
+
+    seg = Segment(["nohup", *cmd], env, last_step(out))  # under nohup a SIGHUP is no stop; SIGTERM still is
+    seg.wait_for(out)
+    seg.signal(signal.SIGHUP)
+    seg.after = last_step(out)
+    seg.wait_for(out)
+    seg.signal(signal.SIGTERM)
+    code, err = seg.end()
+    assert not any("hung up" in line for line in check_end(code, err, 75, "preempted at step")), err
 
     seg = segment()  # a loader worker dies on its own (the OOM killer's SIGKILL)
     seg.wait_for(out)

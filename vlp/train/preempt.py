@@ -32,10 +32,11 @@ reports a Ctrl-C); under a launcher with the marker, "interrupted N" in it and 0
 must not requeue a run its user stopped). A second Ctrl-C exits at once: 130, or 0 with
 "aborted" in the marker (vlp.train.interrupt).
 
-SIGHUP (the terminal or ssh session closed, no nohup) is a stop too: the same save, then
+SIGHUP (the terminal or ssh session closed) is a stop too: the same save, then
 `vlp: hung up at step N (SIGHUP); saved ...` and exit status 129 (128 + SIGHUP, as a shell
 reports it); under a launcher with the marker, "hangup N" in it and 0 (no requeue). The output
-still bound to the closed terminal goes to /dev/null first (a write there fails with EIO).
+still bound to the closed terminal goes to /dev/null first (a write there fails with EIO). A run
+started under nohup keeps ignoring SIGHUP (`nohup`).
 
 The signals reach every process of the run when they are sent to its process group (SLURM,
 timeout(1), a terminal's Ctrl-C): the loader workers ignore them (vlp.data.lifecycle), so the
@@ -57,6 +58,14 @@ MARKER_ENV = "VLP_PREEMPT_MARKER"
 HUNG_UP = 129  # 128 + SIGHUP, as a shell reports it
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 STOPPED = {"SIGINT": "interrupted", "SIGHUP": "hung up"}  # the user's stops; the rest: "preempted"
+
+
+def nohup() -> bool:
+    """The run was started under nohup (SIGHUP ignored on entry): a closed terminal must not stop
+    it, so SIGHUP stays ignored. Not in a launcher's rank, which inherits its launcher's ignore
+    (launch/local.sh); under `nohup launch/local.sh` the script cannot pass on the SIGHUP it ignores,
+    and torch's ranks, each in a session of its own, never see the terminal's."""
+    return signal.getsignal(signal.SIGHUP) is signal.SIG_IGN and not os.environ.get("TORCHELASTIC_RUN_ID")
 
 
 class Preempted(Exception):
@@ -107,6 +116,8 @@ class Preemption:
         if threading.current_thread() is not threading.main_thread():
             return self
         for sig in self.signals:
+            if sig == signal.SIGHUP and nohup():
+                continue
             self._previous[sig] = signal.signal(sig, self._handle)
         if signal.SIGINT in self.signals:
             self.ctrl_c = CtrlC(_main_rank(), bool(os.environ.get("TORCHELASTIC_RUN_ID")),
