@@ -171,7 +171,7 @@ def test_the_shipped_your_data_config_names_two_user_sets(tmp_path, monkeypatch)
         base, grid = load_compare_config(REPO / "configs/compare_your_data.yaml", quick=quick)
         assert grid.datasets["set_a"]["shards"] == {"fit": "shards/set_a/train", "val": "shards/set_a/val",
                                                     "test": "shards/set_a/test"}
-        assert grid.datasets["set_b"]["source"] == "shards/set_b" and grid.seeds_until["max_seeds"] > len(grid.final_seeds)
+        assert grid.datasets["set_b"]["source"] == "shards/set_b" and grid.seeds_until.max_seeds > len(grid.final_seeds)
         assert list(grid.regimes) == ["lit"] and grid.sweep_bounds
 
 

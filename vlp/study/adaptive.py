@@ -30,7 +30,7 @@ SCALE = 100.0
 def sizes_of(grid) -> list[int]:
     """The seeds a comparison has at each planned look ([n0] without grid.seeds_until)."""
     rule, first = grid.seeds_until, len(grid.final_seeds)
-    return look_sizes(first, rule["step"], rule["max_seeds"]) if rule else [first]
+    return look_sizes(first, rule.step, rule.max_seeds) if rule else [first]
 
 
 def looks_of(grid) -> int:
@@ -47,7 +47,7 @@ def seeds_of_look(grid, look: int) -> list[int]:
 
 def _is_open(d: dict, grid, looks: int) -> bool:
     """One seed has no interval at all: open."""
-    return d["n"] < 2 or bool(seeds_open(d["mean"], d["std"], d["n"], grid.seeds_until["half_width"] / SCALE, looks,
+    return d["n"] < 2 or bool(seeds_open(d["mean"], d["std"], d["n"], grid.seeds_until.half_width / SCALE, looks,
                                            d.get("m") or 1))
 
 
@@ -88,7 +88,7 @@ def seed_reasons(table: list[dict], grid) -> list[dict]:
         elif d.get("lo_sim") is not None and (d["lo_sim"] > 0 or d["hi_sim"] < 0):
             reason = "resolved (simultaneous interval excludes 0)"
         elif not _is_open(d, grid, looks):
-            reason = f"settled: within ± {grid.seeds_until['half_width']:g} points"
+            reason = f"settled: within ± {grid.seeds_until.half_width:g} points"
         elif d["n"] >= sizes[-1]:
             reason = "open at the maximum (grid.seeds_until.max_seeds)"
         else:

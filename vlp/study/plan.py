@@ -167,9 +167,9 @@ def price_runs(grid, best: dict[Arm, tuple]) -> list[Run]:
     price = grid.accum_price
     if not price:
         return []
-    b, k = price["batch_per_device"], price["accum_steps"]
-    return [run_of(grid, arm.with_(batch_per_device=b), best[arm], seed, accum=k, samples=price["samples"])
-            for seed in price.get("seeds", [0]) for arm in arms_of(grid, b * k) if arm in best]
+    b, k = price.batch_per_device, price.accum_steps
+    return [run_of(grid, arm.with_(batch_per_device=b), best[arm], seed, accum=k, samples=price.samples)
+            for seed in price.seeds for arm in arms_of(grid, b * k) if arm in best]
 
 
 def select_best(rows: list[dict], metric: str) -> dict[Arm, tuple]:

@@ -246,7 +246,7 @@ def price_table(prices: list[dict]) -> list[dict]:
             for arm, rows in by_arm.items()]
 
 
-def cost_markdown(table: list[dict], prices: list[dict], metric: str, price: dict) -> str:
+def cost_markdown(table: list[dict], prices: list[dict], metric: str) -> str:
     """Per (data set, regime), samples/s and peak step memory of every cell, and the accumulation
     runs (b × k micro-batches) beside batch b with the accuracy of the b·k cell they equal."""
     priced = price_table(prices)
