@@ -48,19 +48,13 @@ def run_config(base: dict, grid, run, world: int = 1) -> Config:
         cfg.train.log_every = max(1, steps_for(grid.log_every_samples, batch))
     if not grid.keep_models:  # a study ranking the model in memory keeps no weights
         cfg.train.save_final = False
-    points = grid.budget_points
-    if points > 1 and run.accum == 1:  # a ranked study run: val and test at every point
-        cfg.train.eval_every = point_interval(steps_for(cfg.train.samples, batch), points, run.name)
+    steps, points = steps_for(cfg.train.samples, batch), grid.budget_points
+    if points > 1 and run.accum == 1:  # a ranked study run: val and test at every point, the last at the end
+        if steps % points:
+            raise ConfigError(f"config: grid.budget_points={points} does not divide the {steps} steps of {run.name}; "
+                              "choose train.samples so that every batch's steps divide by it")
+        cfg.train.eval_every = steps // points
     return check(cfg)
-
-
-def point_interval(steps: int, points: int, name: str) -> int:
-    """The steps between two budget points (grid.budget_points evenly spaced points, the last at
-    the end of the run); one ConfigError line when the run's steps do not divide evenly."""
-    if steps % points:
-        raise ConfigError(f"config: grid.budget_points={points} does not divide the {steps} steps of {name}; "
-                          "choose train.samples so that every batch's steps divide by it")
-    return steps // points
 
 
 def run_dir(out_dir: str, name: str) -> str:

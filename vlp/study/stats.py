@@ -40,15 +40,15 @@ def t_quantile(df: int, level: float = LEVEL) -> float:
     return float(sps.t.ppf((1.0 + level) / 2.0, df))
 
 
-def seed_summary(values: Sequence[float]) -> Optional[dict]:
-    """{n, mean, std, lo, hi}: std is the sample std (0 for one value), [lo, hi] the 95 %
+def seed_summary(values: Sequence[float], level: float = LEVEL) -> Optional[dict]:
+    """{n, mean, std, lo, hi}: std is the sample std (0 for one value), [lo, hi] the ``level``
     t-interval of the mean (None for one value). None for no finite value."""
     vals = [float(v) for v in values if v is not None and math.isfinite(v)]
     if not vals:
         return None
     n, mean = len(vals), statistics.fmean(vals)
     std = statistics.stdev(vals) if n > 1 else 0.0
-    half = t_quantile(n - 1) * std / math.sqrt(n) if n > 1 else None
+    half = t_quantile(n - 1, level) * std / math.sqrt(n) if n > 1 else None
     return {"n": n, "mean": mean, "std": std,
             "lo": None if half is None else mean - half, "hi": None if half is None else mean + half}
 
@@ -74,12 +74,9 @@ def paired_difference(arm: dict[int, float], reference: dict[int, float], looks:
     seeds = sorted(set(arm) & set(reference))
     diffs = {s: arm[s] - reference[s] for s in seeds
              if arm[s] is not None and reference[s] is not None}
-    summary = seed_summary(list(diffs.values()))
+    summary = seed_summary(list(diffs.values()), look_level(looks))
     if summary is None:
         return None
-    if looks > 1 and summary["n"] > 1:
-        half = t_quantile(summary["n"] - 1, look_level(looks)) * summary["std"] / math.sqrt(summary["n"])
-        summary["lo"], summary["hi"] = summary["mean"] - half, summary["mean"] + half
     resolved = summary["lo"] is not None and (summary["lo"] > 0 or summary["hi"] < 0)
     p_t = t_test_p(summary["mean"], summary["std"], summary["n"])
     p = None if p_t is None else float(sequential_p(p_t, looks))

@@ -14,8 +14,6 @@ triples or thirds a value, so a bound [low, high] ends the walk after log3(high 
 
 from __future__ import annotations
 
-from typing import Any
-
 from vlp.study.plan import Arm, Run, run_of, settings_for, sweep_of
 
 STEP = 3.0
@@ -56,10 +54,6 @@ def beyond(value: float, values: list, bound: list[float]) -> tuple[list[float],
     return [v for v in nexts if v not in outside], outside
 
 
-def _replace(setting: tuple, key: str, value: Any) -> tuple:
-    return tuple((k, value if k == key else v) for k, v in setting)
-
-
 def extension_runs(grid, best: dict[Arm, tuple], tried: dict[Arm, list[tuple]]) -> list[Run]:
     """For every arm whose selected value of a bounded key (grid.sweep_bounds) is the lowest or
     highest it tried: the next value beyond it (inside the bound, not yet tried), the other keys
@@ -72,7 +66,7 @@ def extension_runs(grid, best: dict[Arm, tuple], tried: dict[Arm, list[tuple]]) 
                 continue
             nexts, _ = beyond(dict(chosen)[key], key_values(settings, chosen, key), bound)
             for value in nexts:
-                setting = _replace(chosen, key, value)
+                setting = tuple((k, value if k == key else v) for k, v in chosen)
                 if setting not in settings:
                     runs += [run_of(grid, arm, setting, seed) for seed in grid.seeds]
     return list(dict.fromkeys(runs))

@@ -22,6 +22,7 @@ val, the rest fit; a caption lands in one split only), written once as local sha
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -186,13 +187,6 @@ def check_datasets(datasets: dict[str, dict]) -> None:
             check_user_dataset(name, entry)
 
 
-def split_key(spec: str) -> str:
-    """The cache folder's key of a split: the spec and, for its local shards, their sizes and
-    modification times (a rewritten shard set is split again)."""
-    stamp = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in _local_parts(spec)]
-    return hashlib.sha1(json.dumps([spec, stamp]).encode()).hexdigest()[:12]
-
-
 def iter_pairs(spec: str) -> Iterator[tuple[bytes, str]]:
     """(image bytes, caption) of every usable sample of a shard spec, streamed in order (vlp.data's
     reader: local paths and URLs); ValueError naming the first unreadable shard."""
@@ -210,11 +204,6 @@ def iter_pairs(spec: str) -> Iterator[tuple[bytes, str]]:
                     yield sample[1], sample[2]
             if errors:
                 raise ValueError(f"cannot read {errors[0]}")
-
-
-def read_pairs(spec: str) -> list[tuple[bytes, str]]:
-    """Every (image bytes, caption) of a shard spec, in order (iter_pairs)."""
-    return list(iter_pairs(spec))
 
 
 def write_split(name: str, spec: str, root: Path) -> dict[str, str]:
@@ -247,23 +236,15 @@ def write_split(name: str, spec: str, root: Path) -> dict[str, str]:
         except BaseException:
             for writer in writers.values():
                 writer.abort()
-            remove_made(made)
+            if made:  # the folders it made (the deepest first), each only if empty once the deeper ones are gone
+                shutil.rmtree(made[0], ignore_errors=True)
+            for folder in made[1:]:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
             raise
         for writer in writers.values():
             writer.close()
     return {split: shard_spec(root / split, prefix=split) for split in splits}
-
-
-def remove_made(made: list[Path]) -> None:
-    """Remove the folders a failed split made (``made``: the deepest first), each only if empty
-    once the deeper ones are gone (a folder another split wrote into stays)."""
-    if made:
-        shutil.rmtree(made[0], ignore_errors=True)
-    for folder in made[1:]:
-        try:
-            folder.rmdir()
-        except OSError:
-            pass
 
 
 def user_specs(name: str, entry: dict, acc, cache: Path = USER_CACHE) -> Optional[dict[str, str]]:
@@ -275,7 +256,9 @@ def user_specs(name: str, entry: dict, acc, cache: Path = USER_CACHE) -> Optiona
     if not entry.get("source"):
         return None
     check_local(name, {"shards": entry["source"]})
-    root = Path(cache) / f"{name}-{split_key(entry['source'])}"
+    # the folder's key: the spec and its local shards' sizes and times (a rewritten set is split again)
+    stamp = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in _local_parts(entry["source"])]
+    root = Path(cache) / f"{name}-{hashlib.sha1(json.dumps([entry['source'], stamp]).encode()).hexdigest()[:12]}"
     try:
         if acc.is_main_process:
             write_split(name, entry["source"], root)
