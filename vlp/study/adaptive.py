@@ -5,11 +5,6 @@ table's m cells and the K looks) still contains 0 and is wider than ± half_widt
 pinned within ± half_width) gets none. Pure functions of the GridSpec, the
 selection and the final table (vlp.study.study runs what they plan).
 
-    looks_of(grid)                      the planned looks (1 without grid.seeds_until)
-    open_arms(table, grid, n)           the comparisons still open at a look of n seeds
-    more_seed_runs(grid, best, arms, s) the runs of seeds s for those arms and their references
-    seed_reasons(table, grid)           per comparison: its seeds and why it stopped there
-
 The rule is honest under this data-dependent stopping: a comparison may stop at any of K
 planned looks (n0, n0 + step, ..., max_seeds), so every interval of the study is at level
 1 − 0.05 / K and every p-value is min(1, K·p) (a Bonferroni split of alpha over the looks,

@@ -1,9 +1,7 @@
 """The plan's input: the `grid:` section of a compare config, its keys declared in
 vlp/config/keys.py (GridConfig: type, default, rule, doc) and read by vlp.config.read_grid; here
 the checks that need the registries (losses, eval metrics, packaged data sets) or join keys, and
-the nested keys' shapes.
-
-    parse_grid(raw)  the grid: mapping -> GridConfig, one ConfigError line per problem
+the shapes of grid.regimes and grid.datasets (`parse_grid`: one ConfigError line per problem).
 
 Pure functions of the YAML: nothing here trains, reads run folders or writes files.
 """

@@ -1,11 +1,5 @@
 """The report's figures: one plotting stack for the plain grid and the study.
 
-    plot_metric_vs_batch(table, ...)  plain grid: eval metric vs per-GPU batch, std over seeds
-    plot_curves(curves, path)         diagnostics vs samples seen, one line per arm (grid and study)
-    plot_final(table, metric, path)   study: test metric per arm and paired Δ to InfoNCE, 95 % CIs
-    plot_map(table, metric, path)     the map: metric vs batch, a line per loss, a panel per regime
-    plot_mechanism(table, metric, …)  the map: FlatNCE − InfoNCE against InfoNCE's σ(v), a point per cell
-
 matplotlib is imported inside `figure` (heavy, and only a report draws): Figure without pyplot,
 no global figure registry, no GUI backend; savefig renders with Agg.
 """

@@ -54,21 +54,6 @@ DEFAULT_SOURCE = "openmoji"
 STUDY_SHARDS = Path(".cache") / "shards" / "openmoji_study"
 
 
-def resolve_study_data(base: dict, acc, cache: Path) -> tuple[dict, dict[str, str]]:
-    """data.train_shards 'openmoji'/'openmoji:<px>'/'': fit/val/test OpenMoji shards (val: data.eval_shards
-    when given; test: grid.test_shards when given, see regime_bases). Otherwise
-    data.train_shards is trained on and data.eval_shards (val) and grid.test_shards must be given.
-    data.eval_shards is then cleared: the study ranks val and test itself (eval_items.json)."""
-    specs = embedded_shards(base, acc, ("fit", "val", "test"), cache)
-    data = base["data"]
-    if specs is not None:  # a data.eval_shards given with the embedded data is the val set
-        val = data.get("eval_shards") or specs["val"]
-        data["train_shards"], data["eval_shards"] = specs["fit"], None
-        return base, {"val": val, "test": specs["test"]}
-    val, data["eval_shards"] = data.get("eval_shards"), None
-    return base, {"val": val, "test": None}
-
-
 def with_dataset(tree: dict, dataset: str, user: Optional[dict] = None) -> dict:
     """The base config of one data set of grid.datasets: data.train_shards names it, at the size
     the regime renders ('openmoji:128' -> 'openclipart:128'). Its val and test are that set's.
@@ -93,23 +78,21 @@ def with_dataset(tree: dict, dataset: str, user: Optional[dict] = None) -> dict:
     return tree
 
 
-def resolve_data(base: dict, acc) -> dict:
-    """A plain grid's data: data.train_shards '' or 'openmoji' is the embedded OpenMoji shards
-    (train + held-out eval, the latter data.eval_shards unless given)."""
-    from vlp.data.embedded import SHARD_CACHE  # heavy (the renderer); only the embedded data needs it
-
-    specs = embedded_shards(base, acc, ("train", "eval"), SHARD_CACHE)
-    if specs is not None:
-        base["data"]["train_shards"] = specs["train"]
-        base["data"]["eval_shards"] = base["data"].get("eval_shards") or specs["eval"]
-    return base
-
-
 def regime_bases(base: dict, grid, acc) -> dict[tuple[str, str], tuple[dict, Optional[dict[str, str]]]]:
     """Per (data set, regime): (its base config = base + the regime's settings, the data set
-    named, data resolved; its val and test shard specs, None for a plain grid's Trainer eval)."""
+    named, data resolved; its val and test shard specs, None for a plain grid's Trainer eval).
+    data.train_shards '' or 'openmoji' (':<px>'): the embedded OpenMoji shards, a plain grid's
+    train and held-out eval, a study's fit, val and test; data.eval_shards, when given, is the
+    eval (val) set. A study clears data.eval_shards: it ranks val and test itself (eval_items.json)."""
     if not grid.sweep:
-        return {("", ""): (resolve_data(copy.deepcopy(base), acc), None)}
+        from vlp.data.embedded import SHARD_CACHE  # heavy (the renderer); only the embedded data needs it
+
+        tree = copy.deepcopy(base)
+        specs = embedded_shards(tree, acc, ("train", "eval"), SHARD_CACHE)
+        if specs is not None:
+            tree["data"]["train_shards"] = specs["train"]
+            tree["data"]["eval_shards"] = tree["data"].get("eval_shards") or specs["eval"]
+        return {("", ""): (tree, None)}
     if grid.datasets and grid.test_shards:
         raise ConfigError("config: grid.datasets ranks each data set's own val and test: leave grid.test_shards unset")
     out, users = {}, {}
@@ -120,8 +103,13 @@ def regime_bases(base: dict, grid, acc) -> dict[tuple[str, str], tuple[dict, Opt
         if dataset and dataset not in users:
             users[dataset] = user_specs(dataset, grid.datasets[dataset], acc)
         user = users.get(dataset)
-        tree, specs = resolve_study_data(with_dataset(tree, dataset, user), acc, STUDY_SHARDS)
-        specs["test"] = grid.test_shards or (user or {}).get("test") or specs["test"]
+        tree = with_dataset(tree, dataset, user)
+        found = embedded_shards(tree, acc, ("fit", "val", "test"), STUDY_SHARDS) or {}
+        data = tree["data"]
+        val, data["eval_shards"] = data.get("eval_shards") or found.get("val"), None
+        if found:
+            data["train_shards"] = found["fit"]
+        specs = {"val": val, "test": grid.test_shards or (user or {}).get("test") or found.get("test")}
         if not specs["val"] or not specs["test"]:
             raise ConfigError("config: a study (grid.sweep) needs data.eval_shards (val) and grid.test_shards "
                               "(or data.train_shards: openmoji)")

@@ -1,12 +1,6 @@
 """Tuning that finds the optimum: the sweep's edge extension and the notes on edge selections,
 as pure functions of the GridSpec, the runs planned so far and the selection.
 
-    tried_settings(runs)                  per arm, the settings planned for it so far (in order)
-    extension_runs(grid, best, tried)     one more value beyond the edge for every arm selected at
-                                          an edge of a bounded key (grid.sweep_bounds), x3 or /3
-    edge_notes(grid, best, tried)         every selection still at an edge, and why: a declared
-                                          bound, no bound declared, or the extension not run
-
 The study (vlp.study.study) alternates: run the planned runs, select (mean val over the sweep
 seeds, vlp.study.plan.select_best), extend, until no arm gets a new value. Each step at most
 triples or thirds a value, so a bound [low, high] ends the walk after log3(high / low) steps.
