@@ -53,23 +53,20 @@ def parse_grid(raw: Any) -> GridConfig:
     return spec
 
 
-def _check_sweep_map(table: Any, where: str) -> None:
-    if not isinstance(table, dict):
-        raise ConfigError(f"config: {where} must map dotted keys to lists of values, got {table!r}")
-    for key, values in table.items():
-        if key in SET_BY_GRID or key == "optim.name" or "." not in str(key):
-            raise ConfigError(f"config: {where}.{key}: not a sweepable key (set by the grid, or not dotted)")
-        if not isinstance(values, list) or not values or len(values) != len(set(map(repr, values))):
-            raise ConfigError(f"config: {where}.{key} must be a non-empty list without duplicates, got {values!r}")
-
-
 def _check_sweep(sweep: dict, where: str) -> bool:
     """A sweep: dotted key -> values, or optimizer -> such a map; True for the latter."""
     per_optim = any(isinstance(v, dict) for v in sweep.values())
     for name, table in sweep.items() if per_optim else [("", sweep)]:
         if per_optim and name not in OPTIMIZERS:
             raise ConfigError(f"config: {where}.{name}: not an optimizer {list(OPTIMIZERS)}")
-        _check_sweep_map(table, f"{where}.{name}" if per_optim else where)
+        at = f"{where}.{name}" if per_optim else where
+        if not isinstance(table, dict):
+            raise ConfigError(f"config: {at} must map dotted keys to lists of values, got {table!r}")
+        for key, values in table.items():
+            if key in SET_BY_GRID or key == "optim.name" or "." not in str(key):
+                raise ConfigError(f"config: {at}.{key}: not a sweepable key (set by the grid, or not dotted)")
+            if not isinstance(values, list) or not values or len(values) != len(set(map(repr, values))):
+                raise ConfigError(f"config: {at}.{key} must be a non-empty list without duplicates, got {values!r}")
     return per_optim
 
 
@@ -163,13 +160,12 @@ def _check_groups(spec: GridConfig) -> None:
     """grid.accum_price, grid.seeds_until and grid.sweep_bounds (their own keys read by read_grid)
     against the other keys: b·k a grid batch, max_seeds above the final seeds, swept values in bounds."""
     price, rule = spec.accum_price, spec.seeds_until
-    if price and price.batch_per_device * price.accum_steps not in spec.batch_per_device:
-        raise ConfigError(f"config: grid.accum_price: {price.batch_per_device} x {price.accum_steps} = "
-                          f"{price.batch_per_device * price.accum_steps} must be one of grid.batch_per_device "
-                          f"{spec.batch_per_device}: its accuracy is that arm's")
-    if price and price.samples < price.batch_per_device * price.accum_steps:
-        raise ConfigError(f"config: grid.accum_price.samples={price.samples} is less than one step of "
-                          f"{price.batch_per_device * price.accum_steps}")
+    big = price.batch_per_device * price.accum_steps if price else 0
+    if price and big not in spec.batch_per_device:
+        raise ConfigError(f"config: grid.accum_price: {price.batch_per_device} x {price.accum_steps} = {big} must be "
+                          f"one of grid.batch_per_device {spec.batch_per_device}: its accuracy is that arm's")
+    if price and price.samples < big:
+        raise ConfigError(f"config: grid.accum_price.samples={price.samples} is less than one step of {big}")
     if rule and rule.max_seeds <= len(spec.final_seeds):
         raise ConfigError(f"config: grid.seeds_until.max_seeds={rule.max_seeds} must exceed the "
                           f"{len(spec.final_seeds)} final seed(s) (grid.final_seeds)")

@@ -1,5 +1,5 @@
 """One run of a grid or a study: its config, whether it is already done, running it (with
-retries), the decisions every process must share, and the embedded data both use.
+retries), and the embedded data both use.
 
 The run room: vlp.study.executor runs many of these (in this process or in worker processes);
 vlp.study.compare (the plain grid) and vlp.study.study (the tuned study) drive it.
@@ -11,7 +11,7 @@ import copy
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import yaml
 
@@ -116,15 +116,6 @@ def run_one(run, cfg: Config, accelerator, train: Callable, retries: int = 1, ke
             folder.remove("checkpoints", tree=True)
     accelerator.wait_for_everyone()
     return record
-
-
-def broadcast(obj: Any, acc) -> Any:
-    """The main process's value on every process (so every rank takes the same branch)."""
-    if acc.num_processes == 1:
-        return obj
-    from accelerate.utils import broadcast_object_list  # heavy (torch.distributed); several processes only
-
-    return broadcast_object_list([obj])[0]
 
 
 def embedded_shards(base: dict, acc, splits: tuple[str, ...], root: Path) -> Optional[dict[str, str]]:

@@ -1,22 +1,10 @@
 """Uncertainty for `vlp compare`: pure functions of numbers, no I/O; the distributions come from
-scipy.stats (no hand-typed tables).
-
-- ``seed_summary``: mean, sample std and a 95 % t-interval over seeds (the run-to-run spread);
-- ``paired_difference``: arm − reference per seed (same seed = same data order and init), its
-  mean, 95 % t-interval and two-sided paired t-test p-value: the comparison that cancels the
-  seed's own effect;
-- ``holm``: Holm-Bonferroni over a family of p-values (the cells of one table): which
-  differences stay resolved when the number of cells is accounted for; ``simultaneous_ci`` the
-  Bonferroni interval of each, valid for the whole family at once;
-- ``bootstrap_ci``: a percentile bootstrap over eval items (queries) of one run
-  (scipy.stats.bootstrap): how much the metric would move on another eval set of the same size;
-- ``item_seed_bootstrap``: a paired percentile bootstrap of arm − reference over test items and
-  seeds together (both resampled), so a small test set is not judged on seed variance alone;
-- seeds where the answer is open (grid.seeds_until): ``look_sizes`` (the planned looks),
-  ``look_level`` / ``sequential_p`` (the Bonferroni split of alpha over the looks that keeps
-  every interval and p-value valid under the data-dependent stopping), ``seeds_open`` (the rule);
-- ``linear_fit``: least-squares slope with its 95 % t-interval (scipy.stats.linregress);
-- ``verdict``: one sentence saying which paired differences are resolved (95 % CI excludes 0).
+scipy.stats (no hand-typed tables). Over seeds: ``seed_summary`` (t-interval) and
+``paired_difference`` (arm − reference per seed: the comparison that cancels the seed's own
+effect); over a table's cells: ``holm`` and ``simultaneous_ci``; over eval items: ``bootstrap_ci``
+and ``item_seed_bootstrap`` (items and seeds together); over the planned looks of grid.seeds_until:
+``look_sizes``, ``look_level``, ``sequential_p`` and the rule ``seeds_open``; then ``linear_fit``
+and the report's ``verdict``.
 """
 
 from __future__ import annotations

@@ -39,13 +39,14 @@ import yaml
 from vlp.checkpoint.storage import open_run_folder
 from vlp.config import ConfigError, set_dotted
 from vlp.data.shard_list import sizes_from_spec
+from vlp.distributed import broadcast_object
 from vlp.data.sources import parse_packaged
 from vlp.study.adaptive import more_seed_runs, open_arms, seeds_of_look, sizes_of
 from vlp.study.executor import Executor, Job, warm_caches
 from vlp.study.plan import Run, arms_of, final_runs, groups_of, price_runs, select_best, sweep_runs
 from vlp.study.report import STUDY_METRICS, test_rows, write_report
 from vlp.study.rows import final_table, run_row
-from vlp.study.runs import broadcast, embedded_shards, plan_runs, run_config
+from vlp.study.runs import embedded_shards, plan_runs, run_config
 from vlp.study.tuning import extension_runs, tried_settings
 from vlp.study.userdata import user_specs
 
@@ -146,7 +147,7 @@ class StudyWalk:
         ranked = ranked and bool(grid.sweep)  # a plain grid's runs are evaluated by the Trainer
         cfgs = {r.name: run_config(self.bases[r.arm.table][0], grid, r, acc.num_processes) for r in runs}
         self.cfgs.update(cfgs)
-        done, error = broadcast(plan_runs(runs, cfgs, out, items=ranked) if acc.is_main_process else None, acc)
+        done, error = broadcast_object(plan_runs(runs, cfgs, out, items=ranked) if acc.is_main_process else None)
         if error:  # raised on every rank, so none waits in a collective
             raise ConfigError(error)
         todo = [(i, r) for i, (r, d) in enumerate(zip(runs, done), 1) if not d]
@@ -168,7 +169,7 @@ def tune(walk: StudyWalk, grid, acc) -> tuple[list[dict], dict, dict]:
     planned = sweep_runs(grid)
     rows = walk(planned)
     while True:
-        best = broadcast(select_best(rows, grid.select_metric) if acc.is_main_process else None, acc)
+        best = broadcast_object(select_best(rows, grid.select_metric) if acc.is_main_process else None)
         new = extension_runs(grid, best, tried_settings(planned))
         if not new:
             ok = {row["run"] for row in rows if row["status"] == "ok"}
@@ -184,7 +185,7 @@ def add_seeds(walk: StudyWalk, grid, acc, best: dict, finals: list[dict]) -> lis
     sizes, finals = sizes_of(grid), list(finals)
     for look in range(1, len(sizes)):
         table = final_table(test_rows(finals), (grid.metric,), looks=len(sizes)) if acc.is_main_process else None
-        arms = broadcast(open_arms(table, grid, sizes[look - 1]) if acc.is_main_process else None, acc)
+        arms = broadcast_object(open_arms(table, grid, sizes[look - 1]) if acc.is_main_process else None)
         runs = more_seed_runs(grid, best, arms, seeds_of_look(grid, look))
         new = walk(runs) if runs else []
         if not new:  # nothing open (or --report-only before these seeds ran)
