@@ -49,7 +49,17 @@ def parse_grid(raw: Any) -> GridConfig:
     if spec.sweep and is_url(spec.out_dir):
         raise ConfigError(f"config: grid.out_dir={spec.out_dir}: a tuned study (grid.sweep) writes to a local "
                           "folder only; a plain grid (no grid.sweep) runs in a bucket")
-    _parse_study(raw, spec)
+    per_optim = _check_sweep(spec.sweep, "grid.sweep")  # then the study keys, joined
+    if per_optim and spec.optimizers and set(spec.optimizers) - set(spec.sweep):
+        raise ConfigError(f"config: grid.sweep has no settings for optimizer(s) "
+                          f"{sorted(set(spec.optimizers) - set(spec.sweep))}")
+    for key in STUDY_KEYS:
+        if raw.get(key) and not spec.sweep:
+            raise ConfigError(f"config: grid.{key} needs a tuned study (grid.sweep)")
+    spec.final_seeds = spec.final_seeds or list(spec.seeds)
+    spec.regimes = _parse_regimes(spec.regimes)
+    spec.datasets = _parse_datasets(spec.datasets, spec)
+    _check_groups(spec)
     return spec
 
 
@@ -68,22 +78,6 @@ def _check_sweep(sweep: dict, where: str) -> bool:
             if not isinstance(values, list) or not values or len(values) != len(set(map(repr, values))):
                 raise ConfigError(f"config: {at}.{key} must be a non-empty list without duplicates, got {values!r}")
     return per_optim
-
-
-def _parse_study(raw: dict, spec: GridConfig) -> None:
-    """The study keys of grid: (sweep, optimizers, regimes, accum_price, datasets, ...), joined."""
-    sweep = spec.sweep
-    per_optim = _check_sweep(sweep, "grid.sweep")
-    if per_optim and spec.optimizers and set(spec.optimizers) - set(sweep):
-        raise ConfigError(f"config: grid.sweep has no settings for optimizer(s) "
-                          f"{sorted(set(spec.optimizers) - set(sweep))}")
-    for key in STUDY_KEYS:
-        if raw.get(key) and not sweep:
-            raise ConfigError(f"config: grid.{key} needs a tuned study (grid.sweep)")
-    spec.final_seeds = spec.final_seeds or list(spec.seeds)
-    spec.regimes = _parse_regimes(spec.regimes)
-    spec.datasets = _parse_datasets(spec.datasets, spec)
-    _check_groups(spec)
 
 
 def _parse_regimes(raw: Any) -> dict[str, dict]:
