@@ -179,7 +179,7 @@ def check_given(obj: Any, given: dict, prefix: str) -> None:
         GRID_KEYS[prefix + name].rule.check(prefix + name, getattr(obj, name))
         if dataclasses.is_dataclass(group := getattr(obj, name)):
             required = [f.name for f in dataclasses.fields(group) if f.default is None]
-            missing = [name for name in required if getattr(group, name) is None]
+            missing = [k for k in required if getattr(group, k) is None]
             if missing:
                 raise ConfigError(f"config: {prefix}{name} must give {', '.join(required)}; "
                                   f"{', '.join(missing)} missing, got {short(value)}")
