@@ -10,6 +10,7 @@ its meaning from the docstring under the field.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import sys
 import typing
 from pathlib import Path
@@ -47,6 +48,8 @@ def type_text(tp) -> str:
         return "one of " + ", ".join(f"`{a}`" for a in args)
     if typing.get_origin(tp) in (list, dict):
         return f"list of {args[0].__name__}" if typing.get_origin(tp) is list else "mapping"
+    if dataclasses.is_dataclass(tp):  # a grid: key of its own keys (listed below it)
+        return "mapping"
     return "list or mapping" if tp is typing.Any else tp.__name__  # Any: grid.datasets
 
 
@@ -90,7 +93,11 @@ def keys_markdown() -> str:
             if name.split(".")[0] != section:
                 continue
             accepts = "" if k.rule is config_rules.ANY else k.rule.allowed
-            meaning = docs.get(f"{cls.__name__}.{name.split('.')[1]}", "")
+            *groups, leaf = name.split(".")[1:]  # grid.seeds_until.step: SeedsUntil.step
+            owner = cls
+            for group in groups:
+                owner = config.group_of(typing.get_type_hints(owner)[group])
+            meaning = docs.get(f"{owner.__name__}.{leaf}", "")
             cells = [f"`{name}`", type_text(k.type), value_text(k.default), accepts, resume_text(k.resume), meaning]
             lines.append("| " + " | ".join(map(cell, cells)) + " |")
         lines.append("")

@@ -4,6 +4,7 @@ test over every key: the default passes, a value of a wrong type is refused, and
 value of its rule is refused with one line naming the key, the value and what is allowed.
 """
 
+import copy
 import dataclasses
 import math
 import typing
@@ -11,12 +12,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from vlp.config import KEYS, RULES, Config, ConfigError, declared_keys, from_dict
+from vlp.config import GRID_KEYS, KEYS, RULES, Config, ConfigError, declared_keys, from_dict
 
 from vlp.experiment import check
 from vlp.experiment import load_config
 from vlp.config.rules import APPLIED, COUNT, KeyRule, Rule, key, number
 from vlp.checkpoint.resume import RESUME_RULES
+from vlp.study.grid import parse_grid
 
 
 def _leaves(obj, prefix=""):
@@ -85,6 +87,56 @@ def test_field_refuses_bad_values_in_one_line(key):
         if by_rule:  # the rule's message: key, value, what is allowed
             shown = repr(value)
             assert f"{key} must be {rule.allowed}, got {shown}" in msg, msg
+
+
+GRID = {"losses": ["infonce"], "batch_per_device": [8], "seeds": [0], "sweep": {"optim.lr": [1e-3]},
+        "accum_price": {"batch_per_device": 4, "accum_steps": 2, "samples": 16},
+        "seeds_until": {"half_width": 1.0, "max_seeds": 8, "step": 2}}
+"""A study's grid: that passes, with every group of its own keys (grid.seeds_until) given."""
+
+
+def _grid_with(key: str, value) -> dict:
+    """GRID with dotted grid key `key` (grid.seeds_until.step too) set to `value`."""
+    raw = copy.deepcopy(GRID)
+    *groups, leaf = key.split(".")[1:]
+    node = raw
+    for group in groups:
+        node = node[group]
+    node[leaf] = value
+    return raw
+
+
+def test_the_grid_keys_include_the_groups_own_keys():
+    parse_grid(copy.deepcopy(GRID))
+    assert {"grid.seeds_until.half_width", "grid.seeds_until.max_seeds", "grid.seeds_until.step",
+            "grid.accum_price.batch_per_device", "grid.accum_price.seeds", "grid.sweep_bounds"} <= set(GRID_KEYS)
+
+
+@pytest.mark.parametrize("key", sorted(GRID_KEYS))
+def test_grid_key_refuses_bad_values_in_one_line(key):
+    """Every grid: key, the groups' own keys included: each `bad` value of its rule, and a value
+    of a wrong type, refused with one line naming the key."""
+    rule = GRID_KEYS[key].rule
+    cases = [(v, True) for v in rule.bad] + [(_wrong_type(GRID_KEYS[key].type), False)]
+    for value, by_rule in cases:
+        with pytest.raises(ConfigError) as e:
+            parse_grid(_grid_with(key, value))
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith("config: ") and key in msg, msg
+        if by_rule and rule.problem is None:  # the rule's message: key, value, what is allowed
+            assert f"{key} must be {rule.allowed}, got {value!r}" in msg, msg
+
+
+@pytest.mark.parametrize("key, value, message", [  # a group's keys: unknown, missing, of a wrong type
+    ("grid.seeds_until.steps", 2, "config: unknown key 'grid.seeds_until.steps' (valid: half_width, max_seeds, step)"),
+    ("grid.seeds_until.step", None, "config: grid.seeds_until must give half_width, max_seeds, step; step missing"),
+    ("grid.accum_price.samples", "many", "config: grid.accum_price.samples must be int, got str 'many'"),
+    ("grid.seeds_until", [1], "config: grid.seeds_until must be a mapping, got [1]"),
+])
+def test_grid_group_lines(key, value, message):
+    with pytest.raises(ConfigError) as e:
+        parse_grid(_grid_with(key, value))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("override, needle", [
@@ -159,7 +211,7 @@ def test_the_keys_page_is_in_step_with_the_declarations():
     page = script.PAGE.read_text()
     assert script.with_keys(page) == page, "docs/configuration.md is out of step: run python scripts/config_keys.py"
     table = script.keys_markdown()
-    assert all(f"| `{name}` |" in table for name in KEYS)
+    assert all(f"| `{name}` |" in table for name in {**KEYS, **GRID_KEYS})  # grid.seeds_until.step too
     assert "| `data.batch_per_device` | int | `64` | > 0 | layout: refused when exact, applied when continue |" in table
     assert "| `loss.tau` | float or null | null | finite and > 0 and &lt;= 1 | refused (logit_scale comes from the " \
            "checkpoint) |" in table

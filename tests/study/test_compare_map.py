@@ -80,7 +80,7 @@ def test_map_tables_and_mechanism_by_hand():
     assert [(p["batch_per_device"], p["sigma_v"]) for p in points] == [(8, 0.002), (128, 0.9)]
     price = [{"status": "ok", "arm": Arm("", "lit", "infonce", "adamw", 8), "accum": 16, "samples_per_s": 300.0,
               "peak_step_mem_mb": 11.0}]
-    cost = tables.cost_markdown(table, price, "mean_R@10", {})
+    cost = tables.cost_markdown(table, price, "mean_R@10")
     assert "| 128 = 8 × 16 accumulated | infonce | 300 | 11.0 | 40.0 ± 1.0 [38.0, 42.0] (= batch 128) |" in cost
 
 

@@ -129,7 +129,7 @@ def test_shipped_config_quick_and_gpu_are_the_same_study():
     gpu_base, gpu = load_compare_config(REPO / "configs/compare_gpu_vitb32.yaml")
     assert set(full.losses) == set(gpu.losses) == {"infonce", "flatnce", "sogclr", "siglip"}
     assert full.optimizers == gpu.optimizers == ["adamw"] and full.batch_per_device == gpu.batch_per_device == [8, 32, 128]
-    assert set(full.regimes) == set(gpu.regimes) == {"scratch", "lit"} and full.accum_price["accum_steps"] == 16
+    assert set(full.regimes) == set(gpu.regimes) == {"scratch", "lit"} and full.accum_price.accum_steps == 16
     assert set(full.sweep) == set(gpu.sweep) and full.select_metric == gpu.select_metric
     assert len(full.final_seeds) >= 4 and len(gpu.final_seeds) >= 4
     with pytest.raises(ConfigError, match="quick"):

@@ -21,7 +21,7 @@ from vlp.data.sources.splits import study_split
 from vlp.data.write import shards_from_source
 from vlp.study.grid import parse_grid
 from vlp.study.study import regime_bases
-from vlp.study.userdata import check_datasets, read_pairs, user_specs
+from vlp.study.userdata import check_datasets, iter_pairs, user_specs
 from vlp_testing import PYTHON, REPO, run_env
 
 ACC = SimpleNamespace(is_main_process=True, num_processes=1, wait_for_everyone=lambda: None)
@@ -93,7 +93,7 @@ def test_one_shard_set_is_split_by_caption_hash_once(tmp_path):
     shards_from_source(str(csv), tmp_path / "shards_b", samples_per_shard=25, progress=False)
     grid = _grid({"set_b": {"shards": str(tmp_path / "shards_b")}})
     specs = user_specs("set_b", grid.datasets["set_b"], ACC, tmp_path / "cache")
-    captions = {split: [caption for _, caption in read_pairs(spec)] for split, spec in specs.items()}
+    captions = {split: [caption for _, caption in iter_pairs(spec)] for split, spec in specs.items()}
     assert sorted(sum(captions.values(), [])) == sorted(f"a {c} {s} number {i}" for i, (c, s) in enumerate(
         (COLORS[i % 6], SHAPES[(i // 6) % 3]) for i in range(60)))  # every pair once
     for split, names in captions.items():
@@ -171,7 +171,7 @@ def test_the_shipped_your_data_config_names_two_user_sets(tmp_path, monkeypatch)
         base, grid = load_compare_config(REPO / "configs/compare_your_data.yaml", quick=quick)
         assert grid.datasets["set_a"]["shards"] == {"fit": "shards/set_a/train", "val": "shards/set_a/val",
                                                     "test": "shards/set_a/test"}
-        assert grid.datasets["set_b"]["source"] == "shards/set_b" and grid.seeds_until["max_seeds"] > len(grid.final_seeds)
+        assert grid.datasets["set_b"]["source"] == "shards/set_b" and grid.seeds_until.max_seeds > len(grid.final_seeds)
         assert list(grid.regimes) == ["lit"] and grid.sweep_bounds
 
 
@@ -201,7 +201,7 @@ def test_one_shard_set_at_an_http_url_is_read_and_split(tmp_path, http_root):
     specs = user_specs("web", grid.datasets["web"], ACC, tmp_path / "cache")
     local = user_specs("local", {"source": str(root / "b")}, ACC, tmp_path / "cache")
     for split in ("fit", "val", "test"):  # the same pairs in the same splits as the local copy's
-        assert read_pairs(specs[split]) == read_pairs(local[split]) and not specs[split].startswith("http")
+        assert list(iter_pairs(specs[split])) == list(iter_pairs(local[split])) and not specs[split].startswith("http")
     missing = _grid({"gone": {"shards": f"{base}/nothing-000000.tar"}})
     with pytest.raises(ConfigError, match=r"^config: cannot read .*nothing-000000.tar"):
         user_specs("gone", missing.datasets["gone"], ACC, tmp_path / "cache")
@@ -250,9 +250,9 @@ def test_user_data_sets_in_a_bucket_are_read_and_split(scheme, tmp_path):
         specs = user_specs("remote", grid.datasets["remote"], ACC, tmp_path / "cache")
         local = user_specs("local", {"source": str(tmp_path / "b_shards")}, ACC, tmp_path / "cache")
         for split in ("fit", "val", "test"):
-            assert read_pairs(specs[split]) == read_pairs(local[split])
+            assert list(iter_pairs(specs[split])) == list(iter_pairs(local[split]))
         three = user_specs("three", grid.datasets["three"], ACC, tmp_path / "cache")
-        assert three["fit"] == url and len(read_pairs(three["test"])) == 60
+        assert three["fit"] == url and len(list(iter_pairs(three["test"]))) == 60
     finally:
         store.stop()
 

@@ -126,6 +126,11 @@ class ConfigKey:
     resume: KeyRule  # what a resume does with a changed value (vlp.checkpoint.resume)
 
 
+def group_of(tp: Any) -> Optional[type]:
+    """The dataclass of a key whose value is a mapping of its own keys (Optional[SeedsUntil]), else None."""
+    return next((t for t in typing.get_args(tp) if dataclasses.is_dataclass(t)), None)
+
+
 def declared_keys(cls: type, prefix: str = "") -> Iterator[ConfigKey]:
     """The keys of config dataclass `cls` (its sections' too), read from their fields; a field
     declared without `key(default, rule, resume)` is a TypeError (it would have no rule)."""
@@ -137,6 +142,8 @@ def declared_keys(cls: type, prefix: str = "") -> Iterator[ConfigKey]:
         elif "rule" in f.metadata and "resume" in f.metadata:
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             yield ConfigKey(name, tp, default, f.metadata["rule"], f.metadata["resume"])
+            if group_of(tp):  # a grid: key's own keys (grid.seeds_until.step)
+                yield from declared_keys(group_of(tp), f"{name}.")
         else:
             raise TypeError(f"config key {name} is declared without vlp.config.rules.key(default, rule, resume)")
 
@@ -153,7 +160,8 @@ GRID_KEYS: dict[str, ConfigKey] = {k.name: k for k in declared_keys(GridConfig, 
 
 def read_grid(raw: Any) -> GridConfig:
     """The `grid:` mapping -> GridConfig: unknown keys, wrong types and values against their rules
-    refused in one line each; null is the key's default; losses, batch_per_device and seeds required."""
+    refused in one line each; null is the key's default; losses, batch_per_device and seeds required,
+    and a group's keys declared without a default (grid.seeds_until.step)."""
     if not isinstance(raw, dict):
         raise ConfigError("config: compare needs a 'grid:' section with losses, batch_per_device and seeds")
     given = {k: v for k, v in raw.items() if v is not None}
@@ -161,9 +169,21 @@ def read_grid(raw: Any) -> GridConfig:
     for name in ("losses", "batch_per_device", "seeds"):
         if name not in given:
             raise ConfigError(f"config: grid.{name} is required (compare needs losses, batch_per_device and seeds)")
-    for name in given:  # a default passes its rule
-        GRID_KEYS[f"grid.{name}"].rule.check(f"grid.{name}", getattr(grid, name))
+    check_given(grid, given, "grid.")
     return grid
+
+
+def check_given(obj: Any, given: dict, prefix: str) -> None:
+    """Each key of `given` read into `obj` against its rule (a default passes its own), a group's too."""
+    for name, value in given.items():
+        GRID_KEYS[prefix + name].rule.check(prefix + name, getattr(obj, name))
+        if dataclasses.is_dataclass(group := getattr(obj, name)):
+            required = [f.name for f in dataclasses.fields(group) if f.default is None]
+            missing = [k for k in required if getattr(group, k) is None]
+            if missing:
+                raise ConfigError(f"config: {prefix}{name} must give {', '.join(required)}; "
+                                  f"{', '.join(missing)} missing, got {short(value)}")
+            check_given(group, {k: v for k, v in value.items() if v is not None}, f"{prefix}{name}.")
 
 
 def get_dotted(tree: Any, dotted: str, missing: Any = AttributeError) -> Any:
@@ -208,6 +228,9 @@ def from_dict(data: dict, cls: type = Config, prefix: str = "") -> Any:
             value = renamed[value]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = from_dict(value, tp, f"{prefix}{key}.")
+        elif group_of(tp):  # a grid: key of its own keys; a null one is unset
+            value = {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else value
+            kwargs[key] = from_dict(value, group_of(tp), f"{prefix}{key}.")
         else:
             kwargs[key] = check_type(f"{prefix}{key}", value, tp)
     return cls(**kwargs)

@@ -10,12 +10,13 @@ A new key is one field here: a field declared without `key(...)` stops vlp at im
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Optional
 
 from vlp.config.rules import (ANY, APPLIED, CHECKPOINT, COUNT, FILE, FOLDER, HARMLESS, HF_FOLDER,
                               LAYOUT_KEY, LAYOUT_STATE, NAME, PLAN, POSITIVE_INT, QUIET, REFUSE, SAMPLING_WEIGHTS,
-                              SEED, SHAPES_MODEL, TEXT, WEIGHTS, WEIGHTS_WIN, KeyRule, key, listed, number)
+                              SEED, SHAPES_MODEL, TEXT, WEIGHTS, WEIGHTS_WIN, KeyRule, Rule, key, listed, number,
+                              short)
 
 OPTIMIZERS = ("adamw", "lars", "sgd")
 """optim.name's values (OptimConfig.name) and grid.optimizers'."""
@@ -255,6 +256,48 @@ class EvalConfig:
     run with the held-out retrieval at every eval."""
 
 
+WHOLE = replace(POSITIVE_INT, allowed="a positive integer")
+
+
+def _bounds_problem(table: Any) -> Optional[str]:
+    """Why grid.sweep_bounds is not {dotted key: [low, high]} with 0 < low < high, else None."""
+    for name, pair in table.items():
+        if "." not in str(name) or not (isinstance(pair, list) and len(pair) == 2 and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair) and 0 < pair[0] < pair[1]):
+            return f"entry {name} must be [low, high] with 0 < low < high on a dotted swept key, got {short(pair)}"
+    return None
+
+
+BOUNDS = Rule("{dotted key: [low, high]}", lambda v: _bounds_problem(v) is None,
+              ({"optim.lr": [0.1, 0.01]}, {"optim.lr": 0.1}, {"lr": [0.01, 0.1]}, {"optim.lr": [0, 1]}),
+              problem=_bounds_problem)
+
+
+@dataclass(frozen=True)
+class AccumPrice:
+    """`grid.accum_price:` the price of a large contrastive batch as accumulated micro-batches."""
+
+    batch_per_device: int = key(None, WHOLE, PLAN)
+    """Required: b, the micro-batch per GPU."""
+    accum_steps: int = key(None, number(2, integer=True), PLAN)
+    """Required: k, the micro-batches per step; b·k must be one of grid.batch_per_device."""
+    samples: int = key(None, WHOLE, PLAN)
+    """Required: train.samples of a price run (at least one step of b·k)."""
+    seeds: list[int] = key([0], listed(0), PLAN)
+    """The price runs' seeds."""
+
+
+@dataclass(frozen=True)
+class SeedsUntil:
+    """`grid.seeds_until:` the rule that gives more seeds where the answer is open (vlp.study.adaptive)."""
+
+    half_width: float = key(None, replace(number(0, lo_open=True), allowed="a number of points > 0"), PLAN)
+    """Required: an interval within ± this many points of grid.metric is settled."""
+    max_seeds: int = key(None, WHOLE, PLAN)
+    """Required: the most seeds a comparison gets (more than grid.final_seeds)."""
+    step: int = key(None, WHOLE, PLAN)
+    """Required: seeds added at each look."""
+
 
 @dataclass
 class GridConfig:
@@ -304,7 +347,7 @@ class GridConfig:
     """Study: named regimes, an axis of the arms: {name: {dotted key: value, ..., sweep: {...}?}}
     (e.g. scratch: {} and lit: {model.name: vlp-lit-lite0, model.lock_image: true, ...}); a
     regime's own `sweep` replaces grid.sweep for it; a regime set to false is left out."""
-    accum_price: dict[str, Any] = key({}, ANY, PLAN)
+    accum_price: Optional[AccumPrice] = key(None, ANY, PLAN)
     """Study: {batch_per_device: b, accum_steps: k, samples: n, seeds?}: per regime × loss, a timed
     run of the b·k contrastive batch as k micro-batches of b (b·k a grid batch, whose accuracy it
     has): samples/s and peak memory beside batch b."""
@@ -313,12 +356,12 @@ class GridConfig:
     names, or {name: {batch_per_device: [...], regimes: [...]}} to run a data set on a subset of
     the grid's batches or regimes; any other name is your own data (vlp.study.userdata): {train:
     spec, val: spec, test: spec} or {shards: spec} split by caption hash."""
-    seeds_until: dict[str, Any] = key({}, ANY, PLAN)
+    seeds_until: Optional[SeedsUntil] = key(None, ANY, PLAN)
     """Study: seeds where the answer is open, {half_width: points, max_seeds: n, step: k}: after the
     final seeds, every paired Δ (grid.metric) whose interval still contains 0 and is wider than ±
     half_width points gets k more seeds, up to max_seeds; every interval and p-value is then
     corrected for the planned looks (vlp.study.stats.look_level)."""
-    sweep_bounds: dict[str, Any] = key({}, ANY, PLAN)
+    sweep_bounds: dict[str, list] = key({}, BOUNDS, PLAN)
     """Study: {dotted key: [low, high]}: an arm selected at an edge of its values of that key gets
     one more value beyond the edge (x3 or /3) until its selection is interior or the next value
     would cross the bound (the report names it)."""

@@ -193,9 +193,10 @@ def key(default: Any, rule: Rule, resume: KeyRule) -> Any:
     """A config field declared once: its default, validation rule and resume rule (the type is
     the field's annotation). The tables vlp.config.RULES and vlp.checkpoint.resume.RESUME_RULES are
     read from the metadata this puts on the field."""
-    if isinstance(default, (list, dict)):  # a grid: key's empty list or mapping, one per instance
-        return dataclasses.field(default_factory=type(default), metadata={"rule": rule, "resume": resume})
-    return dataclasses.field(default=default, metadata={"rule": rule, "resume": resume})
+    metadata = {"rule": rule, "resume": resume}
+    if isinstance(default, (list, dict)):  # a grid: key's list or mapping, a copy per instance
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 # ----------------------------------------------------------------------------- types and paths

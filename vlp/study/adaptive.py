@@ -5,11 +5,6 @@ table's m cells and the K looks) still contains 0 and is wider than ± half_widt
 pinned within ± half_width) gets none. Pure functions of the GridSpec, the
 selection and the final table (vlp.study.study runs what they plan).
 
-    looks_of(grid)                      the planned looks (1 without grid.seeds_until)
-    open_arms(table, grid, n)           the comparisons still open at a look of n seeds
-    more_seed_runs(grid, best, arms, s) the runs of seeds s for those arms and their references
-    seed_reasons(table, grid)           per comparison: its seeds and why it stopped there
-
 The rule is honest under this data-dependent stopping: a comparison may stop at any of K
 planned looks (n0, n0 + step, ..., max_seeds), so every interval of the study is at level
 1 − 0.05 / K and every p-value is min(1, K·p) (a Bonferroni split of alpha over the looks,
@@ -30,7 +25,7 @@ SCALE = 100.0
 def sizes_of(grid) -> list[int]:
     """The seeds a comparison has at each planned look ([n0] without grid.seeds_until)."""
     rule, first = grid.seeds_until, len(grid.final_seeds)
-    return look_sizes(first, rule["step"], rule["max_seeds"]) if rule else [first]
+    return look_sizes(first, rule.step, rule.max_seeds) if rule else [first]
 
 
 def looks_of(grid) -> int:
@@ -47,7 +42,7 @@ def seeds_of_look(grid, look: int) -> list[int]:
 
 def _is_open(d: dict, grid, looks: int) -> bool:
     """One seed has no interval at all: open."""
-    return d["n"] < 2 or bool(seeds_open(d["mean"], d["std"], d["n"], grid.seeds_until["half_width"] / SCALE, looks,
+    return d["n"] < 2 or bool(seeds_open(d["mean"], d["std"], d["n"], grid.seeds_until.half_width / SCALE, looks,
                                            d.get("m") or 1))
 
 
@@ -88,7 +83,7 @@ def seed_reasons(table: list[dict], grid) -> list[dict]:
         elif d.get("lo_sim") is not None and (d["lo_sim"] > 0 or d["hi_sim"] < 0):
             reason = "resolved (simultaneous interval excludes 0)"
         elif not _is_open(d, grid, looks):
-            reason = f"settled: within ± {grid.seeds_until['half_width']:g} points"
+            reason = f"settled: within ± {grid.seeds_until.half_width:g} points"
         elif d["n"] >= sizes[-1]:
             reason = "open at the maximum (grid.seeds_until.max_seeds)"
         else:

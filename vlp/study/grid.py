@@ -1,9 +1,7 @@
 """The plan's input: the `grid:` section of a compare config, its keys declared in
 vlp/config/keys.py (GridConfig: type, default, rule, doc) and read by vlp.config.read_grid; here
 the checks that need the registries (losses, eval metrics, packaged data sets) or join keys, and
-the nested keys' shapes.
-
-    parse_grid(raw)  the grid: mapping -> GridConfig, one ConfigError line per problem
+the shapes of grid.regimes and grid.datasets (`parse_grid`: one ConfigError line per problem).
 
 Pure functions of the YAML: nothing here trains, reads run folders or writes files.
 """
@@ -51,25 +49,18 @@ def parse_grid(raw: Any) -> GridConfig:
     if spec.sweep and is_url(spec.out_dir):
         raise ConfigError(f"config: grid.out_dir={spec.out_dir}: a tuned study (grid.sweep) writes to a local "
                           "folder only; a plain grid (no grid.sweep) runs in a bucket")
-    _parse_study(raw, spec)
+    per_optim = _check_sweep(spec.sweep, "grid.sweep")  # then the study keys, joined
+    if per_optim and spec.optimizers and set(spec.optimizers) - set(spec.sweep):
+        raise ConfigError(f"config: grid.sweep has no settings for optimizer(s) "
+                          f"{sorted(set(spec.optimizers) - set(spec.sweep))}")
+    for key in STUDY_KEYS:
+        if raw.get(key) and not spec.sweep:
+            raise ConfigError(f"config: grid.{key} needs a tuned study (grid.sweep)")
+    spec.final_seeds = spec.final_seeds or list(spec.seeds)
+    spec.regimes = _parse_regimes(spec.regimes)
+    spec.datasets = _parse_datasets(spec.datasets, spec)
+    _check_groups(spec)
     return spec
-
-
-def _ints(value: Any, key: str, minimum: int) -> list[int]:
-    """A nested list of integers (one without brackets: a list of one), checked as grid.seeds is."""
-    value = [value] if isinstance(value, int) and not isinstance(value, bool) else value
-    listed(minimum).check(key, value)
-    return value
-
-
-def _check_sweep_map(table: Any, where: str) -> None:
-    if not isinstance(table, dict):
-        raise ConfigError(f"config: {where} must map dotted keys to lists of values, got {table!r}")
-    for key, values in table.items():
-        if key in SET_BY_GRID or key == "optim.name" or "." not in str(key):
-            raise ConfigError(f"config: {where}.{key}: not a sweepable key (set by the grid, or not dotted)")
-        if not isinstance(values, list) or not values or len(values) != len(set(map(repr, values))):
-            raise ConfigError(f"config: {where}.{key} must be a non-empty list without duplicates, got {values!r}")
 
 
 def _check_sweep(sweep: dict, where: str) -> bool:
@@ -78,27 +69,15 @@ def _check_sweep(sweep: dict, where: str) -> bool:
     for name, table in sweep.items() if per_optim else [("", sweep)]:
         if per_optim and name not in OPTIMIZERS:
             raise ConfigError(f"config: {where}.{name}: not an optimizer {list(OPTIMIZERS)}")
-        _check_sweep_map(table, f"{where}.{name}" if per_optim else where)
+        at = f"{where}.{name}" if per_optim else where
+        if not isinstance(table, dict):
+            raise ConfigError(f"config: {at} must map dotted keys to lists of values, got {table!r}")
+        for key, values in table.items():
+            if key in SET_BY_GRID or key == "optim.name" or "." not in str(key):
+                raise ConfigError(f"config: {at}.{key}: not a sweepable key (set by the grid, or not dotted)")
+            if not isinstance(values, list) or not values or len(values) != len(set(map(repr, values))):
+                raise ConfigError(f"config: {at}.{key} must be a non-empty list without duplicates, got {values!r}")
     return per_optim
-
-
-def _parse_study(raw: dict, spec: GridConfig) -> None:
-    """The study keys of grid: (sweep, optimizers, regimes, accum_price, datasets, ...), joined."""
-    sweep = spec.sweep
-    per_optim = _check_sweep(sweep, "grid.sweep")
-    if per_optim and spec.optimizers and set(spec.optimizers) - set(sweep):
-        raise ConfigError(f"config: grid.sweep has no settings for optimizer(s) "
-                          f"{sorted(set(spec.optimizers) - set(sweep))}")
-    for key in STUDY_KEYS:
-        if raw.get(key) and not sweep:
-            raise ConfigError(f"config: grid.{key} needs a tuned study (grid.sweep)")
-    spec.final_seeds = spec.final_seeds or list(spec.seeds)
-    spec.regimes = _parse_regimes(spec.regimes)
-    spec.accum_price = _parse_price(spec.accum_price, spec)
-    spec.datasets = _parse_datasets(spec.datasets, spec)
-    spec.seeds_until = _parse_seeds_until(spec.seeds_until, spec)
-    spec.sweep_bounds = _parse_bounds(spec.sweep_bounds)
-    _check_in_bounds(spec)
 
 
 def _parse_regimes(raw: Any) -> dict[str, dict]:
@@ -133,27 +112,6 @@ def _parse_regimes(raw: Any) -> dict[str, dict]:
     return out
 
 
-def _parse_price(raw: Any, spec: GridConfig) -> dict[str, Any]:
-    """grid.accum_price -> {batch_per_device, accum_steps, samples, seeds}, checked against the grid."""
-    if not raw:
-        return {}
-    known = {"batch_per_device", "accum_steps", "samples", "seeds"}
-    if not isinstance(raw, dict) or set(raw) - known or not {"batch_per_device", "accum_steps", "samples"} <= set(raw):
-        raise ConfigError(f"config: grid.accum_price must give batch_per_device, accum_steps, samples (and "
-                          f"optionally seeds), got {raw!r}")
-    for key in ("batch_per_device", "accum_steps", "samples"):
-        if not isinstance(raw[key], int) or isinstance(raw[key], bool) or raw[key] < 1:
-            raise ConfigError(f"config: grid.accum_price.{key} must be a positive integer, got {raw[key]!r}")
-    b, k = raw["batch_per_device"], raw["accum_steps"]
-    if k < 2 or b * k not in spec.batch_per_device:
-        raise ConfigError(f"config: grid.accum_price: {b} x {k} = {b * k} must be one of grid.batch_per_device "
-                          f"{spec.batch_per_device} (accum_steps >= 2): its accuracy is that arm's")
-    if raw["samples"] < b * k:
-        raise ConfigError(f"config: grid.accum_price.samples={raw['samples']} is less than one step of {b * k}")
-    seeds = _ints(raw["seeds"], "grid.accum_price.seeds", 0) if raw.get("seeds") is not None else [0]
-    return {"batch_per_device": b, "accum_steps": k, "samples": raw["samples"], "seeds": seeds}
-
-
 def _parse_datasets(raw: Any, spec: GridConfig) -> dict[str, dict]:
     """grid.datasets (a list of packaged data set names, or {name: {batch_per_device, regimes} and,
     for your own data, train / val / test or shards}) -> {name: {"batch_per_device": subset or
@@ -176,8 +134,10 @@ def _parse_datasets(raw: Any, spec: GridConfig) -> dict[str, dict]:
         if not isinstance(sets, dict) or set(sets) - {"batch_per_device", "regimes"}:
             where = "and regimes only" if name in PACKAGED else "and regimes besides its shards"
             raise ConfigError(f"config: grid.datasets.{name} may set batch_per_device {where}, got {sets!r}")
-        batches = (_ints(sets["batch_per_device"], f"grid.datasets.{name}.batch_per_device", 1)
-                   if sets.get("batch_per_device") is not None else None)
+        batches = sets.get("batch_per_device")
+        batches = [batches] if isinstance(batches, int) and not isinstance(batches, bool) else batches
+        if batches is not None:  # checked as grid.batch_per_device is (one without brackets: a list of one)
+            listed(1).check(f"grid.datasets.{name}.batch_per_device", batches)
         if batches and set(batches) - set(spec.batch_per_device):
             raise ConfigError(f"config: grid.datasets.{name}.batch_per_device {batches} must be a subset of "
                               f"grid.batch_per_device {spec.batch_per_device}")
@@ -190,41 +150,22 @@ def _parse_datasets(raw: Any, spec: GridConfig) -> dict[str, dict]:
     return out
 
 
-def _parse_seeds_until(raw: Any, spec: GridConfig) -> dict[str, Any]:
-    """grid.seeds_until -> {half_width: points > 0, max_seeds: > len(final_seeds), step: >= 1}."""
-    if not raw:
-        return {}
-    if not isinstance(raw, dict) or set(raw) != {"half_width", "max_seeds", "step"}:
-        raise ConfigError(f"config: grid.seeds_until must give half_width (points), max_seeds and step, got {raw!r}")
-    width, most, step = raw["half_width"], raw["max_seeds"], raw["step"]
-    if not isinstance(width, (int, float)) or isinstance(width, bool) or not width > 0:
-        raise ConfigError(f"config: grid.seeds_until.half_width must be a number of points > 0, got {width!r}")
-    for key, value in (("max_seeds", most), ("step", step)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"config: grid.seeds_until.{key} must be a positive integer, got {value!r}")
-    if most <= len(spec.final_seeds):
-        raise ConfigError(f"config: grid.seeds_until.max_seeds={most} must exceed the {len(spec.final_seeds)} final "
-                          "seed(s) (grid.final_seeds)")
-    return {"half_width": float(width), "max_seeds": most, "step": step}
-
-
-def _parse_bounds(raw: Any) -> dict[str, list]:
-    """grid.sweep_bounds -> {dotted key: [low, high]}, 0 < low < high."""
-    if not raw:
-        return {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config: grid.sweep_bounds must map a swept key to [low, high], got {raw!r}")
-    for key, pair in raw.items():
-        ok = (isinstance(pair, list) and len(pair) == 2
-              and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair) and 0 < pair[0] < pair[1])
-        if not ok or "." not in str(key) or key in SET_BY_GRID:
-            raise ConfigError(f"config: grid.sweep_bounds.{key} must be [low, high] with 0 < low < high on a dotted "
-                              f"swept key, got {pair!r}")
-    return {key: [float(lo), float(hi)] for key, (lo, hi) in raw.items()}
-
-
-def _check_in_bounds(spec: GridConfig) -> None:
-    """Every swept value of a bounded key lies inside its grid.sweep_bounds."""
+def _check_groups(spec: GridConfig) -> None:
+    """grid.accum_price, grid.seeds_until and grid.sweep_bounds (their own keys read by read_grid)
+    against the other keys: b·k a grid batch, max_seeds above the final seeds, swept values in bounds."""
+    price, rule = spec.accum_price, spec.seeds_until
+    big = price.batch_per_device * price.accum_steps if price else 0
+    if price and big not in spec.batch_per_device:
+        raise ConfigError(f"config: grid.accum_price: {price.batch_per_device} x {price.accum_steps} = {big} must be "
+                          f"one of grid.batch_per_device {spec.batch_per_device}: its accuracy is that arm's")
+    if price and price.samples < big:
+        raise ConfigError(f"config: grid.accum_price.samples={price.samples} is less than one step of {big}")
+    if rule and rule.max_seeds <= len(spec.final_seeds):
+        raise ConfigError(f"config: grid.seeds_until.max_seeds={rule.max_seeds} must exceed the "
+                          f"{len(spec.final_seeds)} final seed(s) (grid.final_seeds)")
+    for key in set(spec.sweep_bounds) & set(SET_BY_GRID):
+        raise ConfigError(f"config: grid.sweep_bounds.{key}: set by the grid, not a swept key")
+    spec.sweep_bounds = {key: [float(lo), float(hi)] for key, (lo, hi) in spec.sweep_bounds.items()}
     tables = [spec.sweep] + [r["sweep"] for r in spec.regimes.values() if r.get("sweep")]
     for table in tables:
         maps = table.values() if any(isinstance(v, dict) for v in table.values()) else [table]

@@ -1,14 +1,8 @@
-"""The plan: which runs a grid is made of, as pure functions of the GridSpec.
-
-    Arm                      one cell of the map: data set × regime × loss × optimizer × per-GPU batch
-    Run                      an arm trained once: + its swept setting, seed and loss overrides
-    sweep_runs(grid)         every arm × its regime's settings × sweep seed (a tuned study)
-    select_best(rows, m)     per arm, the setting with the best mean val metric
-    final_runs(grid, best)   the selected setting of every arm × final seed (a plain grid: its runs)
-    price_runs(grid, best)   the accumulated batch b·k as k micro-batches of b (timed)
-    arms_of(grid)            every arm, from cells_of: (data set, regime, batch) of every cell
-An axis lives in `Arm` and in the function here that varies it (arms_of); edge extension of the
-sweep (grid.sweep_bounds) is vlp.study.tuning's. Nothing here trains, reads run folders or writes.
+"""The plan: which runs a grid is made of (`Arm`, `Run`: an arm trained once with a setting and a
+seed), as pure functions of the GridSpec: the sweep's, the final and the price runs, and the
+selection between them. An axis lives in `Arm` and in the function here that varies it (arms_of);
+edge extension of the sweep (grid.sweep_bounds) is vlp.study.tuning's. Nothing here trains, reads
+run folders or writes.
 """
 
 from __future__ import annotations
@@ -167,9 +161,9 @@ def price_runs(grid, best: dict[Arm, tuple]) -> list[Run]:
     price = grid.accum_price
     if not price:
         return []
-    b, k = price["batch_per_device"], price["accum_steps"]
-    return [run_of(grid, arm.with_(batch_per_device=b), best[arm], seed, accum=k, samples=price["samples"])
-            for seed in price.get("seeds", [0]) for arm in arms_of(grid, b * k) if arm in best]
+    b, k = price.batch_per_device, price.accum_steps
+    return [run_of(grid, arm.with_(batch_per_device=b), best[arm], seed, accum=k, samples=price.samples)
+            for seed in price.seeds for arm in arms_of(grid, b * k) if arm in best]
 
 
 def select_best(rows: list[dict], metric: str) -> dict[Arm, tuple]:

@@ -1,11 +1,5 @@
 """The report's figures: one plotting stack for the plain grid and the study.
 
-    plot_metric_vs_batch(table, ...)  plain grid: eval metric vs per-GPU batch, std over seeds
-    plot_curves(curves, path)         diagnostics vs samples seen, one line per arm (grid and study)
-    plot_final(table, metric, path)   study: test metric per arm and paired Δ to InfoNCE, 95 % CIs
-    plot_map(table, metric, path)     the map: metric vs batch, a line per loss, a panel per regime
-    plot_mechanism(table, metric, …)  the map: FlatNCE − InfoNCE against InfoNCE's σ(v), a point per cell
-
 matplotlib is imported inside `figure` (heavy, and only a report draws): Figure without pyplot,
 no global figure registry, no GUI backend; savefig renders with Agg.
 """
@@ -30,6 +24,14 @@ def figure(**kwargs):
     return Figure(layout="constrained", **kwargs)
 
 
+def label(ax, xlabel: str, ylabel: str, title: str = "", fontsize=None) -> None:
+    """An axis's labels, title and light grid (every figure's)."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=fontsize)
+    ax.grid(alpha=0.3)
+
+
 def plot_metric_vs_batch(table: list[dict], metric: str = "mean_R@1", losses: Optional[Sequence[str]] = None,
                          path: Optional[Path] = None, chance: Optional[float] = None):
     """Eval metric (percent) vs per-GPU batch on a log2 axis; one errorbar line per loss (std over seeds)."""
@@ -49,10 +51,8 @@ def plot_metric_vs_batch(table: list[dict], metric: str = "mean_R@1", losses: Op
     if batches:
         ax.set_xticks(batches, [str(b) for b in batches])
         ax.minorticks_off()
-    ax.set_xlabel("batch per GPU (log2 scale)")
-    ax.set_ylabel(f"{metric} (%)  [mean ± std over seeds]")
-    ax.set_title("held-out retrieval at an equal budget of samples seen")
-    ax.grid(alpha=0.3)
+    label(ax, "batch per GPU (log2 scale)", f"{metric} (%)  [mean ± std over seeds]",
+          "held-out retrieval at an equal budget of samples seen")
     ax.legend()
     if path is not None:
         fig.savefig(path, dpi=120)
@@ -72,7 +72,7 @@ def mean_curve(logs: list[list[dict]], key: str) -> tuple[list[int], list[float]
 
 
 
-def plot_curves(curves: dict[tuple, list[list[dict]]], path: Optional[Path] = None,
+def plot_curves(curves: dict[tuple, list[list[dict]]], path: Path,
                 keys: Sequence[str] = CURVE_KEYS):
     """Diagnostics vs samples seen, mean over the seeds of each arm (vlp.study.plan.Arm): colour =
     loss, line style = optimizer, width = batch (thicker = larger)."""
@@ -85,19 +85,21 @@ def plot_curves(curves: dict[tuple, list[list[dict]]], path: Optional[Path] = No
             ax.plot(xs, ys, color=LOSS_COLOURS.get(arm.loss, "k"), linestyle=OPTIM_STYLES.get(arm.optimizer, "-."),
                     linewidth=1.0 + batches.index(arm.batch_per_device), label=arm.label)
     for ax, key in zip(axes, keys):
-        ax.set_title(key)
-        ax.set_xlabel("samples seen")
-        ax.grid(alpha=0.3)
+        label(ax, "samples seen", "", key)
     if curves:
         legend_ax = fig.add_subplot(2, 3, 6)
         legend_ax.axis("off")
         legend_ax.legend(*axes[0].get_legend_handles_labels(), loc="center", title="arm (mean over seeds)")
-    if path is not None:
-        fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110)
     return fig
 
 
-def plot_final(table: list[dict], metric: str, path: Optional[Path] = None):
+def diff_colour(d: dict) -> str:
+    """A paired Δ's colour: grey while not resolved, green above 0, red below."""
+    return "tab:grey" if not d.get("resolved") else "tab:green" if d["mean"] > 0 else "tab:red"
+
+
+def plot_final(table: list[dict], metric: str, path: Path):
     """Left: test metric per arm, mean with 95 % CI over seeds (std when one seed). Right: paired
     difference to InfoNCE per arm with its 95 % CI; seeds' own differences as dots."""
     fig = figure(figsize=(11, 4))
@@ -111,27 +113,21 @@ def plot_final(table: list[dict], metric: str, path: Optional[Path] = None):
         err = (s["hi"] - s["mean"]) if s["lo"] is not None else s["std"]
         ax.errorbar([i], [100 * s["mean"]], yerr=[100 * err], marker="o", capsize=4)
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
-    ax.set_ylabel(f"test {metric} (%)")
-    ax.set_title("mean and 95 % CI over seeds", fontsize=10)
-    ax.grid(alpha=0.3)
+    label(ax, "", f"test {metric} (%)", "mean and 95 % CI over seeds", 10)
     diffs = [(e["arm"].label, e.get(f"diff/{metric}")) for e in table if e["loss"] != REFERENCE_LOSS]
     diffs = [(label, d) for label, d in diffs if d is not None]
     for i, (_, d) in enumerate(diffs):
         err = (d["hi"] - d["mean"]) if d["lo"] is not None else 0.0
-        ax_d.errorbar([i], [100 * d["mean"]], yerr=[100 * err], marker="s", capsize=4,
-                      color="tab:grey" if not d["resolved"] else "tab:green" if d["mean"] > 0 else "tab:red")
+        ax_d.errorbar([i], [100 * d["mean"]], yerr=[100 * err], marker="s", capsize=4, color=diff_colour(d))
         ax_d.plot([i] * len(d["diffs"]), [100 * v for v in d["diffs"].values()], ".", color="k", alpha=0.5)
     ax_d.axhline(0, color="k", linewidth=0.8)
-    ax_d.set_xticks(range(len(diffs)), [label for label, _ in diffs], rotation=30, ha="right")
-    ax_d.set_ylabel(f"Δ {metric} vs infonce (points)")
-    ax_d.set_title("paired by seed, 95 % CI (coloured: resolved); dots: seeds", fontsize=10)
-    ax_d.grid(alpha=0.3)
-    if path is not None:
-        fig.savefig(path, dpi=120)
+    ax_d.set_xticks(range(len(diffs)), [name for name, _ in diffs], rotation=30, ha="right")
+    label(ax_d, "", f"Δ {metric} vs infonce (points)", "paired by seed, 95 % CI (coloured: resolved); dots: seeds", 10)
+    fig.savefig(path, dpi=120)
     return fig
 
 
-def plot_map(table: list[dict], metric: str, path: Optional[Path] = None):
+def plot_map(table: list[dict], metric: str, path: Path):
     """One panel per (data set, regime): test metric vs per-GPU batch (log2 axis), a line per
     loss with its 95 % CI over seeds as a band."""
     names = groups(table)
@@ -153,17 +149,14 @@ def plot_map(table: list[dict], metric: str, path: Optional[Path] = None):
         ax.set_xscale("log", base=2)
         batches = sorted({e["batch_per_device"] for e in cells})
         ax.set_xticks(batches, [str(b) for b in batches])
-        ax.set_xlabel("per-GPU batch (equal sample budget)")
-        ax.set_ylabel(f"test {metric} (%)")
-        ax.set_title(f"{group_label(group)}: mean and 95 % CI over seeds", fontsize=10)
-        ax.grid(alpha=0.3)
+        label(ax, "per-GPU batch (equal sample budget)", f"test {metric} (%)",
+              f"{group_label(group)}: mean and 95 % CI over seeds", 10)
         ax.legend(fontsize=8)
-    if path is not None:
-        fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120)
     return fig
 
 
-def plot_mechanism(table: list[dict], metric: str, path: Optional[Path] = None):
+def plot_mechanism(table: list[dict], metric: str, path: Path):
     """FlatNCE − InfoNCE (paired, 95 % CI) against InfoNCE's final σ(v), a point per cell,
     labelled with its batch; marker per (data set, regime). The paper's argument predicts Δ > 0
     as σ(v) → 0."""
@@ -176,22 +169,18 @@ def plot_mechanism(table: list[dict], metric: str, path: Optional[Path] = None):
         for p in mine:
             d = p["diff"]
             err = 0.0 if d.get("lo") is None else 100 * (d["hi"] - d["mean"])
-            colour = "tab:grey" if not d.get("resolved") else ("tab:green" if d["mean"] > 0 else "tab:red")
             ax.errorbar([p["sigma_v"]], [100 * d["mean"]], yerr=[err], marker=markers.get(group, "o"),
-                        color=colour, capsize=4, linestyle="none")
+                        color=diff_colour(d), capsize=4, linestyle="none")
             ax.annotate(f"b{p['batch_per_device']}", (p["sigma_v"], 100 * d["mean"]), fontsize=8,
                         xytext=(4, 4), textcoords="offset points")
         ax.plot([], [], marker=markers.get(group, "o"), color="k", linestyle="none", label=group_label(group))
     ax.axhline(0, color="k", linewidth=0.8)
     ax.set_xscale("log")
-    ax.set_xlabel("InfoNCE's final σ(v) = |∇InfoNCE| / |∇FlatNCE| per anchor (log)")
-    ax.set_ylabel(f"FlatNCE − InfoNCE, test {metric} (points)")
-    ax.set_title("paired Δ with 95 % CI per cell (coloured: resolved)", fontsize=10)
-    ax.grid(alpha=0.3)
+    label(ax, "InfoNCE's final σ(v) = |∇InfoNCE| / |∇FlatNCE| per anchor (log)",
+          f"FlatNCE − InfoNCE, test {metric} (points)", "paired Δ with 95 % CI per cell (coloured: resolved)", 10)
     if points:
         ax.legend(fontsize=8)
-    if path is not None:
-        fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120)
     return fig
 
 
@@ -230,10 +219,8 @@ def plot_sweep(rows: list[dict], best: dict, notes: list[dict], metric: str, key
                     ax.plot([x], [y], marker="s" if arm in bounded else "o", color="tab:red" if arm in bounded else colour,
                             markersize=8)
         ax.set_xscale("log")
-        ax.set_xlabel(f"{key} (log)")
-        ax.set_ylabel(f"val {metric} (mean over sweep seeds)")
-        ax.set_title(f"{group_label(group)}: filled = selected, red square = at a bound", fontsize=9)
-        ax.grid(alpha=0.3)
+        label(ax, f"{key} (log)", f"val {metric} (mean over sweep seeds)",
+              f"{group_label(group)}: filled = selected, red square = at a bound", 9)
         ax.legend(fontsize=6, ncol=2)
     if path is not None:
         fig.savefig(path, dpi=110)

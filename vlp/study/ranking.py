@@ -58,34 +58,21 @@ class RankingTrainer(Trainer):
 
 
 def rank_items(model, tokenizer, transform, spec: str, cfg, device) -> dict[str, list[int]]:
-    """The val or test ranks of ``model``: from the locked stems' cached features when the run
-    has a data.feature_cache, else by embedding the set."""
-    rank = cached_item_ranks if cfg.data.feature_cache else eval_item_ranks
-    return rank(model, tokenizer, transform, spec, device, cfg.eval.batch_size, cfg.data.feature_cache)
-
-
-def cached_item_ranks(model, tokenizer, transform, spec: str, device, batch_size: int, cache: str) -> dict[str, list[int]]:
-    """eval_item_ranks for a model with locked stems (data.feature_cache): the stems' outputs over
-    the set come from the cache (built once, by the same eval reader), only the heads run."""
-    from vlp.eval.retrieval import retrieval_ranks  # heavy (the eval suite's readers)
-    from vlp.train.feature_cache import embed_features, retrieval_features
-
-    img_feat, txt_feat, txt_to_img = retrieval_features(model, tokenizer, transform, spec, device, batch_size,
-                                                        cache=None if cache == "memory" else cache)
-    with torch.no_grad():
-        img, txt = embed_features(model, img_feat, txt_feat)
-    i2t, t2i = retrieval_ranks(img, txt, txt_to_img)
-    return {"image_to_text": i2t.tolist(), "text_to_image": t2i.tolist()}
-
-
-def eval_item_ranks(model, tokenizer, transform, spec: str, device, batch_size: int = 256,
-                    cache: Optional[str] = None) -> dict[str, list[int]]:
-    """1-based rank of the correct item for every query of a retrieval set, both directions: the
-    eval suite's reader and ranking (vlp.eval.suite, vlp.eval.retrieval), ties included."""
+    """1-based rank of the correct item for every query of the val or test set, both directions:
+    the eval suite's reader and ranking (vlp.eval.suite, vlp.eval.retrieval), ties included. With a
+    data.feature_cache the locked stems' outputs come from the cache (built once, by the same
+    reader) and only the heads run."""
     from vlp.eval.retrieval import retrieval_ranks  # heavy (the eval suite's readers)
     from vlp.eval.suite import embed_retrieval_shards
+    from vlp.train.feature_cache import embed_features, retrieval_features
 
+    cache, batch_size = cfg.data.feature_cache, cfg.eval.batch_size
     with torch.no_grad():
-        img, txt, txt_to_img = embed_retrieval_shards(model, tokenizer, transform, spec, device, batch_size)
+        if cache:
+            img_feat, txt_feat, txt_to_img = retrieval_features(model, tokenizer, transform, spec, device, batch_size,
+                                                                cache=None if cache == "memory" else cache)
+            img, txt = embed_features(model, img_feat, txt_feat)
+        else:
+            img, txt, txt_to_img = embed_retrieval_shards(model, tokenizer, transform, spec, device, batch_size)
     i2t, t2i = retrieval_ranks(img, txt, txt_to_img)
     return {"image_to_text": i2t.tolist(), "text_to_image": t2i.tolist()}

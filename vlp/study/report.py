@@ -213,8 +213,8 @@ def looks_lines(grid) -> list[str]:
         return []
     looks = adaptive.looks_of(grid)
     return [f"Seeds where the answer is open (grid.seeds_until): after the final seeds, a paired Δ on {grid.metric} "
-            f"whose interval contains 0 and is wider than ± {rule['half_width']:g} points gets {rule['step']} more "
-            f"seed(s), up to {rule['max_seeds']} (looks at {adaptive.sizes_of(grid)} seeds). Because the number of "
+            f"whose interval contains 0 and is wider than ± {rule.half_width:g} points gets {rule.step} more "
+            f"seed(s), up to {rule.max_seeds} (looks at {adaptive.sizes_of(grid)} seeds). Because the number of "
             f"seeds depends on the data, every interval below is at level 1 − 0.05/{looks} "
             f"({100 * (1 - 0.05 / looks):.2f} %) and every p-value is min(1, {looks}·p) (Bonferroni over the "
             f"{looks} planned looks), before Holm over each table's cells.", ""]
@@ -241,4 +241,4 @@ def map_lines(table: list[dict], price_rows: list[dict], grid) -> list[str]:
         "## Cost per cell", "",
         "samples/s: training samples over training seconds (machine- and load-dependent); peak step memory: the "
         "most bytes held by tensors during one training step (vlp.train.memory; on CPU a function of shapes only).",
-        "", tables.cost_markdown(table, price_rows, grid.metric, grid.accum_price)]
+        "", tables.cost_markdown(table, price_rows, grid.metric)]

@@ -1,11 +1,6 @@
 """Rows: what one finished (or failed) run's folder says, as one dict, and the final table of a
 grid (one entry per arm, seeds summarised, paired differences to InfoNCE).
 
-    run_row(run, cfg)           a run's row: its arm and coordinates, status, the Trainer's eval
-                                (result.json), val / test metrics and bootstraps (a ranked run's
-                                eval_items.json), final diagnostics, samples/s, peak step memory
-    final_table(rows, metrics)  per arm: seed summaries, per-run bootstrap, paired Δ to InfoNCE
-
 Pure reads of the run folders (local or a bucket): `vlp compare --report-only` rebuilds every row.
 """
 

@@ -1,5 +1,5 @@
 """One run of a grid or a study: its config, whether it is already done, running it (with
-retries), the decisions every process must share, and the embedded data both use.
+retries), and the embedded data both use.
 
 The run room: vlp.study.executor runs many of these (in this process or in worker processes);
 vlp.study.compare (the plain grid) and vlp.study.study (the tuned study) drive it.
@@ -11,7 +11,7 @@ import copy
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import yaml
 
@@ -48,19 +48,13 @@ def run_config(base: dict, grid, run, world: int = 1) -> Config:
         cfg.train.log_every = max(1, steps_for(grid.log_every_samples, batch))
     if not grid.keep_models:  # a study ranking the model in memory keeps no weights
         cfg.train.save_final = False
-    points = grid.budget_points
-    if points > 1 and run.accum == 1:  # a ranked study run: val and test at every point
-        cfg.train.eval_every = point_interval(steps_for(cfg.train.samples, batch), points, run.name)
+    steps, points = steps_for(cfg.train.samples, batch), grid.budget_points
+    if points > 1 and run.accum == 1:  # a ranked study run: val and test at every point, the last at the end
+        if steps % points:
+            raise ConfigError(f"config: grid.budget_points={points} does not divide the {steps} steps of {run.name}; "
+                              "choose train.samples so that every batch's steps divide by it")
+        cfg.train.eval_every = steps // points
     return check(cfg)
-
-
-def point_interval(steps: int, points: int, name: str) -> int:
-    """The steps between two budget points (grid.budget_points evenly spaced points, the last at
-    the end of the run); one ConfigError line when the run's steps do not divide evenly."""
-    if steps % points:
-        raise ConfigError(f"config: grid.budget_points={points} does not divide the {steps} steps of {name}; "
-                          "choose train.samples so that every batch's steps divide by it")
-    return steps // points
 
 
 def run_dir(out_dir: str, name: str) -> str:
@@ -122,15 +116,6 @@ def run_one(run, cfg: Config, accelerator, train: Callable, retries: int = 1, ke
             folder.remove("checkpoints", tree=True)
     accelerator.wait_for_everyone()
     return record
-
-
-def broadcast(obj: Any, acc) -> Any:
-    """The main process's value on every process (so every rank takes the same branch)."""
-    if acc.num_processes == 1:
-        return obj
-    from accelerate.utils import broadcast_object_list  # heavy (torch.distributed); several processes only
-
-    return broadcast_object_list([obj])[0]
 
 
 def embedded_shards(base: dict, acc, splits: tuple[str, ...], root: Path) -> Optional[dict[str, str]]:

@@ -1,22 +1,10 @@
 """Uncertainty for `vlp compare`: pure functions of numbers, no I/O; the distributions come from
-scipy.stats (no hand-typed tables).
-
-- ``seed_summary``: mean, sample std and a 95 % t-interval over seeds (the run-to-run spread);
-- ``paired_difference``: arm − reference per seed (same seed = same data order and init), its
-  mean, 95 % t-interval and two-sided paired t-test p-value: the comparison that cancels the
-  seed's own effect;
-- ``holm``: Holm-Bonferroni over a family of p-values (the cells of one table): which
-  differences stay resolved when the number of cells is accounted for; ``simultaneous_ci`` the
-  Bonferroni interval of each, valid for the whole family at once;
-- ``bootstrap_ci``: a percentile bootstrap over eval items (queries) of one run
-  (scipy.stats.bootstrap): how much the metric would move on another eval set of the same size;
-- ``item_seed_bootstrap``: a paired percentile bootstrap of arm − reference over test items and
-  seeds together (both resampled), so a small test set is not judged on seed variance alone;
-- seeds where the answer is open (grid.seeds_until): ``look_sizes`` (the planned looks),
-  ``look_level`` / ``sequential_p`` (the Bonferroni split of alpha over the looks that keeps
-  every interval and p-value valid under the data-dependent stopping), ``seeds_open`` (the rule);
-- ``linear_fit``: least-squares slope with its 95 % t-interval (scipy.stats.linregress);
-- ``verdict``: one sentence saying which paired differences are resolved (95 % CI excludes 0).
+scipy.stats (no hand-typed tables). Over seeds: ``seed_summary`` (t-interval) and
+``paired_difference`` (arm − reference per seed: the comparison that cancels the seed's own
+effect); over a table's cells: ``holm`` and ``simultaneous_ci``; over eval items: ``bootstrap_ci``
+and ``item_seed_bootstrap`` (items and seeds together); over the planned looks of grid.seeds_until:
+``look_sizes``, ``look_level``, ``sequential_p`` and the rule ``seeds_open``; then ``linear_fit``
+and the report's ``verdict``.
 """
 
 from __future__ import annotations
@@ -40,15 +28,15 @@ def t_quantile(df: int, level: float = LEVEL) -> float:
     return float(sps.t.ppf((1.0 + level) / 2.0, df))
 
 
-def seed_summary(values: Sequence[float]) -> Optional[dict]:
-    """{n, mean, std, lo, hi}: std is the sample std (0 for one value), [lo, hi] the 95 %
+def seed_summary(values: Sequence[float], level: float = LEVEL) -> Optional[dict]:
+    """{n, mean, std, lo, hi}: std is the sample std (0 for one value), [lo, hi] the ``level``
     t-interval of the mean (None for one value). None for no finite value."""
     vals = [float(v) for v in values if v is not None and math.isfinite(v)]
     if not vals:
         return None
     n, mean = len(vals), statistics.fmean(vals)
     std = statistics.stdev(vals) if n > 1 else 0.0
-    half = t_quantile(n - 1) * std / math.sqrt(n) if n > 1 else None
+    half = t_quantile(n - 1, level) * std / math.sqrt(n) if n > 1 else None
     return {"n": n, "mean": mean, "std": std,
             "lo": None if half is None else mean - half, "hi": None if half is None else mean + half}
 
@@ -74,12 +62,9 @@ def paired_difference(arm: dict[int, float], reference: dict[int, float], looks:
     seeds = sorted(set(arm) & set(reference))
     diffs = {s: arm[s] - reference[s] for s in seeds
              if arm[s] is not None and reference[s] is not None}
-    summary = seed_summary(list(diffs.values()))
+    summary = seed_summary(list(diffs.values()), look_level(looks))
     if summary is None:
         return None
-    if looks > 1 and summary["n"] > 1:
-        half = t_quantile(summary["n"] - 1, look_level(looks)) * summary["std"] / math.sqrt(summary["n"])
-        summary["lo"], summary["hi"] = summary["mean"] - half, summary["mean"] + half
     resolved = summary["lo"] is not None and (summary["lo"] > 0 or summary["hi"] < 0)
     p_t = t_test_p(summary["mean"], summary["std"], summary["n"])
     p = None if p_t is None else float(sequential_p(p_t, looks))

@@ -30,6 +30,7 @@ on 'test' (= the demo's held-out 'eval' names; vlp/data/sources/openmoji.py).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
@@ -38,34 +39,20 @@ import yaml
 from vlp.checkpoint.storage import open_run_folder
 from vlp.config import ConfigError, set_dotted
 from vlp.data.shard_list import sizes_from_spec
+from vlp.distributed import broadcast_object
 from vlp.data.sources import parse_packaged
 from vlp.study.adaptive import more_seed_runs, open_arms, seeds_of_look, sizes_of
 from vlp.study.executor import Executor, Job, warm_caches
 from vlp.study.plan import Run, arms_of, final_runs, groups_of, price_runs, select_best, sweep_runs
 from vlp.study.report import STUDY_METRICS, test_rows, write_report
 from vlp.study.rows import final_table, run_row
-from vlp.study.runs import broadcast, embedded_shards, plan_runs, run_config
+from vlp.study.runs import embedded_shards, plan_runs, run_config
 from vlp.study.tuning import extension_runs, tried_settings
 from vlp.study.userdata import user_specs
 
 DEFAULT_SOURCE = "openmoji"
 
 STUDY_SHARDS = Path(".cache") / "shards" / "openmoji_study"
-
-
-def resolve_study_data(base: dict, acc, cache: Path) -> tuple[dict, dict[str, str]]:
-    """data.train_shards 'openmoji'/'openmoji:<px>'/'': fit/val/test OpenMoji shards (val: data.eval_shards
-    when given; test: grid.test_shards when given, see regime_bases). Otherwise
-    data.train_shards is trained on and data.eval_shards (val) and grid.test_shards must be given.
-    data.eval_shards is then cleared: the study ranks val and test itself (eval_items.json)."""
-    specs = embedded_shards(base, acc, ("fit", "val", "test"), cache)
-    data = base["data"]
-    if specs is not None:  # a data.eval_shards given with the embedded data is the val set
-        val = data.get("eval_shards") or specs["val"]
-        data["train_shards"], data["eval_shards"] = specs["fit"], None
-        return base, {"val": val, "test": specs["test"]}
-    val, data["eval_shards"] = data.get("eval_shards"), None
-    return base, {"val": val, "test": None}
 
 
 def with_dataset(tree: dict, dataset: str, user: Optional[dict] = None) -> dict:
@@ -92,23 +79,21 @@ def with_dataset(tree: dict, dataset: str, user: Optional[dict] = None) -> dict:
     return tree
 
 
-def resolve_data(base: dict, acc) -> dict:
-    """A plain grid's data: data.train_shards '' or 'openmoji' is the embedded OpenMoji shards
-    (train + held-out eval, the latter data.eval_shards unless given)."""
-    from vlp.data.embedded import SHARD_CACHE  # heavy (the renderer); only the embedded data needs it
-
-    specs = embedded_shards(base, acc, ("train", "eval"), SHARD_CACHE)
-    if specs is not None:
-        base["data"]["train_shards"] = specs["train"]
-        base["data"]["eval_shards"] = base["data"].get("eval_shards") or specs["eval"]
-    return base
-
-
 def regime_bases(base: dict, grid, acc) -> dict[tuple[str, str], tuple[dict, Optional[dict[str, str]]]]:
     """Per (data set, regime): (its base config = base + the regime's settings, the data set
-    named, data resolved; its val and test shard specs, None for a plain grid's Trainer eval)."""
+    named, data resolved; its val and test shard specs, None for a plain grid's Trainer eval).
+    data.train_shards '' or 'openmoji' (':<px>'): the embedded OpenMoji shards, a plain grid's
+    train and held-out eval, a study's fit, val and test; data.eval_shards, when given, is the
+    eval (val) set. A study clears data.eval_shards: it ranks val and test itself (eval_items.json)."""
     if not grid.sweep:
-        return {("", ""): (resolve_data(copy.deepcopy(base), acc), None)}
+        from vlp.data.embedded import SHARD_CACHE  # heavy (the renderer); only the embedded data needs it
+
+        tree = copy.deepcopy(base)
+        specs = embedded_shards(tree, acc, ("train", "eval"), SHARD_CACHE)
+        if specs is not None:
+            tree["data"]["train_shards"] = specs["train"]
+            tree["data"]["eval_shards"] = tree["data"].get("eval_shards") or specs["eval"]
+        return {("", ""): (tree, None)}
     if grid.datasets and grid.test_shards:
         raise ConfigError("config: grid.datasets ranks each data set's own val and test: leave grid.test_shards unset")
     out, users = {}, {}
@@ -119,8 +104,13 @@ def regime_bases(base: dict, grid, acc) -> dict[tuple[str, str], tuple[dict, Opt
         if dataset and dataset not in users:
             users[dataset] = user_specs(dataset, grid.datasets[dataset], acc)
         user = users.get(dataset)
-        tree, specs = resolve_study_data(with_dataset(tree, dataset, user), acc, STUDY_SHARDS)
-        specs["test"] = grid.test_shards or (user or {}).get("test") or specs["test"]
+        tree = with_dataset(tree, dataset, user)
+        found = embedded_shards(tree, acc, ("fit", "val", "test"), STUDY_SHARDS) or {}
+        data = tree["data"]
+        val, data["eval_shards"] = data.get("eval_shards") or found.get("val"), None
+        if found:
+            data["train_shards"] = found["fit"]
+        specs = {"val": val, "test": grid.test_shards or (user or {}).get("test") or found.get("test")}
         if not specs["val"] or not specs["test"]:
             raise ConfigError("config: a study (grid.sweep) needs data.eval_shards (val) and grid.test_shards "
                               "(or data.train_shards: openmoji)")
@@ -157,7 +147,7 @@ class StudyWalk:
         ranked = ranked and bool(grid.sweep)  # a plain grid's runs are evaluated by the Trainer
         cfgs = {r.name: run_config(self.bases[r.arm.table][0], grid, r, acc.num_processes) for r in runs}
         self.cfgs.update(cfgs)
-        done, error = broadcast(plan_runs(runs, cfgs, out, items=ranked) if acc.is_main_process else None, acc)
+        done, error = broadcast_object(plan_runs(runs, cfgs, out, items=ranked) if acc.is_main_process else None)
         if error:  # raised on every rank, so none waits in a collective
             raise ConfigError(error)
         todo = [(i, r) for i, (r, d) in enumerate(zip(runs, done), 1) if not d]
@@ -179,7 +169,7 @@ def tune(walk: StudyWalk, grid, acc) -> tuple[list[dict], dict, dict]:
     planned = sweep_runs(grid)
     rows = walk(planned)
     while True:
-        best = broadcast(select_best(rows, grid.select_metric) if acc.is_main_process else None, acc)
+        best = broadcast_object(select_best(rows, grid.select_metric) if acc.is_main_process else None)
         new = extension_runs(grid, best, tried_settings(planned))
         if not new:
             ok = {row["run"] for row in rows if row["status"] == "ok"}
@@ -195,7 +185,7 @@ def add_seeds(walk: StudyWalk, grid, acc, best: dict, finals: list[dict]) -> lis
     sizes, finals = sizes_of(grid), list(finals)
     for look in range(1, len(sizes)):
         table = final_table(test_rows(finals), (grid.metric,), looks=len(sizes)) if acc.is_main_process else None
-        arms = broadcast(open_arms(table, grid, sizes[look - 1]) if acc.is_main_process else None, acc)
+        arms = broadcast_object(open_arms(table, grid, sizes[look - 1]) if acc.is_main_process else None)
         runs = more_seed_runs(grid, best, arms, seeds_of_look(grid, look))
         new = walk(runs) if runs else []
         if not new:  # nothing open (or --report-only before these seeds ran)
@@ -224,7 +214,7 @@ def run_study(base: dict, bases: dict, grid, acc, report_only: bool = False) -> 
     result = {"sweep": sweep, "final": finals, "best": best, "price": prices, "tried": tried, "report": ""}
     if acc.is_main_process:
         with walk.out.file("compare_config.yaml") as path:
-            path.write_text(yaml.safe_dump({**base, "grid": {**grid.__dict__}}, sort_keys=False))
+            path.write_text(yaml.safe_dump({**base, "grid": dataclasses.asdict(grid)}, sort_keys=False))
         result["report"] = write_report(walk.out, result, grid, {"fit_sizes": fit_sizes(bases) if grid.sweep else {}})
         print(result["report"], flush=True)
     walk.out.close()

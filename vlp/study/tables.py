@@ -10,7 +10,6 @@ Pure functions of numbers (vlp.study.plots draws the same tables; vlp.study.repo
 from __future__ import annotations
 
 import math
-import statistics
 from typing import Optional, Sequence
 
 from vlp.eval.keys import EVAL_KEYS
@@ -64,11 +63,9 @@ def holm_cell(d: Optional[dict], interval: bool = False) -> str:
 
 # ---------------------------------------------------------------------------- plain grid
 def _mean_std(values: list[float]) -> Optional[tuple[float, float]]:
-    """(mean, sample std over seeds); std 0 for one seed; None for no value."""
-    values = [v for v in values if v is not None and math.isfinite(v)]
-    if not values:
-        return None
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+    """(mean, sample std over seeds) of seed_summary; std 0 for one seed; None for no value."""
+    summary = seed_summary(values)
+    return None if summary is None else (summary["mean"], summary["std"])
 
 
 def aggregate(rows: list[dict], keys: Sequence[str] = EVAL_KEYS + DIAG_KEYS + ("wall_time_s",)) -> list[dict]:
@@ -246,7 +243,7 @@ def price_table(prices: list[dict]) -> list[dict]:
             for arm, rows in by_arm.items()]
 
 
-def cost_markdown(table: list[dict], prices: list[dict], metric: str, price: dict) -> str:
+def cost_markdown(table: list[dict], prices: list[dict], metric: str) -> str:
     """Per (data set, regime), samples/s and peak step memory of every cell, and the accumulation
     runs (b × k micro-batches) beside batch b with the accuracy of the b·k cell they equal."""
     priced = price_table(prices)

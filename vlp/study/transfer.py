@@ -1,11 +1,5 @@
 """The report's view across data sets and across the budget: pure functions of rows and tables.
 
-    point_choice(rows, metric)            per arm, its val-best budget point (the rule: VAL_BEST_RULE)
-    rows_at(rows, choice, metrics)        the final rows with their test metrics at those points
-    epochs_markdown(...)                  how many epochs each data set's budget points imply
-    transfer_markdown(table, metric)      one row per cell, one column per data set: the Holm-
-                                          corrected verdict there, and whether it transfers
-
 A verdict is the sign of a paired Δ to InfoNCE that stays resolved after Holm over its table
 ('+' or '−'), else '0' (not resolved). It transfers when every data set that ran the cell gives
 the same verdict.

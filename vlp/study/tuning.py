@@ -1,20 +1,12 @@
 """Tuning that finds the optimum: the sweep's edge extension and the notes on edge selections,
 as pure functions of the GridSpec, the runs planned so far and the selection.
 
-    tried_settings(runs)                  per arm, the settings planned for it so far (in order)
-    extension_runs(grid, best, tried)     one more value beyond the edge for every arm selected at
-                                          an edge of a bounded key (grid.sweep_bounds), x3 or /3
-    edge_notes(grid, best, tried)         every selection still at an edge, and why: a declared
-                                          bound, no bound declared, or the extension not run
-
 The study (vlp.study.study) alternates: run the planned runs, select (mean val over the sweep
 seeds, vlp.study.plan.select_best), extend, until no arm gets a new value. Each step at most
 triples or thirds a value, so a bound [low, high] ends the walk after log3(high / low) steps.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from vlp.study.plan import Arm, Run, run_of, settings_for, sweep_of
 
@@ -56,10 +48,6 @@ def beyond(value: float, values: list, bound: list[float]) -> tuple[list[float],
     return [v for v in nexts if v not in outside], outside
 
 
-def _replace(setting: tuple, key: str, value: Any) -> tuple:
-    return tuple((k, value if k == key else v) for k, v in setting)
-
-
 def extension_runs(grid, best: dict[Arm, tuple], tried: dict[Arm, list[tuple]]) -> list[Run]:
     """For every arm whose selected value of a bounded key (grid.sweep_bounds) is the lowest or
     highest it tried: the next value beyond it (inside the bound, not yet tried), the other keys
@@ -72,7 +60,7 @@ def extension_runs(grid, best: dict[Arm, tuple], tried: dict[Arm, list[tuple]]) 
                 continue
             nexts, _ = beyond(dict(chosen)[key], key_values(settings, chosen, key), bound)
             for value in nexts:
-                setting = _replace(chosen, key, value)
+                setting = tuple((k, value if k == key else v) for k, v in chosen)
                 if setting not in settings:
                     runs += [run_of(grid, arm, setting, seed) for seed in grid.seeds]
     return list(dict.fromkeys(runs))

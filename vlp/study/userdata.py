@@ -9,19 +9,13 @@ The second form splits one shard set into fit / val / test by a stable hash of e
 caption, the rule of the packaged sets (vlp.data.sources.splits.study_split: ~10 % test, ~10 %
 val, the rest fit; a caption lands in one split only), written once as local shards under
 .cache/shards/user/. Either form may also set batch_per_device and regimes, as a packaged entry.
-
-    parse_user_dataset(name, table)   the entry's data keys -> {"shards": {fit, val, test} | None,
-                                      "source": spec | None}; one ConfigError line per problem (pure)
-    check_datasets(datasets)          every user set, before anything is written: each split's shards
-                                      exist and are not empty, the first samples of its first shards
-                                      give image+caption pairs, and no shard is in two splits (by what
-                                      the file is, not how its path is spelled); one ConfigError line
-    user_specs(name, entry, acc)      its {fit, val, test} shard specs (the split written once by the
-                                      main process; a failed split leaves no folder behind)
+Every user set is checked before anything is written (`check_datasets`), the entry's keys when the
+grid is read (`parse_user_dataset`), and split once by the main process (`user_specs`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -163,34 +157,21 @@ def check_split(name: str, key: str, spec: str) -> dict[tuple, str]:
     return found
 
 
-def check_user_dataset(name: str, entry: dict) -> None:
-    """A user data set before anything is written (check_split per split); no shard in two of
-    train, val and test, compared by shard_identity. One ConfigError line naming the split."""
-    specs = {"train" if split == "fit" else split: spec for split, spec in entry["shards"].items()} \
-        if entry.get("shards") else {"shards": entry["source"]}
-    seen: dict[tuple, tuple[str, str]] = {}
-    for key, spec in specs.items():
-        found = check_split(name, key, spec)
-        for identity, path in found.items():
-            if identity in seen:
-                other, first = seen[identity]
-                raise ConfigError(f"config: grid.datasets.{name}.{key}: {path} is the same shard as {other}'s "
-                                  f"{first}: train, val and test must be three different shard sets")
-        seen.update({identity: (key, path) for identity, path in found.items()})
-
-
 def check_datasets(datasets: dict[str, dict]) -> None:
-    """Every user data set (check_user_dataset), before any folder is made; one line."""
+    """Every user data set, before any folder is made (check_split per split); no shard in two of
+    train, val and test, compared by shard_identity. One ConfigError line naming the split."""
     for name, entry in datasets.items():
-        if entry.get("shards") or entry.get("source"):
-            check_user_dataset(name, entry)
-
-
-def split_key(spec: str) -> str:
-    """The cache folder's key of a split: the spec and, for its local shards, their sizes and
-    modification times (a rewritten shard set is split again)."""
-    stamp = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in _local_parts(spec)]
-    return hashlib.sha1(json.dumps([spec, stamp]).encode()).hexdigest()[:12]
+        specs = {"train" if split == "fit" else split: spec for split, spec in (entry.get("shards") or {}).items()} \
+            or ({"shards": entry["source"]} if entry.get("source") else {})
+        seen: dict[tuple, tuple[str, str]] = {}
+        for key, spec in specs.items():
+            found = check_split(name, key, spec)
+            for identity, path in found.items():
+                if identity in seen:
+                    other, first = seen[identity]
+                    raise ConfigError(f"config: grid.datasets.{name}.{key}: {path} is the same shard as {other}'s "
+                                      f"{first}: train, val and test must be three different shard sets")
+            seen.update({identity: (key, path) for identity, path in found.items()})
 
 
 def iter_pairs(spec: str) -> Iterator[tuple[bytes, str]]:
@@ -210,11 +191,6 @@ def iter_pairs(spec: str) -> Iterator[tuple[bytes, str]]:
                     yield sample[1], sample[2]
             if errors:
                 raise ValueError(f"cannot read {errors[0]}")
-
-
-def read_pairs(spec: str) -> list[tuple[bytes, str]]:
-    """Every (image bytes, caption) of a shard spec, in order (iter_pairs)."""
-    return list(iter_pairs(spec))
 
 
 def write_split(name: str, spec: str, root: Path) -> dict[str, str]:
@@ -247,23 +223,15 @@ def write_split(name: str, spec: str, root: Path) -> dict[str, str]:
         except BaseException:
             for writer in writers.values():
                 writer.abort()
-            remove_made(made)
+            if made:  # the folders it made (the deepest first), each only if empty once the deeper ones are gone
+                shutil.rmtree(made[0], ignore_errors=True)
+            for folder in made[1:]:
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
             raise
         for writer in writers.values():
             writer.close()
     return {split: shard_spec(root / split, prefix=split) for split in splits}
-
-
-def remove_made(made: list[Path]) -> None:
-    """Remove the folders a failed split made (``made``: the deepest first), each only if empty
-    once the deeper ones are gone (a folder another split wrote into stays)."""
-    if made:
-        shutil.rmtree(made[0], ignore_errors=True)
-    for folder in made[1:]:
-        try:
-            folder.rmdir()
-        except OSError:
-            pass
 
 
 def user_specs(name: str, entry: dict, acc, cache: Path = USER_CACHE) -> Optional[dict[str, str]]:
@@ -275,7 +243,9 @@ def user_specs(name: str, entry: dict, acc, cache: Path = USER_CACHE) -> Optiona
     if not entry.get("source"):
         return None
     check_local(name, {"shards": entry["source"]})
-    root = Path(cache) / f"{name}-{split_key(entry['source'])}"
+    # the folder's key: the spec and its local shards' sizes and times (a rewritten set is split again)
+    stamp = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in _local_parts(entry["source"])]
+    root = Path(cache) / f"{name}-{hashlib.sha1(json.dumps([entry['source'], stamp]).encode()).hexdigest()[:12]}"
     try:
         if acc.is_main_process:
             write_split(name, entry["source"], root)
