@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, set_seed
 
 from vlp import records
-from vlp.checkpoint import lock as runlock, resume, storage
+from vlp.checkpoint import lock as runlock, storage
 from vlp.checkpoint.checkpointer import PER_RANK, RANK_FILES, Checkpointer
 from vlp.config import Config, global_batch, steps_for
 from vlp.data.lifecycle import WorkerDied
@@ -42,7 +42,7 @@ from vlp.models.model import DualEncoder, build_model
 from vlp.train import parallel, preempt
 from vlp.eval.evaluator import Evaluator
 from vlp.train.feature_cache import training_features
-from vlp.train.logger import RunLogger, check_wandb, show_step
+from vlp.train.logger import RunLogger, show_step
 from vlp.train.memory import StepMemory
 from vlp.train.optim import build_optimizer, build_scheduler, follow_config, param_groups
 from vlp.train.parts import RNG, Counters
@@ -70,9 +70,10 @@ class Trainer:
                              DistributedDataParallelKwargs(find_unused_parameters=True)],
         )
         exit_with_launcher()
-        check_wandb(cfg)
-        # the run folder: a local path or a bucket URL, checked before any work (vlp.checkpoint.storage)
+        # the run folder: a local path or a bucket URL, checked before any work (vlp.checkpoint.storage);
+        # the run's records go there (main process; a train.wandb_project without wandb is refused now)
         self.folder = storage.open_run_folder(cfg.train.output_dir)
+        self.logger = RunLogger(self.folder, is_main(), cfg.train.wandb_project, cfg.to_dict())
         set_seed(cfg.train.seed)
         self.world, self.accum = acc.num_processes, cfg.train.accum_steps
         self.global_batch = global_batch(cfg, self.world)
@@ -108,7 +109,6 @@ class Trainer:
         self.scheduler = build_scheduler(self.torch_optimizer, cfg.optim, lambda: (
             steps_for(self.samples_seen, self.global_batch), steps_for(cfg.train.samples, self.global_batch)))
         self.checkpoints = self.checkpointer(cfg, acc)
-        self.logger = RunLogger(self.folder, is_main(), cfg.train.wandb_project, cfg.to_dict())
         self.static_step = static_step(self)  # train.cuda_graphs: the step without host reads, else None
 
     def checkpointer(self, cfg: Config, acc: Accelerator) -> Checkpointer:
@@ -236,18 +236,13 @@ class Trainer:
         return f"{head}; the weights are not finite, nothing saved; {self.checkpoints.newest_valid()}"
 
     def maybe_resume(self) -> None:
-        """Resume from train.resume (the checkpointer loads every part), then the counters decide
-        the steps left and the optimizer follows changed settings (vlp.checkpoint.resume)."""
+        """Resume from train.resume (the checkpointer loads every part and says what changed), then
+        the counters decide the steps left and the optimizer follows changed settings."""
         found = self.checkpoints.resume(self.cfg.train.resume, self.cfg)
         if found is not None:
-            (path, state), d = found, self.data
+            (path, _), d = found, self.data
             self.total_steps = self.step + steps_for(self.cfg.train.samples - self.samples_seen, self.global_batch)
             follow_config(self.torch_optimizer, self.scheduler, self.cfg.optim)  # not the saved lr, betas, ...
-            changed = resume.layout_changes(state, self.cfg, self.world)  # e.g. world size: 2 -> 1
-            if changed:  # train.resume_mode=continue (else refused in the checkpointer)
-                self.print(f"[vlp] layout changed since {path}: {'; '.join(changed)} (train.resume_mode=continue)")
-            for line in resume.applied_lines(state, self.cfg):
-                self.print(line)  # e.g. "optim.lr 1e-3 -> 1e-5 from step 12" (vlp.checkpoint.resume.RESUME_RULES)
             self.print(f"[vlp] resumed from {path} at step {self.step}, {self.samples_seen} samples seen (epoch "
                        f"{d.epoch}, batch {d.batch_in_epoch}{' of its rest under the new layout' if d.pieces else ''})")
 
