@@ -77,7 +77,13 @@ class Trainer:
         set_seed(cfg.train.seed)
         self.world, self.accum = acc.num_processes, cfg.train.accum_steps
         self.global_batch = global_batch(cfg, self.world)
-        self.total_steps = steps_for(cfg.train.samples, self.global_batch)
+        self.total_steps = schedule_steps = steps_for(cfg.train.samples, self.global_batch)
+
+        def lr_position() -> tuple[int, int]:
+            """The LR schedule's (step, total) in steps of the current global batch, from samples seen:
+            a resume with another global batch (train.resume_mode=continue) keeps it continuous."""
+            return steps_for(self.samples_seen, self.global_batch), schedule_steps
+
         self.counters = Counters()
         self.nonfinite_in_row = 0
         self.peak_step_bytes: Optional[int] = None  # of this process's second step (measured_step)
@@ -103,11 +109,8 @@ class Trainer:
         self.model, self.optimizer = self.strategy.prepare(model, lambda m: build_optimizer(
             param_groups(m, cfg.optim.weight_decay), cfg.optim, acc.device.type))
         self.torch_optimizer = self.strategy.torch_optimizer
-        # the schedule follows samples seen (in steps of the current global batch), so a resume with
-        # another global batch (train.resume_mode=continue) keeps it continuous. Not prepared:
-        # Accelerate would step it once per process.
-        self.scheduler = build_scheduler(self.torch_optimizer, cfg.optim, lambda: (
-            steps_for(self.samples_seen, self.global_batch), steps_for(cfg.train.samples, self.global_batch)))
+        # not prepared: Accelerate would step it once per process
+        self.scheduler = build_scheduler(self.torch_optimizer, cfg.optim, lr_position)
         self.checkpoints = self.checkpointer(cfg, acc)
         self.static_step = static_step(self)  # train.cuda_graphs: the step without host reads, else None
 
@@ -254,7 +257,7 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Zero-shot retrieval / classification on the main process; a flat dict of floats."""
-        if not self.evaluator.has_tasks():
+        if not self.evaluator.has_tasks:
             return {}
         model = self.eval_model()  # collective under FSDP
         flat: dict = {}
@@ -301,9 +304,9 @@ class Trainer:
 
     def _train(self) -> dict:
         cfg = self.cfg
-        if is_main():
-            self.logger.save_config(cfg)
         self.maybe_resume()
+        if is_main():  # the folder's config.yaml: this run's, once a resume has accepted it
+            self.logger.save_config(cfg)
         self.print(f"[vlp] loss={cfg.loss.name} temperature={cfg.loss.temperature} "
                    f"global batch={self.global_batch} (= {cfg.data.batch_per_device} per device x {self.world} "
                    f"processes x {self.accum} accum) steps={self.total_steps} device={self.accelerator.device}")
