@@ -77,14 +77,14 @@ class Trainer:
         set_seed(cfg.train.seed)
         self.world, self.accum = acc.num_processes, cfg.train.accum_steps
         self.global_batch = global_batch(cfg, self.world)
-        self.total_steps = schedule_steps = steps_for(cfg.train.samples, self.global_batch)
+        self.counters = Counters()
+        schedule_steps = steps_for(cfg.train.samples, self.global_batch)  # total_steps before any resume
 
         def lr_position() -> tuple[int, int]:
             """The LR schedule's (step, total) in steps of the current global batch, from samples seen:
             a resume with another global batch (train.resume_mode=continue) keeps it continuous."""
             return steps_for(self.samples_seen, self.global_batch), schedule_steps
 
-        self.counters = Counters()
         self.nonfinite_in_row = 0
         self.peak_step_bytes: Optional[int] = None  # of this process's second step (measured_step)
         self.train_mode_set = False  # train_step has called model.train() (see there)
@@ -130,6 +130,12 @@ class Trainer:
         checkpoints.register("data", self.data, PER_RANK, relayout)
         checkpoints.register("rng", RNG(cfg.train.seed, acc.process_index), PER_RANK)
         return checkpoints
+
+    @property
+    def total_steps(self) -> int:
+        """The run's last step: the steps taken and those the rest of train.samples makes at this
+        global batch (the same all run long; after a resume, from the restored counters)."""
+        return self.step + steps_for(self.cfg.train.samples - self.samples_seen, self.global_batch)
 
     @property
     def unwrapped(self) -> DualEncoder:
@@ -239,12 +245,11 @@ class Trainer:
         return f"{head}; the weights are not finite, nothing saved; {self.checkpoints.newest_valid()}"
 
     def maybe_resume(self) -> None:
-        """Resume from train.resume (the checkpointer loads every part and says what changed), then
-        the counters decide the steps left and the optimizer follows changed settings."""
+        """Resume from train.resume (the checkpointer loads every part and says what changed; the
+        counters decide the steps left, total_steps), then the optimizer follows changed settings."""
         found = self.checkpoints.resume(self.cfg.train.resume, self.cfg)
         if found is not None:
             (path, _), d = found, self.data
-            self.total_steps = self.step + steps_for(self.cfg.train.samples - self.samples_seen, self.global_batch)
             follow_config(self.torch_optimizer, self.scheduler, self.cfg.optim)  # not the saved lr, betas, ...
             self.print(f"[vlp] resumed from {path} at step {self.step}, {self.samples_seen} samples seen (epoch "
                        f"{d.epoch}, batch {d.batch_in_epoch}{' of its rest under the new layout' if d.pieces else ''})")
