@@ -176,9 +176,8 @@ def model_config_dict(name: str) -> dict:
 
 
 def architecture(model_cfg) -> str:
-    """The open_clip name to create: model.name resolved (resolve_model_name); with model.hf_text_dir,
-    registered (in memory) with its text tower replaced by that local HF model, pooled and projected
-    as model_cfg says (vlp.models.towers.hf_text_cfg)."""
+    """The open_clip name to create: model.name resolved; with model.hf_text_dir, registered (in memory)
+    with its text tower replaced by that HF model, pooled and projected as model_cfg says (towers.hf_text_cfg)."""
     name = resolve_model_name(model_cfg.name)
     if not model_cfg.hf_text_dir:
         return name

@@ -79,12 +79,9 @@ class Trainer:
         self.global_batch = global_batch(cfg, self.world)
         self.counters = Counters()
         schedule_steps = steps_for(cfg.train.samples, self.global_batch)  # total_steps before any resume
-
-        def lr_position() -> tuple[int, int]:
-            """The LR schedule's (step, total) in steps of the current global batch, from samples seen:
-            a resume with another global batch (train.resume_mode=continue) keeps it continuous."""
-            return steps_for(self.samples_seen, self.global_batch), schedule_steps
-
+        # the LR schedule's (step, total) in steps of the current global batch: a resume with another
+        # global batch (train.resume_mode=continue) keeps it continuous
+        lr_position = lambda: (steps_for(self.samples_seen, self.global_batch), schedule_steps)  # noqa: E731
         self.nonfinite_in_row = 0
         self.peak_step_bytes: Optional[int] = None  # of this process's second step (measured_step)
         self.train_mode_set = False  # train_step has called model.train() (see there)
@@ -133,8 +130,7 @@ class Trainer:
 
     @property
     def total_steps(self) -> int:
-        """The run's last step: the steps taken and those the rest of train.samples makes at this
-        global batch (the same all run long; after a resume, from the restored counters)."""
+        """Steps taken + those the rest of train.samples makes (the same all run long, resumed or not)."""
         return self.step + steps_for(self.cfg.train.samples - self.samples_seen, self.global_batch)
 
     @property
