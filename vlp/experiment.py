@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional
 
-from vlp.config import KEYS, Config, ConfigError, get_dotted, read_config
+from vlp.config import Config, ConfigError, read_config
 from vlp.config.rules import check_type, is_packaged
 from vlp.losses import temperature
 from vlp.losses.registry import CLIP_TAU, NAMES as LOSS_NAMES
@@ -36,11 +36,10 @@ def check(cfg: Config) -> Config:
     if cfg.loss.name == "isogclr" and not cfg.loss.tau_min <= start <= cfg.loss.tau_max:
         raise ConfigError(f"config: loss.name=isogclr needs loss.tau_min <= tau ({start:g}) <= loss.tau_max, "
                           f"got [{cfg.loss.tau_min:g}, {cfg.loss.tau_max:g}]")
-    for name, key in KEYS.items():
-        value = get_dotted(cfg, name)
+    for key, value in cfg.entries():
         why = packaged.problem(value) if key.rule.packaged and is_packaged(value) else None
         if why:
-            raise ConfigError(f"config: {name}: {why}")
+            raise ConfigError(f"config: {key.name}: {why}")
     return cfg
 
 

@@ -12,11 +12,10 @@ import re
 from pathlib import Path
 from typing import Callable, Optional
 
-from vlp.checkpoint import integrity
+from vlp.checkpoint import integrity, resume
 from vlp.config import ConfigError
 from vlp.distributed import barrier, gather_object, get_rank, get_world_size, is_main
 from vlp.checkpoint.storage import SIDECAR, RunFolder, remove_local
-from vlp.checkpoint import resume
 from vlp.checkpoint.files import (CKPT_RE, META_FILE, CheckpointError, load, load_sharded, load_valid, rank_file,
                                   ranks_name, save_file, write_failed, write_shards)
 from vlp.util import first_line, pid_alive
@@ -202,8 +201,8 @@ class Checkpointer:
         self._agree(commit, name, meta_stage)
 
     def resume(self, spec: str, cfg) -> Optional[tuple[str, dict]]:
-        """Remove what killed saves left, then find the checkpoint `spec`, fit it to this run
-        (vlp.checkpoint.resume) and load every part: (where, state), or None when starting fresh."""
+        """Remove what killed saves left, then find the checkpoint `spec`, fit it to this run (vlp.checkpoint.resume),
+        load every part and say what changed: (where, state), or None when starting fresh."""
         for name in clean(self.folder) if is_main() else []:
             self.say(f"[vlp] removed {name} in {self.folder.url}: left by a checkpoint save that was killed")
         if not spec:
@@ -224,6 +223,11 @@ class Checkpointer:
                                   "resume needs the same model and loss; use a new train.output_dir to start over") from None
         finally:
             self.folder.drop_downloads()
+        changed = resume.layout_changes(state, cfg, get_world_size())  # e.g. world size: 2 -> 1
+        if changed:  # train.resume_mode=continue (else refused by fit)
+            self.say(f"[vlp] layout changed since {where}: {'; '.join(changed)} (train.resume_mode=continue)")
+        for line in resume.applied_lines(state, cfg):
+            self.say(line)  # e.g. "optim.lr 1e-3 -> 1e-5 from step 12" (vlp.checkpoint.resume.RESUME_RULES)
         return where, state
 
     def _load(self, state: dict, path: Path) -> None:

@@ -41,12 +41,17 @@ class Config:
         """Check every key against its rule (RULES), then the rules that join keys. What needs the
         registry of losses and models (a loss name, its temperature policy, a packaged tower) is
         checked by the layer that builds them: vlp.experiment.check, which calls this first."""
-        for name, rule in RULES.items():
-            rule.check(name, get_dotted(self, name))
+        for key, value in self.entries():
+            key.rule.check(key.name, value)
         for why in (parallel_problem(self), feature_cache_problem(self), cuda_graphs_problem(self)):
             if why:
                 raise ConfigError(f"config: {why}")
         return self
+
+    def entries(self) -> Iterator[tuple["ConfigKey", Any]]:
+        """Every key (its declaration, KEYS) with its value here, in section order."""
+        for key in KEYS.values():
+            yield key, get_dotted(self, key.name)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -101,10 +101,10 @@ class TrainData:
         # (vlp.data.device); None: the whole transform in the workers (float)
         self.image_output = "float" if device is None else image_output(cfg.data.decode, torch.device(device))
         self.pin_memory = device is not None and torch.device(device).type == "cuda"
+        self.loader = self.make_loader()  # validates the shard spec before any work
         self.device_images = None if transform is None else \
             image_decoder(transform, cfg.data.decode_size, self.image_output).device_part()
         self.feed = DeviceFeed(device or "cpu")  # pinned, non-blocking, on a side stream (CUDA)
-        self.loader = self.make_loader()  # validates the shard spec before any work
         self.current = self.loader  # the loader the current epoch comes from
         self.epoch = 0
         self.batch_in_epoch = 0

@@ -13,7 +13,8 @@ class Evaluator:
         """`folder`: the run folder (vlp.checkpoint.storage.RunFolder); reports go to eval_stepN/
         in it (from a bucket: written locally, then uploaded)."""
         self.cfg, self.tokenizer, self.transform, self.folder = cfg, tokenizer, transform, folder
-        self.suite()  # a malformed suite file fails now, not after training
+        suite = self.suite()  # a malformed suite file fails now, not after training
+        self.has_tasks = bool(suite["retrieval"] or suite["classification"])  # else evaluation is skipped
 
     def suite(self) -> dict:
         """data.eval_shards as the 'heldout' retrieval set, plus eval.suite's tasks."""
@@ -28,10 +29,6 @@ class Evaluator:
         if self.cfg.data.eval_shards:
             suite["retrieval"].insert(0, {"name": keys.HELDOUT, "shards": self.cfg.data.eval_shards})
         return suite
-
-    def has_tasks(self) -> bool:
-        suite = self.suite()
-        return bool(suite["retrieval"] or suite["classification"])
 
     def run(self, model, step: int, device) -> dict:
         """Zero-shot retrieval / classification of `model`; a flat dict of floats. The 'heldout'

@@ -16,6 +16,7 @@ No torch at import: vlp.experiment checks configs with this module before torch 
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -36,6 +37,13 @@ class LossSpec:
     temperature: str = "learnable"  # the default temperature mode (vlp.losses.temperature)
     init: Optional[str] = None  # "module:function" -> the published (logit_scale, logit_bias) init
     factory: Optional[Callable] = None  # stateful: factory(cls, loss_cfg, num_samples, total_steps)
+
+    def published_start(self) -> tuple[float, Optional[float]]:
+        """(log t, logit_bias) the loss's paper starts from: its `init`, else CLIP's t = 1/0.07 and no bias."""
+        if self.init is None:
+            return math.log(1.0 / CLIP_TAU), None
+        init = resolve(self.init)()
+        return init.logit_scale, init.logit_bias
 
     def build(self, loss_cfg, num_samples: int, total_steps: int):
         """This run's loss callable (see the module docstring)."""

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from vlp.losses.registry import CLIP_TAU, REGISTRY, get_spec, resolve
+from vlp.losses.registry import REGISTRY, get_spec
 
 # torch (and the losses, which need it) are imported inside the functions that use them:
 # vlp.experiment checks configs with this module, and config errors must come before torch's import.
@@ -57,14 +57,6 @@ class TemperaturePolicy:
             log_scale.clamp_(MIN_LOG_SCALE, self.max_log_scale)
 
 
-def initial_log_scale(init, tau: Optional[float]) -> float:
-    """log t at initialisation: log(1/tau) for a set tau, else the loss's published init
-    (`init`, its registry entry's; None: CLIP's)."""
-    if tau is not None:
-        return math.log(1.0 / tau)
-    return init.logit_scale if init is not None else math.log(1.0 / CLIP_TAU)
-
-
 def temperature_policy(loss_cfg) -> TemperaturePolicy:
     """Map a LossConfig (validated or not: an unset mode gets its default; vlp.config.from_dict
     reads an old mode name under its new one) to its policy; a LossConfig no policy fits (an
@@ -74,14 +66,14 @@ def temperature_policy(loss_cfg) -> TemperaturePolicy:
     The one place the policy is decided: vlp.experiment.check calls it to check the
     section and fill in the mode, build_model applies it and hands it on with the model
     (`DualEncoder.temperature`), and the trainer reads it from there."""
-    spec = get_spec(loss_cfg.name)  # the loss's default mode and published init
-    init = resolve(spec.init)() if spec.init else None
+    spec = get_spec(loss_cfg.name)  # the loss's default mode and published start
+    published_log_scale, init_logit_bias = spec.published_start()
     mode = loss_cfg.temperature or spec.temperature
     if mode not in MODES:
         raise ValueError(f"loss.temperature must be one of {list(MODES)}, got {mode!r}")
     if mode == "split" and loss_cfg.name not in SPLIT_LOSSES:
         raise ValueError(f"loss.temperature=split only applies to loss.name={' or '.join(SPLIT_LOSSES)}")
-    init_log_scale = initial_log_scale(init, loss_cfg.tau)
+    init_log_scale = math.log(1.0 / loss_cfg.tau) if loss_cfg.tau is not None else published_log_scale
     scale = math.exp(init_log_scale)
     if scale > loss_cfg.max_logit_scale * (1 + 1e-9):
         raise ValueError(f"loss.tau={loss_cfg.tau!r} gives initial logit_scale {scale:.4g} above "
@@ -90,7 +82,7 @@ def temperature_policy(loss_cfg) -> TemperaturePolicy:
     return TemperaturePolicy(
         mode=mode,
         init_log_scale=init_log_scale,
-        init_logit_bias=init.logit_bias if init is not None else None,
+        init_logit_bias=init_logit_bias,
         trainable=mode != "fixed",
         scale_grad="split" if mode == "split" else "same",
         max_log_scale=math.log(loss_cfg.max_logit_scale),

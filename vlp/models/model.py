@@ -141,8 +141,9 @@ def _trimmable_text_tower(clip: nn.Module) -> bool:
 def resolve_model_name(name: str) -> str:
     """A built-in / packaged open_clip name, `hf-hub:org/repo` (its open_clip_config.json, from
     the Hugging Face cache), or a JSON file path registered on the fly."""
-    if name.startswith(towers.HF_HUB):
-        return towers.register_config(name, hub_config(name)["model_cfg"], name)
+    if name.startswith(towers.HF_HUB):  # its open_clip_config.json's model, registered under the hub name
+        hub_model = hub_config(name)["model_cfg"]
+        return towers.register_config(name, hub_model, name)
     if name.endswith(".json"):
         path = Path(name)
         if not path.is_file():
@@ -174,10 +175,13 @@ def model_config_dict(name: str) -> dict:
     return open_clip.get_model_config(resolve_model_name(name))
 
 
-def with_hf_text_tower(name: str, model_cfg) -> str:
-    """Register (in memory) `name` with its text tower replaced by the local HF model in
-    model_cfg.hf_text_dir, pooled and projected as model_cfg says (vlp.models.towers.hf_text_cfg)."""
-    cfg = json.loads(json.dumps(model_config_dict(name)))
+def architecture(model_cfg) -> str:
+    """The open_clip name to create: model.name resolved; with model.hf_text_dir, registered (in memory)
+    with its text tower replaced by that HF model, pooled and projected as model_cfg says (towers.hf_text_cfg)."""
+    name = resolve_model_name(model_cfg.name)
+    if not model_cfg.hf_text_dir:
+        return name
+    cfg = json.loads(json.dumps(open_clip.get_model_config(name)))
     text_cfg = towers.hf_text_cfg(model_cfg.hf_text_dir, cfg["text_cfg"].get("context_length", 77),
                                   model_cfg.text_pooler, model_cfg.text_proj, model_cfg.text_context_length)
     cfg["text_cfg"] = text_cfg
@@ -200,9 +204,7 @@ def build_model(model_cfg, loss_cfg, device: str | torch.device = "cpu", init_we
     `data_cfg` whose train_transform is eval, the eval transform; else open_clip's augmenting one.
     """
     model_cfg = packaged.resolve_model_cfg(model_cfg)  # pypi:<name> sources -> their local files
-    name = resolve_model_name(model_cfg.name)
-    if model_cfg.hf_text_dir:
-        name = with_hf_text_tower(name, model_cfg)
+    name = architecture(model_cfg)
     policy = temperature_policy(loss_cfg)
     kwargs = dict(init_logit_scale=policy.init_log_scale)
     if policy.init_logit_bias is not None:

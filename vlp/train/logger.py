@@ -7,17 +7,21 @@ in a bucket log.jsonl is kept locally and uploaded whole every 30 s, at every ch
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from pathlib import Path
 from typing import Optional
 
-from vlp.config import save_config
+from vlp.config import ConfigError, save_config
 
 
 class RunLogger:
     def __init__(self, folder, enabled: bool, wandb_project: Optional[str] = None,
                  config: Optional[dict] = None):
+        """Writes nothing yet; a wandb_project without wandb installed is refused now, not at the first log."""
+        if wandb_project and importlib.util.find_spec("wandb") is None:
+            raise ConfigError("config: train.wandb_project is set but wandb is not installed (pip install wandb)")
         self.folder = folder  # the run's vlp.checkpoint.storage.RunFolder
         self.enabled = enabled
         self.wandb_project, self.config = wandb_project, config
@@ -73,17 +77,6 @@ class RunLogger:
             self.folder.sync_dir("tb")
         if self._wandb is not None:
             self._wandb.finish()
-
-
-def check_wandb(cfg) -> None:
-    """train.wandb_project needs wandb installed: refused now, not at the first log."""
-    if cfg.train.wandb_project:
-        import importlib.util
-
-        if importlib.util.find_spec("wandb") is None:
-            from vlp.config import ConfigError
-
-            raise ConfigError("config: train.wandb_project is set but wandb is not installed (pip install wandb)")
 
 
 def show_step(bar, metrics: dict, samples_per_s: float) -> None:

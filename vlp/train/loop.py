@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, set_seed
 
 from vlp import records
-from vlp.checkpoint import lock as runlock, resume, storage
+from vlp.checkpoint import lock as runlock, storage
 from vlp.checkpoint.checkpointer import PER_RANK, RANK_FILES, Checkpointer
 from vlp.config import Config, global_batch, steps_for
 from vlp.data.lifecycle import WorkerDied
@@ -42,7 +42,7 @@ from vlp.models.model import DualEncoder, build_model
 from vlp.train import parallel, preempt
 from vlp.eval.evaluator import Evaluator
 from vlp.train.feature_cache import training_features
-from vlp.train.logger import RunLogger, check_wandb, show_step
+from vlp.train.logger import RunLogger, show_step
 from vlp.train.memory import StepMemory
 from vlp.train.optim import build_optimizer, build_scheduler, follow_config, param_groups
 from vlp.train.parts import RNG, Counters
@@ -70,14 +70,18 @@ class Trainer:
                              DistributedDataParallelKwargs(find_unused_parameters=True)],
         )
         exit_with_launcher()
-        check_wandb(cfg)
-        # the run folder: a local path or a bucket URL, checked before any work (vlp.checkpoint.storage)
+        # the run folder: a local path or a bucket URL, checked before any work (vlp.checkpoint.storage);
+        # the run's records go there (main process; a train.wandb_project without wandb is refused now)
         self.folder = storage.open_run_folder(cfg.train.output_dir)
+        self.logger = RunLogger(self.folder, is_main(), cfg.train.wandb_project, cfg.to_dict())
         set_seed(cfg.train.seed)
         self.world, self.accum = acc.num_processes, cfg.train.accum_steps
         self.global_batch = global_batch(cfg, self.world)
-        self.total_steps = steps_for(cfg.train.samples, self.global_batch)
         self.counters = Counters()
+        schedule_steps = steps_for(cfg.train.samples, self.global_batch)  # total_steps before any resume
+        # the LR schedule's (step, total) in steps of the current global batch: a resume with another
+        # global batch (train.resume_mode=continue) keeps it continuous
+        lr_position = lambda: (steps_for(self.samples_seen, self.global_batch), schedule_steps)  # noqa: E731
         self.nonfinite_in_row = 0
         self.peak_step_bytes: Optional[int] = None  # of this process's second step (measured_step)
         self.train_mode_set = False  # train_step has called model.train() (see there)
@@ -102,13 +106,9 @@ class Trainer:
         self.model, self.optimizer = self.strategy.prepare(model, lambda m: build_optimizer(
             param_groups(m, cfg.optim.weight_decay), cfg.optim, acc.device.type))
         self.torch_optimizer = self.strategy.torch_optimizer
-        # the schedule follows samples seen (in steps of the current global batch), so a resume with
-        # another global batch (train.resume_mode=continue) keeps it continuous. Not prepared:
-        # Accelerate would step it once per process.
-        self.scheduler = build_scheduler(self.torch_optimizer, cfg.optim, lambda: (
-            steps_for(self.samples_seen, self.global_batch), steps_for(cfg.train.samples, self.global_batch)))
+        # not prepared: Accelerate would step it once per process
+        self.scheduler = build_scheduler(self.torch_optimizer, cfg.optim, lr_position)
         self.checkpoints = self.checkpointer(cfg, acc)
-        self.logger = RunLogger(self.folder, is_main(), cfg.train.wandb_project, cfg.to_dict())
         self.static_step = static_step(self)  # train.cuda_graphs: the step without host reads, else None
 
     def checkpointer(self, cfg: Config, acc: Accelerator) -> Checkpointer:
@@ -127,6 +127,11 @@ class Trainer:
         checkpoints.register("data", self.data, PER_RANK, relayout)
         checkpoints.register("rng", RNG(cfg.train.seed, acc.process_index), PER_RANK)
         return checkpoints
+
+    @property
+    def total_steps(self) -> int:
+        """Steps taken + those the rest of train.samples makes (the same all run long, resumed or not)."""
+        return self.step + steps_for(self.cfg.train.samples - self.samples_seen, self.global_batch)
 
     @property
     def unwrapped(self) -> DualEncoder:
@@ -236,18 +241,12 @@ class Trainer:
         return f"{head}; the weights are not finite, nothing saved; {self.checkpoints.newest_valid()}"
 
     def maybe_resume(self) -> None:
-        """Resume from train.resume (the checkpointer loads every part), then the counters decide
-        the steps left and the optimizer follows changed settings (vlp.checkpoint.resume)."""
+        """Resume from train.resume (the checkpointer loads every part and says what changed; the
+        counters decide the steps left, total_steps), then the optimizer follows changed settings."""
         found = self.checkpoints.resume(self.cfg.train.resume, self.cfg)
         if found is not None:
-            (path, state), d = found, self.data
-            self.total_steps = self.step + steps_for(self.cfg.train.samples - self.samples_seen, self.global_batch)
+            (path, _), d = found, self.data
             follow_config(self.torch_optimizer, self.scheduler, self.cfg.optim)  # not the saved lr, betas, ...
-            changed = resume.layout_changes(state, self.cfg, self.world)  # e.g. world size: 2 -> 1
-            if changed:  # train.resume_mode=continue (else refused in the checkpointer)
-                self.print(f"[vlp] layout changed since {path}: {'; '.join(changed)} (train.resume_mode=continue)")
-            for line in resume.applied_lines(state, self.cfg):
-                self.print(line)  # e.g. "optim.lr 1e-3 -> 1e-5 from step 12" (vlp.checkpoint.resume.RESUME_RULES)
             self.print(f"[vlp] resumed from {path} at step {self.step}, {self.samples_seen} samples seen (epoch "
                        f"{d.epoch}, batch {d.batch_in_epoch}{' of its rest under the new layout' if d.pieces else ''})")
 
@@ -259,7 +258,7 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Zero-shot retrieval / classification on the main process; a flat dict of floats."""
-        if not self.evaluator.has_tasks():
+        if not self.evaluator.has_tasks:
             return {}
         model = self.eval_model()  # collective under FSDP
         flat: dict = {}
@@ -306,9 +305,9 @@ class Trainer:
 
     def _train(self) -> dict:
         cfg = self.cfg
-        if is_main():
-            self.logger.save_config(cfg)
         self.maybe_resume()
+        if is_main():  # the folder's config.yaml: this run's, once a resume has accepted it
+            self.logger.save_config(cfg)
         self.print(f"[vlp] loss={cfg.loss.name} temperature={cfg.loss.temperature} "
                    f"global batch={self.global_batch} (= {cfg.data.batch_per_device} per device x {self.world} "
                    f"processes x {self.accum} accum) steps={self.total_steps} device={self.accelerator.device}")
