@@ -78,6 +78,14 @@ def cell(text: str) -> str:
     return "`".join(part if i % 2 else part.replace("<", "&lt;") for i, part in enumerate(parts))
 
 
+def owner_field(cls, parts: list[str]) -> str:
+    """'Class.field' of the field that declares a key, given its dotted parts after the section (a
+    nested group's key, grid.slurm.time: 'SlurmConfig.time')."""
+    for part in parts[:-1]:
+        cls = typing.get_type_hints(cls)[part]
+    return f"{cls.__name__}.{parts[-1]}"
+
+
 def keys_markdown() -> str:
     """The generated part of the page: one table per section, `grid:` (vlp compare) last."""
     docs = docstrings()
@@ -90,7 +98,7 @@ def keys_markdown() -> str:
             if name.split(".")[0] != section:
                 continue
             accepts = "" if k.rule is config_rules.ANY else k.rule.allowed
-            meaning = docs.get(f"{cls.__name__}.{name.split('.')[1]}", "")
+            meaning = docs.get(owner_field(cls, name.split(".")[1:]), "")
             cells = [f"`{name}`", type_text(k.type), value_text(k.default), accepts, resume_text(k.resume), meaning]
             lines.append("| " + " | ".join(map(cell, cells)) + " |")
         lines.append("")

@@ -161,8 +161,9 @@ def read_grid(raw: Any) -> GridConfig:
     for name in ("losses", "batch_per_device", "seeds"):
         if name not in given:
             raise ConfigError(f"config: grid.{name} is required (compare needs losses, batch_per_device and seeds)")
-    for name in given:  # a default passes its rule
-        GRID_KEYS[f"grid.{name}"].rule.check(f"grid.{name}", getattr(grid, name))
+    for name, k in GRID_KEYS.items():  # the keys given, a nested group's (grid.slurm.time) too; a default passes
+        if name.split(".")[1] in given:
+            k.rule.check(name, get_dotted(grid, name.split(".", 1)[1]))
     return grid
 
 

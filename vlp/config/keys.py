@@ -10,12 +10,13 @@ A new key is one field here: a field declared without `key(...)` stops vlp at im
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from vlp.config.rules import (ANY, APPLIED, CHECKPOINT, COUNT, FILE, FOLDER, HARMLESS, HF_FOLDER,
                               LAYOUT_KEY, LAYOUT_STATE, NAME, PLAN, POSITIVE_INT, QUIET, REFUSE, SAMPLING_WEIGHTS,
-                              SEED, SHAPES_MODEL, TEXT, WEIGHTS, WEIGHTS_WIN, KeyRule, key, listed, number)
+                              SEED, SHAPES_MODEL, TEXT, WEIGHTS, WEIGHTS_WIN, KeyRule, Rule, key, listed, number)
 
 OPTIMIZERS = ("adamw", "lars", "sgd")
 """optim.name's values (OptimConfig.name) and grid.optimizers'."""
@@ -256,6 +257,45 @@ class EvalConfig:
 
 
 
+SLURM_MEM = Rule("a SLURM memory size: digits with an optional K, M, G or T (e.g. 64G; 0: all of a node's)",
+                 lambda v: re.fullmatch(r"[0-9]+[KMGT]?", v) is not None, ("", "64GB", "-1G", "lots"))
+SBATCH_LINES = Rule("a list of sbatch options, each starting with '--' (e.g. ['--exclusive', '--reservation=r1'])",
+                    lambda v: all(isinstance(x, str) and x.startswith("--") and "\n" not in x for x in v),
+                    (["exclusive"], ["--a\n--b"]))
+
+
+@dataclass
+class SlurmConfig:
+    """`grid.slurm:` the resources of each run's SLURM job (grid.executor: slurm; vlp/study/slurm.py),
+    checked against the cluster (sinfo) before any job is submitted."""
+
+    partition: Optional[str] = key(None, TEXT, PLAN)
+    """Partition of every run's job (unset: the cluster's default partition)."""
+    account: Optional[str] = key(None, TEXT, PLAN)
+    """Account charged for the jobs (sbatch --account; unset: your default)."""
+    qos: Optional[str] = key(None, TEXT, PLAN)
+    """Quality of service of the jobs (sbatch --qos; unset: the default)."""
+    time: int = key(60, POSITIVE_INT, PLAN)
+    """Time limit of one run's job in minutes (> 0). A run that reaches it ends TIMEOUT and is
+    resubmitted (grid.retries), resuming from its last checkpoint (train.checkpoint_every)."""
+    nodes: int = key(1, POSITIVE_INT, PLAN)
+    """Nodes per run's job: one `accelerate launch` per node, as launch/slurm.sbatch."""
+    gpus_per_node: int = key(0, COUNT, PLAN)
+    """GPUs per node, one process each (0: one CPU process per node, over gloo)."""
+    cpus_per_task: int = key(1, POSITIVE_INT, PLAN)
+    """CPUs per node's task (the launcher, its processes and their loader workers)."""
+    mem: Optional[str] = key(None, SLURM_MEM, PLAN)
+    """Memory per node (sbatch --mem, e.g. 256G; unset: the partition's default)."""
+    constraint: Optional[str] = key(None, TEXT, PLAN)
+    """Node features the jobs need (sbatch --constraint, e.g. h100)."""
+    sbatch: list[str] = key([], SBATCH_LINES, PLAN)
+    """More sbatch options, one per item, as written after `#SBATCH` (e.g. ['--exclusive'])."""
+    max_in_flight: int = key(64, number(1, 100_000, integer=True), PLAN)
+    """At most this many of the grid's jobs submitted and not yet ended at once."""
+    poll_s: float = key(10.0, number(0.2, 3600), PLAN)
+    """Seconds between two polls of the scheduler (one squeue or sacct call for all the jobs)."""
+
+
 @dataclass
 class GridConfig:
     """`grid:` the runs of `vlp compare` (vlp/study): the arms, seeds and sweep, where they go and
@@ -325,3 +365,8 @@ class GridConfig:
     budget_points: int = key(1, number(1, 64, integer=True), PLAN)
     """Study: rank val and test at this many evenly spaced points of the budget (the steps of every
     run must divide by it); the report gives the verdict at the end and at each arm's val-best point."""
+    executor: Literal["local", "slurm"] = key("local", ANY, PLAN)
+    """Where the runs run: local (this process, or grid.workers worker processes) or slurm (each
+    run one SLURM job with the resources of grid.slurm; vlp/study/slurm.py). The table is the same."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    """grid.executor=slurm: each run's job resources (SlurmConfig)."""

@@ -30,6 +30,7 @@ on 'test' (= the demo's held-out 'eval' names; vlp/data/sources/openmoji.py).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
@@ -224,7 +225,8 @@ def run_study(base: dict, bases: dict, grid, acc, report_only: bool = False) -> 
     result = {"sweep": sweep, "final": finals, "best": best, "price": prices, "tried": tried, "report": ""}
     if acc.is_main_process:
         with walk.out.file("compare_config.yaml") as path:
-            path.write_text(yaml.safe_dump({**base, "grid": {**grid.__dict__}}, sort_keys=False))
+            path.write_text(yaml.safe_dump({**base, "grid": {**grid.__dict__, "slurm": dataclasses.asdict(grid.slurm)}},
+                                           sort_keys=False))
         result["report"] = write_report(walk.out, result, grid, {"fit_sizes": fit_sizes(bases) if grid.sweep else {}})
         print(result["report"], flush=True)
     walk.out.close()
