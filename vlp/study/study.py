@@ -40,6 +40,7 @@ from vlp.checkpoint.storage import open_run_folder
 from vlp.config import ConfigError, set_dotted
 from vlp.data.shard_list import sizes_from_spec
 from vlp.data.sources import parse_packaged
+from vlp.study.batch import executor_of
 from vlp.study.adaptive import more_seed_runs, open_arms, seeds_of_look, sizes_of
 from vlp.study.executor import Executor, Job, warm_caches
 from vlp.study.plan import Run, arms_of, final_runs, groups_of, price_runs, select_best, sweep_runs
@@ -213,7 +214,7 @@ def run_study(base: dict, bases: dict, grid, acc, report_only: bool = False) -> 
     if grid.sweep and not report_only:
         warm_caches(bases, grid, acc)
     plain = {arm: () for arm in arms_of(grid)} if not grid.sweep else None
-    with Executor(grid, acc) as executor:
+    with executor_of(grid, acc) as executor:  # local, or a scheduler's jobs (vlp.study.batch)
         walk = StudyWalk(grid, acc, bases, executor, report_only)
         if plain is not None:  # the report after every run: partial results are always on disk
             runs = final_runs(grid, plain)

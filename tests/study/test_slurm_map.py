@@ -1,0 +1,228 @@
+"""`vlp compare` with grid.executor=slurm on a real 2-node SLURM cluster on 127.0.0.1 with accounting
+(tests/support/slurm_cluster.py: slurmdbd on a private MariaDB), and one without: each run is one
+job (vlp/study/slurm.py, vlp/study/batch.py). A tiny plain grid (2 runs of vlp-micro) gives the same
+table as the local executor; so does a map whose job is scancelled mid-run, and one whose driver is
+SIGKILLed mid-map and started again (no run submitted twice). A run that always fails is reported
+with its reason after grid.retries; bad executor settings are one line each, before any submission.
+Skipped with the reason where SLURM is not installed; under CI=true that skip is a failure."""
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from slurm_cluster import SlurmCluster, missing
+from vlp_testing import REPO
+
+pytestmark = pytest.mark.multiproc  # the tier (docs/testing.md): every test here starts processes
+
+STEPS = 60  # per run: 480 samples at batch 8, a checkpoint every 10 steps
+SAME = ("run", "status", "steps", "samples_seen", "mean_R@1", "mean_R@5", "mean_R@10", "i2t_R@1", "t2i_R@1",
+        "infonce", "logit_scale")
+
+
+def need(accounting: bool) -> None:
+    why = missing(accounting)
+    if why:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true and {why}")
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    need(accounting=True)
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm_acct"), accounting=True).start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(autouse=True)
+def cancel_what_a_test_leaves(request):
+    yield
+    if "cluster" in request.fixturenames:
+        c = request.getfixturevalue("cluster")
+        subprocess.run(["scancel", "--user", str(os.getuid())], env=c.env, capture_output=True, timeout=60)
+
+
+def write_config(tmp: Path, shards: dict, **grid) -> Path:
+    cfg = {"model": {"name": "vlp-micro"},
+           "data": {"train_shards": shards["train"], "eval_shards": shards["eval"], "shuffle_buffer": 64},
+           "optim": {"lr": 2e-3}, "train": {"samples": STEPS * 8, "checkpoint_every": 10, "keep_last": 1},
+           "eval": {"batch_size": 64},
+           "grid": {"losses": ["infonce", "flatnce"], "batch_per_device": [8], "seeds": [0],
+                    "out_dir": str(tmp / "grid"), "warmup_samples": 8, "log_every_samples": 8,
+                    "executor": "slurm", "slurm": {"poll_s": 0.5, "time": 10}, **grid}}
+    path = tmp / "compare.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def env_of(c) -> dict:
+    return dict(c.env, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONFAULTHANDLER="1")
+
+
+def compare(c, config: Path, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vlp", "compare", "-c", str(config), *args], cwd=config.parent,
+                          env=env_of(c), capture_output=True, text=True, timeout=timeout)
+
+
+def table(out: Path) -> list[dict]:
+    with open(out / "runs.csv") as f:
+        return sorted(({k: r[k] for k in SAME} for r in csv.DictReader(f)), key=lambda r: r["run"])
+
+
+def submitted(out: Path) -> dict[str, list[str]]:
+    """Per run folder: the ids of the jobs submitted for it (job.json)."""
+    return {d.name: [j["id"] for j in json.loads((d / "job.json").read_text())["jobs"]]
+            for d in sorted(out.iterdir()) if (d / "job.json").exists()}
+
+
+def sacct_names(c, ids: list[str]) -> list[str]:
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(ids), "-o", "JobName"], env=c.env,
+                         capture_output=True, text=True, check=True).stdout
+    return sorted(out.split())
+
+
+@pytest.fixture(scope="module")
+def local_table(tiny_shards, tmp_path_factory):
+    """The same grid by the local executor: the table every SLURM map must give."""
+    tmp = tmp_path_factory.mktemp("local")
+    config = write_config(tmp, tiny_shards, executor="local")
+    proc = subprocess.run([sys.executable, "-m", "vlp", "compare", "-c", str(config)], cwd=tmp,
+                          env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = table(tmp / "grid")
+    assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["steps"] == str(STEPS) for r in rows), rows
+    return rows
+
+
+def wait_for(what: str, ready, limit_s: float = 300):
+    deadline = time.time() + limit_s
+    while time.time() < deadline:
+        found = ready()
+        if found:
+            return found
+        time.sleep(0.3)
+    raise AssertionError(f"{what}: not within {limit_s} s")
+
+
+def logged_step(folder: Path) -> int:
+    log = folder / "log.jsonl"
+    steps = [json.loads(x).get("step", 0) for x in log.read_text().splitlines()] if log.exists() else []
+    return max(steps, default=0)
+
+
+def test_a_tiny_grid_on_slurm_gives_the_local_table_one_job_per_run(cluster, tiny_shards, tmp_path, local_table):
+    config = write_config(tmp_path, tiny_shards)
+    proc = compare(cluster, config)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "grid"
+    assert table(out) == local_table
+    ids = submitted(out)
+    assert sorted(ids) == ["flatnce_b8_s0", "infonce_b8_s0"] and all(len(v) == 1 for v in ids.values()), ids
+    assert len(set(sacct_names(cluster, [i for v in ids.values() for i in v]))) == 2
+    assert "accounting is off" not in proc.stdout
+    status = compare(cluster, config, "--status")
+    assert status.returncode == 0 and "2 done" in status.stdout, status.stdout + status.stderr
+
+
+def test_a_job_scancelled_mid_run_is_resubmitted_and_the_table_is_the_same(cluster, tiny_shards, tmp_path, local_table):
+    config = write_config(tmp_path, tiny_shards)
+    out = tmp_path / "grid"
+    driver = subprocess.Popen([sys.executable, "-m", "vlp", "compare", "-c", str(config)], cwd=tmp_path,
+                              env=env_of(cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        folder = out / "infonce_b8_s0"
+        wait_for("a checkpoint of infonce", lambda: logged_step(folder) >= 12)
+        job = submitted(out)["infonce_b8_s0"][0]
+        subprocess.run(["scancel", job], env=cluster.env, check=True)
+        text, _ = driver.communicate(timeout=400)
+    finally:
+        driver.kill()
+    assert driver.returncode == 0, text[-4000:]
+    assert f"infonce_b8_s0: job {job} CANCELLED" in text and "resubmitted (retry 1 of 1)" in text, text[-3000:]
+    assert table(out) == local_table
+    assert len(submitted(out)["infonce_b8_s0"]) == 2 and len(submitted(out)["flatnce_b8_s0"]) == 1
+
+
+def test_the_driver_sigkilled_mid_map_reattaches_and_submits_no_run_twice(cluster, tiny_shards, tmp_path, local_table):
+    config = write_config(tmp_path, tiny_shards)
+    out = tmp_path / "grid"
+    driver = subprocess.Popen([sys.executable, "-m", "vlp", "compare", "-c", str(config)], cwd=tmp_path,
+                              env=env_of(cluster), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    try:
+        wait_for("both runs submitted and one training", lambda: len(submitted(out)) == 2 and any(
+            logged_step(out / name) >= 1 for name in submitted(out)))
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+    first = submitted(out)
+    again = compare(cluster, config)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "re-attached to" in again.stdout
+    assert submitted(out) == first, (first, submitted(out))  # no new submission
+    assert table(out) == local_table
+    ids = [i for v in first.values() for i in v]
+    assert len(sacct_names(cluster, ids)) == 2
+
+
+def test_a_run_that_always_fails_is_reported_with_its_reason_after_the_retries(cluster, tiny_shards, tmp_path):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    config = write_config(tmp_path, tiny_shards, retries=1,
+                          loss_overrides={"flatnce": {"model.pretrained": str(garbage)}})
+    proc = compare(cluster, config)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("vlp: error:")]
+    assert len(errors) == 1 and "1 run(s) failed" in errors[0] and "flatnce_b8_s0" in errors[0], proc.stderr[-2000:]
+    assert "flatnce_b8_s0: job" in proc.stdout and "resubmitted (retry 1 of 1)" in proc.stdout
+    out = tmp_path / "grid"
+    record = json.loads((out / "flatnce_b8_s0" / "compare.json").read_text())
+    assert record["status"] == "failed" and "FAILED" in record["error"] and "after 2 attempts" in record["error"], record
+    assert len(submitted(out)["flatnce_b8_s0"]) == 2
+    rows = {r["run"]: r for r in table(out)}
+    assert rows["infonce_b8_s0"]["status"] == "ok" and rows["flatnce_b8_s0"]["status"] == "failed"
+    status = compare(cluster, config, "--status")
+    assert "1 done" in status.stdout and "1 failed" in status.stdout, status.stdout
+
+
+@pytest.mark.parametrize("setting, words", [
+    ("grid.slurm.partition=nope", "no such partition (it has high, main)"),
+    ("grid.slurm.time=0", "grid.slurm.time must be > 0"),
+    ("grid.slurm.gpus_per_node=1", "partition main has no GPUs"),
+    ("grid.slurm.nodes=3", "partition main has 2 node(s)"),
+])
+def test_bad_executor_settings_are_one_line_before_anything_is_submitted(cluster, tiny_shards, tmp_path, setting, words):
+    config = write_config(tmp_path, tiny_shards)
+    proc = compare(cluster, config, setting, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("vlp: error:") and words in lines[0], proc.stderr
+    assert not (tmp_path / "grid").exists() or not submitted(tmp_path / "grid")
+    queue = subprocess.run(["squeue", "-h"], env=cluster.env, capture_output=True, text=True).stdout
+    assert queue.strip() == ""
+
+
+def test_a_cluster_without_accounting_runs_the_map_from_squeue(tiny_shards, tmp_path, local_table, tmp_path_factory):
+    need(accounting=False)
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm_noacct"), accounting=False).start()
+    try:
+        config = write_config(tmp_path, tiny_shards)
+        proc = compare(c, config)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.stdout.count("SLURM accounting is off") == 1, proc.stdout
+        assert table(tmp_path / "grid") == local_table
+        assert all(len(v) == 1 for v in submitted(tmp_path / "grid").values())
+    finally:
+        c.stop()
