@@ -23,7 +23,7 @@ from vlp_testing import REPO
 pytestmark = pytest.mark.multiproc  # the tier (docs/testing.md): every test here starts processes
 
 STEPS = 60  # per run: 480 samples at batch 8, a checkpoint every 10 steps
-SAME = ("run", "status", "steps", "samples_seen", "mean_R@1", "mean_R@5", "mean_R@10", "i2t_R@1", "t2i_R@1",
+SAME = ("run", "status", "steps", "samples_seen", "mean_R@1", "mean_R@5", "mean_R@10", "image_to_text_R@1", "text_to_image_R@1",
         "infonce", "logit_scale")
 
 
