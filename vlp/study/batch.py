@@ -222,8 +222,7 @@ class BatchExecutor:
             print(f"[compare] {t.job.run.name}: job {state.id} {why}; resubmitted "
                   f"(retry {t.failures} of {self.grid.retries})", flush=True)
             return True
-        attempts = f"after {t.failures} attempt{'s' * (t.failures > 1)}"
-        error = f"job {state.id} {why} ({attempts})"
+        error = f"{t.failures} attempt{'s' * (t.failures > 1)}, the last job {state.id} {why}"
         atomic_write(t.folder / RECORD_FILE, json.dumps({
             "status": "failed", "error": error[:300], "attempts": t.failures, "scheduler": self.scheduler.name,
             "wall_time_s": record.get("wall_time_s", 0.0)}, indent=2))
