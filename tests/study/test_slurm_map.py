@@ -192,6 +192,35 @@ def test_the_driver_sigkilled_mid_map_reattaches_and_submits_no_run_twice(cluste
     assert len(sacct_names(cluster, ids)) == 2
 
 
+def test_ctrl_c_stops_submitting_leaves_the_jobs_then_status_and_cancel(cluster, tiny_shards, tmp_path):
+    """Ctrl-C (SIGINT) to the driver with one run in flight and one waiting (max_in_flight=1): one
+    line, exit 130, the job runs on (suspended here, so it is still in flight), nothing else is
+    submitted; --status shows it, --cancel cancels it."""
+    config = write_config(tmp_path, tiny_shards)
+    out = tmp_path / "grid"
+    driver = subprocess.Popen([sys.executable, "-m", "vlp", "compare", "-c", str(config),
+                               "grid.slurm.max_in_flight=1"], cwd=tmp_path, env=env_of(cluster),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for("one run training", lambda: any(logged_step(out / name) >= 1 for name in submitted(out)))
+        (job,) = [i for v in submitted(out).values() for i in v]
+        subprocess.run(["scontrol", "suspend", job], env=cluster.env, check=True)
+        os.kill(driver.pid, signal.SIGINT)
+        stdout, stderr = driver.communicate(timeout=60)
+    finally:
+        driver.kill()
+    assert driver.returncode == 130, stdout[-2000:] + stderr[-2000:]
+    assert stderr.strip().splitlines() == [
+        "vlp: interrupted (Ctrl-C): nothing more is submitted; the 1 slurm job(s) in flight run on. "
+        "Run the same command to re-attach, or add --cancel to cancel them"], stderr
+    assert cluster.job(int(job))["JobState"] == "SUSPENDED" and len(submitted(out)) == 1
+    status = compare(cluster, config, "--status", timeout=120)
+    assert status.returncode == 0 and "| pending | " + job in status.stdout and "1 pending" in status.stdout, status.stdout
+    cancel = compare(cluster, config, "--cancel", timeout=120)
+    assert cancel.stdout.strip() == f"vlp: cancelled 1 job(s) of {out}", cancel.stdout + cancel.stderr
+    wait_for("the job cancelled", lambda: cluster.job(int(job))["JobState"] == "CANCELLED", 60)
+
+
 def test_a_run_that_always_fails_is_reported_with_its_reason_after_the_retries(cluster, tiny_shards, tmp_path):
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint")
