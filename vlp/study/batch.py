@@ -37,6 +37,7 @@ from typing import Callable, Optional, Protocol
 from vlp.config import ConfigError
 from vlp.locations import is_url
 from vlp.study.executor import Job
+from vlp.study.jobstate import DONE, FAILED, PENDING, RUNNING, JobState  # noqa: F401 (the phases, here too)
 from vlp.train.preempt import Preempted
 from vlp.util import atomic_write
 
@@ -44,22 +45,7 @@ SPEC_FILE = "job_spec.json"
 JOBS_FILE = "job.json"
 RECORD_FILE = "compare.json"  # vlp.study.runs.run_one's record: what the report reads
 
-PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "failed"
 CONFIG_ERROR_EXIT = 2  # vlp.study.job's status for a config error: not retried
-
-
-@dataclass(frozen=True)
-class JobState:
-    """One job as the scheduler sees it: its own word for the state (RUNNING, TIMEOUT, ...), the
-    phase the driver acts on (PENDING, RUNNING, DONE, FAILED), the scheduler's reason or exit
-    code, and how often it was requeued underneath the driver."""
-
-    id: str
-    state: str
-    phase: str
-    reason: str = ""
-    exit_code: Optional[int] = None
-    requeues: int = 0
 
 
 class Scheduler(Protocol):

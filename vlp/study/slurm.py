@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from vlp.config import ConfigError
-from vlp.study.batch import DONE, FAILED, PENDING, RUNNING, JobState
+from vlp.study.jobstate import DONE, FAILED, PENDING, RUNNING, JobState
 
 SCRIPT = "job.sh"
 WAITING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED"}
