@@ -285,7 +285,8 @@ class SlurmConfig:
     cpus_per_task: int = key(1, POSITIVE_INT, PLAN)
     """CPUs per node's task (the launcher, its processes and their loader workers)."""
     mem: Optional[str] = key(None, SLURM_MEM, PLAN)
-    """Memory per node (sbatch --mem, e.g. 256G; unset: the partition's default)."""
+    """Memory per node (sbatch --mem, e.g. 256G, or "0": all of it; a string: quote a bare number;
+    unset: the partition's default)."""
     constraint: Optional[str] = key(None, TEXT, PLAN)
     """Node features the jobs need (sbatch --constraint, e.g. h100)."""
     sbatch: list[str] = key([], SBATCH_LINES, PLAN)
