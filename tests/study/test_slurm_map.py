@@ -156,9 +156,12 @@ def test_a_job_scancelled_mid_run_is_resubmitted_and_the_table_is_the_same(clust
     assert len(submitted(out)["infonce_b8_s0"]) == 2 and len(submitted(out)["flatnce_b8_s0"]) == 1
 
 
-def test_the_driver_sigkilled_mid_map_reattaches_and_submits_no_run_twice(cluster, tiny_shards, tmp_path, local_table):
-    """The driver SIGKILLed while both jobs run; they are suspended (scontrol suspend) so that they
-    are still in flight when the same command starts again, whatever the box's speed."""
+@pytest.mark.parametrize("kill", [signal.SIGKILL, signal.SIGHUP], ids=["SIGKILL", "SIGHUP"])
+def test_the_driver_killed_mid_map_reattaches_and_submits_no_run_twice(cluster, tiny_shards, tmp_path, local_table,
+                                                                        kill):
+    """The driver killed while both jobs run (SIGHUP: a closed terminal; SIGTERM has the same default
+    action); they are suspended (scontrol suspend) so that they are still in flight when the same
+    command starts again, whatever the box's speed."""
     config = write_config(tmp_path, tiny_shards)
     out = tmp_path / "grid"
     driver = subprocess.Popen([sys.executable, "-m", "vlp", "compare", "-c", str(config)], cwd=tmp_path,
@@ -168,8 +171,8 @@ def test_the_driver_sigkilled_mid_map_reattaches_and_submits_no_run_twice(cluste
         wait_for("both runs submitted and one training", lambda: len(submitted(out)) == 2 and any(
             logged_step(out / name) >= 1 for name in submitted(out)))
     finally:
-        os.killpg(driver.pid, signal.SIGKILL)
-        driver.wait()
+        os.killpg(driver.pid, kill)
+        assert driver.wait(timeout=30) == -kill
     first = submitted(out)
     ids = [i for v in first.values() for i in v]
     wait_for("both jobs running", lambda: all(cluster.job(int(i))["JobState"] in ("RUNNING", "COMPLETED") for i in ids))
