@@ -137,6 +137,49 @@ def test_a_tiny_grid_on_slurm_gives_the_local_table_one_job_per_run(cluster, tin
     assert status.returncode == 0 and "2 done" in status.stdout, status.stdout + status.stderr
 
 
+@pytest.fixture(scope="module")
+def study_config(tmp_path_factory):
+    """A tuned study's config (2 losses x 2 rates, seed 0 on val, then seeds 0 and 1 on test: two
+    steps, six ranked runs) on tiny fit / val / test shards; its out_dir given per run."""
+    from vlp.data.sources.openmoji import load_pairs
+    from vlp.data.write import write_shards
+
+    root = tmp_path_factory.mktemp("study_shards")
+    shards = {split: write_shards(load_pairs(split, image_size=32)[:n], root / split, prefix=split,
+                                  samples_per_shard=64).spec for split, n in (("fit", 96), ("val", 24), ("test", 24))}
+    return {"model": {"name": "vlp-micro"},
+            "data": {"train_shards": shards["fit"], "eval_shards": shards["val"], "shuffle_buffer": 32},
+            "train": {"samples": 32}, "eval": {"batch_size": 64},
+            "grid": {"losses": ["infonce", "sogclr"], "batch_per_device": [8], "seeds": [0], "final_seeds": [0, 1],
+                     "optimizers": ["adamw"], "sweep": {"optim.lr": [1e-4, 3e-3]}, "test_shards": shards["test"],
+                     "metric": "mean_R@10", "keep_checkpoints": False, "slurm": {"poll_s": 0.5, "time": 10}}}
+
+
+def study_numbers(out: Path):
+    """study.json less what the clock decides (samples/s, memory, times)."""
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if not any(w in k for w in ("samples_per_s", "mem_mb", "time"))}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+    return strip(json.loads((out / "study.json").read_text()))
+
+
+def test_a_tiny_study_on_slurm_gives_the_local_study_json(cluster, study_config, tmp_path):
+    """Ranked runs (train_and_rank with the val / test specs from job_spec.json) and a second step
+    planned from the first's results (the final seeds): study.json as the local executor writes it."""
+    outs = {}
+    for executor in ("local", "slurm"):
+        config = tmp_path / f"{executor}.yaml"
+        outs[executor] = tmp_path / executor
+        tree = {**study_config, "grid": {**study_config["grid"], "executor": executor, "out_dir": str(outs[executor])}}
+        config.write_text(yaml.safe_dump(tree))
+        proc = compare(cluster, config)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert study_numbers(outs["slurm"]) == study_numbers(outs["local"])
+    ids = submitted(outs["slurm"])
+    assert len(ids) == 6 and all(len(v) == 1 for v in ids.values()), ids
+
+
 def test_a_job_scancelled_mid_run_is_resubmitted_and_the_table_is_the_same(cluster, tiny_shards, tmp_path, local_table):
     config = write_config(tmp_path, tiny_shards)
     out = tmp_path / "grid"
