@@ -52,6 +52,9 @@ class FakeScheduler:
     def cancel(self, ids):
         self.cancelled += ids
 
+    def output(self, folder, job_id):
+        return folder / f"out-{job_id}"
+
 
 def grid_of(out: Path, **slurm_keys):
     return read_grid({"losses": ["infonce"], "batch_per_device": [8], "seeds": [0], "out_dir": str(out),
@@ -152,6 +155,20 @@ def test_the_sbatch_line_and_the_job_script(tmp_path):
     one = slurm.job_script(read_grid({"losses": ["infonce"], "batch_per_device": [8], "seeds": [0]}).slurm,
                            tmp_path / "a b", "/venv/bin/python")
     assert one.rstrip().endswith(f"exec /venv/bin/python -m vlp.study.job '{tmp_path / 'a b'}'")
+
+
+def test_a_failed_poll_is_one_line_and_polled_again(tmp_path, capsys):
+    grid, fake = grid_of(tmp_path), FakeScheduler({"a": ["ok"]})
+    errors, real = [ConfigError("compare: squeue failed: timeout")], fake.poll
+
+    def flaky(ids):  # the first poll fails, the next ones answer
+        if errors:
+            raise errors.pop()
+        return real(ids)
+
+    fake.poll = flaky
+    BatchExecutor(grid, fake, sleep=lambda s: None).run(jobs_of(tmp_path, ["a"]))
+    assert "squeue failed: timeout; polling again in 0.2 s" in capsys.readouterr().out
 
 
 def test_a_bucket_out_dir_is_refused_for_a_scheduler(tmp_path):

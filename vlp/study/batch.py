@@ -46,6 +46,7 @@ JOBS_FILE = "job.json"
 RECORD_FILE = "compare.json"  # vlp.study.runs.run_one's record: what the report reads
 
 CONFIG_ERROR_EXIT = 2  # vlp.study.job's status for a config error: not retried
+POLL_FAILURES = 5  # failed polls in a row before the driver gives up (its jobs run on)
 
 
 class Scheduler(Protocol):
@@ -64,6 +65,9 @@ class Scheduler(Protocol):
 
     def cancel(self, ids: list[str]) -> None:
         """Cancel ``ids`` (one call)."""
+
+    def output(self, folder: Path, job_id: str) -> Path:
+        """The file where job ``job_id`` of the run in ``folder`` writes its output."""
 
 
 # ---------------------------------------------------------------------------- the run folder
@@ -133,7 +137,7 @@ class BatchExecutor:
             raise ConfigError(f"config: grid.executor={scheduler.name} needs grid.out_dir on a file system the "
                               f"jobs share, got {grid.out_dir}")
         self.grid, self.scheduler, self.sleep = grid, scheduler, sleep
-        self.checked = False
+        self.checked, self.poll_failures = False, 0
 
     def __enter__(self) -> "BatchExecutor":
         return self
@@ -143,6 +147,8 @@ class BatchExecutor:
 
     def run(self, jobs: list[Job], total: Optional[int] = None,
             on_done: Optional[Callable[[Job, dict], None]] = None) -> None:
+        """Submit the jobs' runs (re-attaching to those in flight), poll them all once per round,
+        resubmit the failed ones up to grid.retries; ``on_done`` after each run that ended."""
         if not self.checked:  # the cluster can run these resources: before anything is submitted
             self.scheduler.check()
             self.checked = True
@@ -161,14 +167,11 @@ class BatchExecutor:
                     t = queue.pop(0)
                     watching[self._submit(t)] = t
                 self.sleep(self.grid.slurm.poll_s)
-                states = self.scheduler.poll(sorted(watching))
-                for job_id in sorted(watching):
-                    state = states.get(job_id)
-                    if state is None or state.phase in (PENDING, RUNNING):
+                for job_id, state in self._poll(sorted(watching)).items():
+                    if job_id not in watching or state.phase in (PENDING, RUNNING):
                         continue
                     t = watching.pop(job_id)
-                    again = self._ended(t, state)
-                    if again:
+                    if self._ended(t, state):
                         queue.append(t)
                         continue
                     ended += 1
@@ -179,6 +182,20 @@ class BatchExecutor:
                         on_done(t.job, record)
         except KeyboardInterrupt:
             raise stopped_submitting(len(watching), self.scheduler.name) from None
+
+    def _poll(self, ids: list[str]) -> dict[str, JobState]:
+        """One poll of the scheduler; a failed one (the controller busy or restarting) is one line
+        and an empty answer, up to POLL_FAILURES in a row, then the error."""
+        try:
+            states = self.scheduler.poll(ids)
+        except ConfigError as e:
+            self.poll_failures += 1
+            if self.poll_failures >= POLL_FAILURES:
+                raise
+            print(f"[compare] {e}; polling again in {self.grid.slurm.poll_s:g} s", flush=True)
+            return {}
+        self.poll_failures = 0
+        return states
 
     def _submit(self, t: Track) -> str:
         t.folder.mkdir(parents=True, exist_ok=True)
@@ -192,6 +209,7 @@ class BatchExecutor:
             write_submissions(t.folder, self.scheduler.name, t.jobs)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        print(f"[compare] {t.job.run.name}: submitted as {self.scheduler.name} job {job_id}", flush=True)
         return job_id
 
     def _ended(self, t: Track, state: JobState) -> bool:
@@ -204,6 +222,9 @@ class BatchExecutor:
             return False
         t.failures += 1
         why = failure_line(state, record)
+        log = self.scheduler.output(t.folder, state.id)
+        if log.exists() and not record.get("error"):  # no word from the run itself: where to look
+            why += f"; its output: {log}"
         if retried(state) and t.failures <= self.grid.retries:
             print(f"[compare] {t.job.run.name}: job {state.id} {why}; resubmitted "
                   f"(retry {t.failures} of {self.grid.retries})", flush=True)

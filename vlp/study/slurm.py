@@ -27,6 +27,7 @@ from vlp.config import ConfigError
 from vlp.study.jobstate import DONE, FAILED, PENDING, RUNNING, JobState
 
 SCRIPT = "job.sh"
+OUTPUT = "slurm-{job}.out"  # in the run folder, appended across a requeue
 WAITING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED"}
 GOING = {"RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING"}
 ACCOUNTING_OFF = "accounting storage is disabled"
@@ -120,7 +121,7 @@ def settings_problem(cfg, parts: dict[str, dict]) -> Optional[str]:
 # ---------------------------------------------------------------------------- pure: a job
 def sbatch_args(cfg, name: str, folder: Path, cwd: Path) -> list[str]:
     """The sbatch options of one run's job (grid.slurm), the script last."""
-    args = [f"--job-name={name}", f"--chdir={cwd}", f"--output={folder}/slurm-%j.out", "--open-mode=append",
+    args = [f"--job-name={name}", f"--chdir={cwd}", f"--output={folder}/{OUTPUT.format(job='%j')}", "--open-mode=append",
             "--requeue", f"--nodes={cfg.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={cfg.cpus_per_task}",
             f"--time={cfg.time}"]
     for option, value in (("partition", cfg.partition), ("account", cfg.account), ("qos", cfg.qos),
@@ -222,6 +223,9 @@ class Slurm:
         if proc.returncode != 0 and "invalid job id" not in _said(proc).lower():
             raise ConfigError(f"compare: squeue failed: {_said(proc)}")
         return parse_squeue(proc.stdout if proc.returncode == 0 else "", ids)
+
+    def output(self, folder: Path, job_id: str) -> Path:
+        return folder / OUTPUT.format(job=job_id)
 
     def cancel(self, ids: list[str]) -> None:
         if ids:
