@@ -283,6 +283,7 @@ def test_a_run_that_always_fails_is_reported_with_its_reason_after_the_retries(c
     assert len(submitted(out)["flatnce_b8_s0"]) == 2
     rows = {r["run"]: r for r in table(out)}
     assert rows["infonce_b8_s0"]["status"] == "ok" and rows["flatnce_b8_s0"]["status"] == "failed"
+    assert f"Failed runs: flatnce_b8_s0 ({record['error']})" in (out / "results.md").read_text()
     status = compare(cluster, config, "--status")
     assert "1 done" in status.stdout and "1 failed" in status.stdout, status.stdout
 
