@@ -180,6 +180,21 @@ def test_a_tiny_study_on_slurm_gives_the_local_study_json(cluster, study_config,
     assert len(ids) == 6 and all(len(v) == 1 for v in ids.values()), ids
 
 
+def test_a_run_on_two_nodes_is_one_job_of_two_processes(cluster, tiny_shards, tmp_path):
+    """grid.slurm.nodes=2: srun starts one `accelerate launch` per node (one CPU process each, gloo);
+    the driver plans the run for that world (global batch 16: 30 steps)."""
+    config = write_config(tmp_path, tiny_shards, losses=["infonce"], slurm={"poll_s": 0.5, "time": 10, "nodes": 2})
+    proc = compare(cluster, config)
+    out = tmp_path / "grid"
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + "".join(
+        p.read_text()[-3000:] for p in out.glob("*/slurm-*.out"))
+    with open(out / "runs.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert (row["status"], row["global_batch"], row["steps"], row["samples_seen"]) == ("ok", "16", str(STEPS // 2), "480")
+    (job,) = submitted(out)["infonce_b8_s0"]
+    assert cluster.job(int(job))["NumNodes"] == "2"
+
+
 def test_a_job_scancelled_mid_run_is_resubmitted_and_the_table_is_the_same(cluster, tiny_shards, tmp_path, local_table):
     config = write_config(tmp_path, tiny_shards)
     out = tmp_path / "grid"

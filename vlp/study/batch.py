@@ -138,6 +138,7 @@ class BatchExecutor:
                               f"jobs share, got {grid.out_dir}")
         self.grid, self.scheduler, self.sleep = grid, scheduler, sleep
         self.checked, self.poll_failures = False, 0
+        self.world = grid.slurm.nodes * max(1, grid.slurm.gpus_per_node)  # each run's processes (its global batch)
 
     def __enter__(self) -> "BatchExecutor":
         return self

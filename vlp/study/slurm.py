@@ -151,7 +151,9 @@ def job_script(cfg, folder: Path, python: str) -> str:
     return head + "\n".join([
         'first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "MASTER_ADDR=$(scontrol show node -o \"$first_node\" | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p')",
-        'export MASTER_ADDR=${MASTER_ADDR:-$first_node} MASTER_PORT=${MASTER_PORT:-29500}',
+        'export MASTER_ADDR=${MASTER_ADDR:-$first_node}',
+        '# a port of its own per job: two jobs may share a node',
+        'export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))',
         f"export VLP_PROCS_PER_NODE={cfg.gpus_per_node or 1}",
         *(["export ACCELERATE_USE_CPU=1"] if cfg.gpus_per_node == 0 else []),
         f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c {shlex.quote(LAUNCH)} "

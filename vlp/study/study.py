@@ -151,13 +151,14 @@ class StudyWalk:
         self.grid, self.acc, self.bases, self.executor, self.report_only = grid, acc, bases, executor, report_only
         self.out, self.on_done = open_run_folder(grid.out_dir, option="grid.out_dir"), on_done
         self.cfgs: dict = {}  # every walked run's config, by name
+        self.world = getattr(executor, "world", acc.num_processes)  # a run's processes (a job's: its own)
 
     def __call__(self, runs: list[Run], ranked: bool = True) -> list[dict]:
         if not runs:
             return []
         grid, acc, out = self.grid, self.acc, self.out
         ranked = ranked and bool(grid.sweep)  # a plain grid's runs are evaluated by the Trainer
-        cfgs = {r.name: run_config(self.bases[r.arm.table][0], grid, r, acc.num_processes) for r in runs}
+        cfgs = {r.name: run_config(self.bases[r.arm.table][0], grid, r, self.world) for r in runs}
         self.cfgs.update(cfgs)
         done, error = broadcast(plan_runs(runs, cfgs, out, items=ranked) if acc.is_main_process else None, acc)
         if error:  # raised on every rank, so none waits in a collective
@@ -170,7 +171,7 @@ class StudyWalk:
         return self.rows(runs, ranked)
 
     def rows(self, runs: list[Run], ranked: bool) -> list[dict]:
-        return [row for r in runs if (row := run_row(r, self.cfgs[r.name], self.acc.num_processes, ranked,
+        return [row for r in runs if (row := run_row(r, self.cfgs[r.name], self.world, ranked,
                                                      STUDY_METRICS)) is not None]
 
 
