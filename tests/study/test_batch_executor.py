@@ -106,6 +106,14 @@ def test_a_rerun_reattaches_to_the_jobs_in_flight_and_submits_no_run_twice(tmp_p
     assert [j["id"] for j in json.loads((tmp_path / "a" / "job.json").read_text())["jobs"]] == ["7"]
 
 
+def test_a_rerun_with_another_config_does_not_reattach(tmp_path):
+    (tmp_path / "a").mkdir()
+    batch.write_submissions(tmp_path / "a", "fake", [{"id": "7", "submitted": 0}])
+    (tmp_path / "a" / "job_spec.json").write_text(json.dumps({"run": "a", "config": {"x": 2}}))
+    with pytest.raises(ConfigError, match=r"a's job 7 was submitted with another config \(x: 2 then, 1 now\)"):
+        BatchExecutor(grid_of(tmp_path), FakeScheduler({}), sleep=lambda s: None).run(jobs_of(tmp_path, ["a"]))
+
+
 def test_status_rows_and_cancel(tmp_path):
     for name, jobs in (("a", [{"id": "1", "state": "COMPLETED"}]), ("b", [{"id": "2"}]), ("c", [{"id": "3"}]),
                        ("d", [{"id": "4", "state": "TIMEOUT", "reason": "TimeLimit"}])):

@@ -37,6 +37,7 @@ from typing import Callable, Optional, Protocol
 from vlp.config import ConfigError
 from vlp.locations import is_url
 from vlp.study.executor import Job
+from vlp.study.runs import stale_key
 from vlp.study.jobstate import DONE, FAILED, PENDING, RUNNING, JobState  # noqa: F401 (the phases, here too)
 from vlp.train.preempt import Preempted
 from vlp.util import atomic_write
@@ -76,6 +77,16 @@ def write_spec(folder: Path, job: Job) -> None:
     spec = {"run": job.run.name, "config": job.cfg.to_dict(), "specs": job.specs,
             "keep_checkpoints": job.keep_checkpoints}
     atomic_write(folder / SPEC_FILE, json.dumps(spec, indent=1))
+
+
+def spec_changed(folder: Path, job: Job) -> Optional[str]:
+    """The first key whose value differs between a job in flight's job_spec.json and the run's
+    config now (vlp.study.runs.stale_key), else None: a rerun re-attaches only to what it would submit."""
+    try:
+        saved = json.loads((folder / SPEC_FILE).read_text())["config"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return stale_key(saved, job.cfg.to_dict())
 
 
 def submissions(folder: Path) -> list[dict]:
@@ -157,6 +168,11 @@ class BatchExecutor:
         for t in tracks:
             t.jobs = submissions(t.folder)
         watching = {live_id(t.jobs): t for t in tracks if live_id(t.jobs)}
+        for job_id, t in watching.items():
+            why = spec_changed(t.folder, t.job)
+            if why:
+                raise ConfigError(f"compare: {t.job.run.name}'s job {job_id} was submitted with another config ({why}); "
+                                  "cancel it (vlp compare --cancel) or use a new grid.out_dir")
         if watching:
             print(f"[compare] re-attached to {len(watching)} submitted job(s): "
                   f"{', '.join(sorted(watching, key=lambda i: (len(i), i)))}", flush=True)
