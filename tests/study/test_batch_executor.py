@@ -9,7 +9,8 @@ import pytest
 
 from vlp.config import ConfigError, read_grid
 from vlp.study import batch, slurm
-from vlp.study.batch import DONE, FAILED, PENDING, RUNNING, BatchExecutor, JobState
+from vlp.study.batch import BatchExecutor
+from vlp.study.jobstate import DONE, FAILED, PENDING, RUNNING, JobState
 from vlp.study.executor import Job
 
 

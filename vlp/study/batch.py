@@ -37,8 +37,8 @@ from typing import Callable, Optional, Protocol
 from vlp.config import ConfigError
 from vlp.locations import is_url
 from vlp.study.executor import Job
+from vlp.study.jobstate import PENDING, RUNNING, JobState
 from vlp.study.runs import stale_key
-from vlp.study.jobstate import DONE, FAILED, PENDING, RUNNING, JobState  # noqa: F401 (the phases, here too)
 from vlp.train.preempt import Preempted
 from vlp.util import atomic_write
 
