@@ -22,6 +22,7 @@ class FakeScheduler:
 
     def __init__(self, plan: dict[str, list[str]]):
         self.plan, self.submitted, self.folders, self.cancelled, self.polls = plan, [], {}, [], []
+        self.named: dict[str, str] = {}  # job name -> id: what find() knows
 
     def check(self):
         pass
@@ -55,6 +56,9 @@ class FakeScheduler:
 
     def output(self, folder, job_id):
         return folder / f"out-{job_id}"
+
+    def find(self, name, since):
+        return self.named.get(name)
 
 
 def grid_of(out: Path, **slurm_keys):
@@ -105,6 +109,23 @@ def test_a_rerun_reattaches_to_the_jobs_in_flight_and_submits_no_run_twice(tmp_p
     assert [name for name, _ in fake.submitted] == ["b"]
     assert "re-attached to 1 submitted job(s): 7" in capsys.readouterr().out
     assert [j["id"] for j in json.loads((tmp_path / "a" / "job.json").read_text())["jobs"]] == ["7"]
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_a_submission_whose_id_was_not_recorded_is_found_by_name_or_submitted_again(tmp_path, capsys, known):
+    """The driver killed between asking the scheduler and writing the id: job.json holds the job's
+    name only. Found by that name: re-attached; not found (the scheduler never took it): submitted."""
+    folder = tmp_path / "a"
+    folder.mkdir()
+    name = batch.job_name("a", folder)
+    batch.write_submissions(folder, "fake", [{"name": name, "submitted": 0}])
+    fake = FakeScheduler({"a": ["run", "ok"]})
+    if known:
+        fake.named[name], fake.folders["7"] = "7", folder
+    BatchExecutor(grid_of(tmp_path), fake, sleep=lambda s: None).run(jobs_of(tmp_path, ["a"]))
+    ids = [j["id"] for j in json.loads((folder / "job.json").read_text())["jobs"]]
+    assert (ids, fake.submitted) == ((["7"], []) if known else (["100"], [("a", "100")]))
+    assert ("found its job 7 by name" in capsys.readouterr().out) == known
 
 
 def test_a_rerun_with_another_config_does_not_reattach(tmp_path):

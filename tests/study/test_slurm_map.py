@@ -320,6 +320,20 @@ def test_bad_executor_settings_are_one_line_before_anything_is_submitted(cluster
     assert queue.strip() == ""
 
 
+def test_a_job_is_found_by_its_name(cluster, tmp_path, monkeypatch):
+    """Slurm.find: what a rerun asks when the driver died before writing a job's id (sacct here)."""
+    from vlp.config.keys import SlurmConfig
+    from vlp.study.slurm import Slurm
+
+    monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
+    monkeypatch.setenv("PATH", cluster.env["PATH"])
+    since = time.time()
+    job = cluster.sbatch(["--job-name=vlp-x-abc123", "--wrap=sleep 1", f"--output={tmp_path}/%j.out"])
+    slurm = Slurm(SlurmConfig())
+    assert wait_for("sacct's row", lambda: slurm.find("vlp-x-abc123", since), 30) == str(job)
+    assert slurm.find("vlp-y-abc123", since) is None
+
+
 def test_a_cluster_without_accounting_runs_the_map_from_squeue(tiny_shards, tmp_path, local_table, tmp_path_factory):
     need(accounting=False)
     c = SlurmCluster(tmp_path_factory.mktemp("slurm_noacct"), accounting=False).start()

@@ -70,6 +70,9 @@ class Scheduler(Protocol):
     def output(self, folder: Path, job_id: str) -> Path:
         """The file where job ``job_id`` of the run in ``folder`` writes its output."""
 
+    def find(self, name: str, since: float) -> Optional[str]:
+        """The id of the job named ``name`` submitted at or after ``since`` (a Unix time), else None."""
+
 
 # ---------------------------------------------------------------------------- the run folder
 def write_spec(folder: Path, job: Job) -> None:
@@ -105,7 +108,13 @@ def write_submissions(folder: Path, scheduler: str, jobs: list[dict]) -> None:
 
 def live_id(jobs: list[dict]) -> Optional[str]:
     """The id of the run's last submission while it has not ended, else None."""
-    return jobs[-1]["id"] if jobs and "state" not in jobs[-1] else None
+    return jobs[-1].get("id") if jobs and "state" not in jobs[-1] else None
+
+
+def unrecorded(jobs: list[dict]) -> Optional[dict]:
+    """The run's last submission when its id was never recorded (the driver died between asking
+    the scheduler and hearing the id), else None."""
+    return jobs[-1] if jobs and "id" not in jobs[-1] and "state" not in jobs[-1] else None
 
 
 def read_record(folder: Path) -> dict:
@@ -166,7 +175,7 @@ class BatchExecutor:
             self.checked = True
         tracks = [Track(job, Path(job.cfg.train.output_dir)) for job in jobs]
         for t in tracks:
-            t.jobs = submissions(t.folder)
+            t.jobs = self._recorded(t.folder, submissions(t.folder))
         watching = {live_id(t.jobs): t for t in tracks if live_id(t.jobs)}
         for job_id, t in watching.items():
             why = spec_changed(t.folder, t.job)
@@ -214,15 +223,33 @@ class BatchExecutor:
         self.poll_failures = 0
         return states
 
+    def _recorded(self, folder: Path, jobs: list[dict]) -> list[dict]:
+        """``jobs`` with an unrecorded last submission resolved: its id, found by its job name in the
+        scheduler, or the entry dropped when the scheduler never took it (the run is submitted)."""
+        pending = unrecorded(jobs)
+        if pending is None:
+            return jobs
+        found = self.scheduler.find(pending["name"], pending["submitted"])
+        if found is None:
+            jobs = jobs[:-1]
+        else:
+            pending["id"] = found
+            print(f"[compare] {folder.name}: found its job {found} by name (its id was not recorded)", flush=True)
+        write_submissions(folder, self.scheduler.name, jobs)
+        return jobs
+
     def _submit(self, t: Track) -> str:
         t.folder.mkdir(parents=True, exist_ok=True)
         write_spec(t.folder, t.job)
         name = job_name(t.job.run.name, t.folder)
-        # the Ctrl-C of a user comes between submissions, never between sbatch and job.json
+        # noted before the scheduler hears of it: a driver killed before the id is written finds
+        # the job by its name (_recorded); a Ctrl-C waits until the id is written
+        t.jobs.append({"name": name, "submitted": time.time()})
+        write_submissions(t.folder, self.scheduler.name, t.jobs)
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             job_id = self.scheduler.submit(t.folder, name)
-            t.jobs.append({"id": job_id, "submitted": time.time()})
+            t.jobs[-1]["id"] = job_id
             write_submissions(t.folder, self.scheduler.name, t.jobs)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)

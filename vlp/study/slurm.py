@@ -20,6 +20,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -225,6 +226,16 @@ class Slurm:
         if proc.returncode != 0 and "invalid job id" not in _said(proc).lower():
             raise ConfigError(f"compare: squeue failed: {_said(proc)}")
         return parse_squeue(proc.stdout if proc.returncode == 0 else "", ids)
+
+    def find(self, name: str, since: float) -> Optional[str]:
+        """The newest job named ``name``: from sacct since ``since`` where accounting is on, else
+        from the queue (a job that ended and left it is not found: the run is submitted again)."""
+        start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(since - 60))
+        proc = self.call(["sacct", "-X", "-n", "-P", f"--name={name}", "-S", start, "-o", "JobIDRaw"])
+        if proc.returncode != 0:
+            proc = self.call(["squeue", "-h", "--states=all", f"--name={name}", "-o", "%i"])
+        ids = [x.strip() for x in proc.stdout.split() if x.strip().isdigit()] if proc.returncode == 0 else []
+        return max(ids, key=int) if ids else None
 
     def output(self, folder: Path, job_id: str) -> Path:
         return folder / OUTPUT.format(job=job_id)
