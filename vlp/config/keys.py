@@ -324,7 +324,8 @@ class GridConfig:
     """False: runs write no final checkpoint and no open_clip_model.pt (train.save_final); a study
     ranks each trained model in memory, and its eval_items.json and log are kept."""
     retries: int = key(1, COUNT, PLAN)
-    """Extra attempts for a run that raises, before it is recorded as failed."""
+    """Extra attempts for a run that raises, before it is recorded as failed; grid.executor=slurm:
+    resubmissions of a run whose job ended without a result (not after a config error)."""
     metric: str = key("mean_R@1", TEXT, PLAN)
     """Eval metric (vlp.eval.keys.EVAL_KEYS) of metric_vs_batch.png; a study's verdict and figures."""
     workers: int = key(1, number(1, 64, integer=True), PLAN)

@@ -2,7 +2,7 @@
 job with the resources of grid.slurm.
 
     sbatch --parsable --job-name=vlp-<run> --output=<run>/slurm-%j.out ... <run>/job.sh
-    job.sh: one node, no GPU:  python -m vlp.study.job <run>
+    job.sh: one node, <= 1 GPU: python -m vlp.study.job <run>
             otherwise:         srun, one `accelerate launch -m vlp.study.job <run>` per node
                                (the launcher of launch/slurm.sbatch, one process per GPU)
     states: sacct (one call for all the jobs) where accounting is on, else squeue (one line says so)
@@ -143,11 +143,11 @@ LAUNCH = ('trap "" USR1 TERM; export PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT
 
 
 def job_script(cfg, folder: Path, python: str) -> str:
-    """The batch script of one run's job: the run in one process (one node, no GPU), else one
-    `accelerate launch` per node over srun, one process per GPU (one per node without GPUs, gloo)."""
+    """The batch script of one run's job: the run in one process (one node, at most one GPU), else
+    one `accelerate launch` per node over srun, one process per GPU (one per node without GPUs, gloo)."""
     head = "#!/bin/bash\n# written by vlp compare (grid.executor: slurm); runs " + shlex.quote(str(folder)) + "\nset -euo pipefail\n"
     run = f"{shlex.quote(python)} -m vlp.study.job {shlex.quote(str(folder))}"
-    if cfg.nodes == 1 and cfg.gpus_per_node == 0:
+    if cfg.nodes == 1 and cfg.gpus_per_node <= 1:  # one process: no launcher, as a local run
         return head + f"exec {run}\n"
     return head + "\n".join([
         'first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
