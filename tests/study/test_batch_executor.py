@@ -1,5 +1,5 @@
-"""The batch executor's driver loop (vlp/study/batch.py) against a fake scheduler, and the SLURM
-scheduler's pure parts (vlp/study/slurm.py): the sbatch line and script, sinfo / sacct / squeue
+"""The batch executor's driver loop (vlp/study/batch.py, with jobfiles.py and status.py) against a
+fake scheduler, and the SLURM scheduler's pure parts (vlp/study/slurm.py): the sbatch line and script, sinfo / sacct / squeue
 read, the settings refused. In-process and fast; the real cluster: tests/study/test_slurm_map.py."""
 import json
 from pathlib import Path
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from vlp.config import ConfigError, read_grid
-from vlp.study import batch, slurm
+from vlp.study import jobfiles, slurm, status
 from vlp.study.batch import BatchExecutor
 from vlp.study.jobstate import DONE, FAILED, PENDING, RUNNING, JobState
 from vlp.study.executor import Job
@@ -102,7 +102,7 @@ def test_a_config_error_in_the_job_is_not_retried(tmp_path):
 
 def test_a_rerun_reattaches_to_the_jobs_in_flight_and_submits_no_run_twice(tmp_path, capsys):
     (tmp_path / "a").mkdir()
-    batch.write_submissions(tmp_path / "a", "fake", [{"id": "7", "submitted": 0}])
+    jobfiles.write_submissions(tmp_path / "a", "fake", [{"id": "7", "submitted": 0}])
     fake = FakeScheduler({"a": ["run", "ok"], "b": ["ok"]})
     fake.folders["7"] = tmp_path / "a"
     BatchExecutor(grid_of(tmp_path), fake, sleep=lambda s: None).run(jobs_of(tmp_path, ["a", "b"]))
@@ -117,8 +117,8 @@ def test_a_submission_whose_id_was_not_recorded_is_found_by_name_or_submitted_ag
     name only. Found by that name: re-attached; not found (the scheduler never took it): submitted."""
     folder = tmp_path / "a"
     folder.mkdir()
-    name = batch.job_name("a", folder)
-    batch.write_submissions(folder, "fake", [{"name": name, "submitted": 0}])
+    name = jobfiles.job_name("a", folder)
+    jobfiles.write_submissions(folder, "fake", [{"name": name, "submitted": 0}])
     fake = FakeScheduler({"a": ["run", "ok"]})
     if known:
         fake.named[name], fake.folders["7"] = "7", folder
@@ -130,7 +130,7 @@ def test_a_submission_whose_id_was_not_recorded_is_found_by_name_or_submitted_ag
 
 def test_a_rerun_with_another_config_does_not_reattach(tmp_path):
     (tmp_path / "a").mkdir()
-    batch.write_submissions(tmp_path / "a", "fake", [{"id": "7", "submitted": 0}])
+    jobfiles.write_submissions(tmp_path / "a", "fake", [{"id": "7", "submitted": 0}])
     (tmp_path / "a" / "job_spec.json").write_text(json.dumps({"run": "a", "config": {"x": 2}}))
     with pytest.raises(ConfigError, match=r"a's job 7 was submitted with another config \(x: 2 then, 1 now\)"):
         BatchExecutor(grid_of(tmp_path), FakeScheduler({}), sleep=lambda s: None).run(jobs_of(tmp_path, ["a"]))
@@ -140,15 +140,15 @@ def test_status_rows_and_cancel(tmp_path):
     for name, jobs in (("a", [{"id": "1", "state": "COMPLETED"}]), ("b", [{"id": "2"}]), ("c", [{"id": "3"}]),
                        ("d", [{"id": "4", "state": "TIMEOUT", "reason": "TimeLimit"}])):
         (tmp_path / name).mkdir()
-        batch.write_submissions(tmp_path / name, "fake", jobs)
+        jobfiles.write_submissions(tmp_path / name, "fake", jobs)
     (tmp_path / "a" / "result.json").write_text("{}")
     states = {"2": JobState("2", "PENDING", PENDING, "Priority", requeues=2), "3": JobState("3", "RUNNING", RUNNING)}
-    rows = batch.status_rows(batch.run_folders(tmp_path), states)
+    rows = status.status_rows(status.run_folders(tmp_path), states)
     assert [r[:2] for r in rows] == [("a", "done"), ("b", "requeued 2"), ("c", "running"), ("d", "failed")]
     assert "TIMEOUT TimeLimit" in rows[3][3]
-    assert batch.status_table(rows).endswith("1 done, 1 failed, 1 requeued, 1 running")
+    assert status.status_table(rows).endswith("1 done, 1 failed, 1 requeued, 1 running")
     fake = FakeScheduler({})
-    assert batch.cancel_study(SimpleNamespace(out_dir=str(tmp_path)), fake) == 2 and fake.cancelled == ["2", "3"]
+    assert status.cancel_study(SimpleNamespace(out_dir=str(tmp_path)), fake) == 2 and fake.cancelled == ["2", "3"]
 
 
 def test_sacct_and_squeue_are_read_with_requeues_and_vanished_jobs():

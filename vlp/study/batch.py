@@ -6,7 +6,9 @@ run folders, from which a rerun re-attaches.
         ex.run([Job(run, cfg, specs), ...], total=len(all_runs), on_done=callback)
 
 A scheduler does three things (`Scheduler`): submit one run's job, poll the states of all the
-given jobs in one call, cancel jobs. Everything else is here and is the same for any scheduler:
+given jobs in one call, cancel jobs (and find a job by its name, output: where its log goes).
+Everything else is the same for any scheduler: this driver loop; the run folder's files
+(vlp.study.jobfiles); `--status` / `--cancel` (vlp.study.status); what a job runs (vlp.study.job).
 
 - a run's folder holds `job_spec.json` (what the job runs: the run's config, its val / test
   specs; vlp.study.job reads it inside the job) and `job.json` (every job submitted for the run:
@@ -26,7 +28,6 @@ given jobs in one call, cancel jobs. Everything else is here and is the same for
 
 from __future__ import annotations
 
-import hashlib
 import json
 import signal
 import time
@@ -37,16 +38,12 @@ from typing import Callable, Optional, Protocol
 from vlp.config import ConfigError
 from vlp.locations import is_url
 from vlp.study.executor import Job
-from vlp.study.jobstate import PENDING, RUNNING, JobState
-from vlp.study.runs import stale_key
+from vlp.study.jobfiles import (RECORD_FILE, job_name, live_id, read_record, spec_changed, submissions, unrecorded,
+                                write_spec, write_submissions)
+from vlp.study.jobstate import CONFIG_ERROR_EXIT, PENDING, RUNNING, JobState
 from vlp.train.preempt import Preempted
 from vlp.util import atomic_write
 
-SPEC_FILE = "job_spec.json"
-JOBS_FILE = "job.json"
-RECORD_FILE = "compare.json"  # vlp.study.runs.run_one's record: what the report reads
-
-CONFIG_ERROR_EXIT = 2  # vlp.study.job's status for a config error: not retried
 POLL_FAILURES = 5  # failed polls in a row before the driver gives up (its jobs run on)
 
 
@@ -72,56 +69,6 @@ class Scheduler(Protocol):
 
     def find(self, name: str, since: float) -> Optional[str]:
         """The id of the job named ``name`` submitted at or after ``since`` (a Unix time), else None."""
-
-
-# ---------------------------------------------------------------------------- the run folder
-def write_spec(folder: Path, job: Job) -> None:
-    """job_spec.json: what the job runs (vlp.study.job)."""
-    spec = {"run": job.run.name, "config": job.cfg.to_dict(), "specs": job.specs,
-            "keep_checkpoints": job.keep_checkpoints}
-    atomic_write(folder / SPEC_FILE, json.dumps(spec, indent=1))
-
-
-def spec_changed(folder: Path, job: Job) -> Optional[str]:
-    """The first key whose value differs between a job in flight's job_spec.json and the run's
-    config now (vlp.study.runs.stale_key), else None: a rerun re-attaches only to what it would submit."""
-    try:
-        saved = json.loads((folder / SPEC_FILE).read_text())["config"]
-    except (OSError, ValueError, KeyError):
-        return None
-    return stale_key(saved, job.cfg.to_dict())
-
-
-def submissions(folder: Path) -> list[dict]:
-    """job.json's submissions, oldest first: {"id", "submitted", and once ended "state", "reason"}."""
-    try:
-        return json.loads((folder / JOBS_FILE).read_text())["jobs"]
-    except FileNotFoundError:
-        return []
-    except (ValueError, KeyError, TypeError):
-        raise ConfigError(f"compare: {folder / JOBS_FILE} is not a job list; delete it to submit the run afresh") from None
-
-
-def write_submissions(folder: Path, scheduler: str, jobs: list[dict]) -> None:
-    atomic_write(folder / JOBS_FILE, json.dumps({"scheduler": scheduler, "jobs": jobs}, indent=1))
-
-
-def live_id(jobs: list[dict]) -> Optional[str]:
-    """The id of the run's last submission while it has not ended, else None."""
-    return jobs[-1].get("id") if jobs and "state" not in jobs[-1] else None
-
-
-def unrecorded(jobs: list[dict]) -> Optional[dict]:
-    """The run's last submission when its id was never recorded (the driver died between asking
-    the scheduler and hearing the id), else None."""
-    return jobs[-1] if jobs and "id" not in jobs[-1] and "state" not in jobs[-1] else None
-
-
-def read_record(folder: Path) -> dict:
-    try:
-        return json.loads((folder / RECORD_FILE).read_text())
-    except (FileNotFoundError, ValueError):
-        return {}
 
 
 def failure_line(state: JobState, record: dict) -> str:
@@ -280,101 +227,11 @@ class BatchExecutor:
         return False
 
 
-def job_name(run: str, folder: Path) -> str:
-    """The scheduler's name of a run's job: the run's name and a tag of its folder (two grids'
-    runs of one name are told apart in the queue and in accounting)."""
-    return f"vlp-{run}-{hashlib.sha1(str(folder.resolve()).encode()).hexdigest()[:6]}"
-
-
 def stopped_submitting(running: int, scheduler: str) -> Preempted:
     """Ctrl-C in the driver: no more submissions; the jobs submitted run on (one line, exit 130)."""
     return Preempted(0, status=130, line=(
         f"interrupted (Ctrl-C): nothing more is submitted; the {running} {scheduler} job(s) in flight run on. "
         "Run the same command to re-attach, or add --cancel to cancel them"))
-
-
-# ---------------------------------------------------------------------------- --status / --cancel
-def run_folders(out_dir) -> list[Path]:
-    """The grid's run folders that were ever submitted (job.json) or are done (result.json)."""
-    root = Path(out_dir)
-    if not root.is_dir():
-        return []
-    return sorted(d for d in root.iterdir() if d.is_dir() and ((d / JOBS_FILE).exists() or (d / "result.json").exists()))
-
-
-def status_rows(folders: list[Path], states: dict[str, JobState]) -> list[tuple[str, str, str, str]]:
-    """(run, state, job id, detail) per run folder: done, pending, running, requeued N, failed (reason),
-    never submitted here ('-'). Pure: the folders' files and the scheduler's states."""
-    rows = []
-    for folder in folders:
-        jobs = submissions(folder)
-        last = jobs[-1] if jobs else {}
-        job_id = last.get("id", "-")
-        if (folder / "result.json").exists():
-            rows.append((folder.name, "done", job_id, ""))
-            continue
-        if not jobs:
-            rows.append((folder.name, "-", "-", "not submitted"))
-            continue
-        tries = f"attempt {len(jobs)}"
-        live = states.get(job_id) if "state" not in last else None
-        if live is not None and live.phase in (PENDING, RUNNING):
-            word = f"requeued {live.requeues}" if live.requeues else live.phase
-            rows.append((folder.name, word, job_id, f"{live.state} {live.reason}".strip() + f"; {tries}"))
-        elif live is not None:
-            rows.append((folder.name, "ended", job_id, f"{live.state} {live.reason}".strip() + "; not yet seen by a driver"))
-        elif "state" in last:
-            record = read_record(folder)
-            why = record.get("error") or f"{last['state']} {last.get('reason', '')}".strip()
-            rows.append((folder.name, "failed", job_id, f"{why}; {tries}"))
-        else:
-            rows.append((folder.name, "unknown", job_id, "not known to the scheduler any more"))
-    return rows
-
-
-def status_table(rows: list[tuple[str, str, str, str]]) -> str:
-    """The runs by state, as a markdown table, with a count per state."""
-    counts: dict[str, int] = {}
-    for _, word, _, _ in rows:
-        key = word.split()[0]
-        counts[key] = counts.get(key, 0) + 1
-    lines = ["| run | state | job | detail |", "|---|---|---|---|"]
-    lines += [f"| {run} | {word} | {job} | {detail} |" for run, word, job, detail in rows]
-    summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no run submitted yet"
-    return "\n".join(lines + ["", summary])
-
-
-def study_status(grid, scheduler: Scheduler) -> str:
-    """`vlp compare --status`: the table of the grid's runs; one poll, nothing submitted."""
-    folders = run_folders(grid.out_dir)
-    live = [i for i in (live_id(submissions(f)) for f in folders) if i]
-    return status_table(status_rows(folders, scheduler.poll(live) if live else {}))
-
-
-def cancel_study(grid, scheduler: Scheduler) -> int:
-    """`vlp compare --cancel`: cancel every job of the grid not yet ended; notes it in each job.json.
-    Returns how many."""
-    cancelled = []
-    for folder in run_folders(grid.out_dir):
-        jobs = submissions(folder)
-        if live_id(jobs):
-            cancelled.append(jobs[-1]["id"])
-            jobs[-1].update(state="CANCELLED", reason="vlp compare --cancel", ended=time.time())
-            write_submissions(folder, scheduler.name, jobs)
-    if cancelled:
-        scheduler.cancel(cancelled)
-    return len(cancelled)
-
-
-def exit_on_failures(rows: list[dict]) -> Optional[str]:
-    """The one line for a grid that ended with failed cells (their runs and reasons are in the
-    report), else None."""
-    failed = [r for r in rows if r.get("status") != "ok"]
-    if not failed:
-        return None
-    names = ", ".join(r["run"] for r in failed[:3]) + (" ..." if len(failed) > 3 else "")
-    return f"{len(failed)} run(s) failed after grid.retries ({names}); the report shows each cell's reason"
-
 
 
 # ---------------------------------------------------------------------------- which executor

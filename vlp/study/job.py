@@ -19,7 +19,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from vlp.config import ConfigError, from_dict
-from vlp.study.batch import CONFIG_ERROR_EXIT, SPEC_FILE
+from vlp.study.jobfiles import SPEC_FILE
+from vlp.study.jobstate import CONFIG_ERROR_EXIT
 
 
 def read_job(folder: Path):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "failed"
+CONFIG_ERROR_EXIT = 2  # vlp.study.job's exit status for a config error: the driver does not retry it
 
 
 @dataclass(frozen=True)
