@@ -82,8 +82,9 @@ def table(out: Path) -> list[dict]:
 
 
 def submitted(out: Path) -> dict[str, list[str]]:
-    """Per run folder: the ids of the jobs submitted for it (job.json)."""
-    return {d.name: [j["id"] for j in json.loads((d / "job.json").read_text())["jobs"]]
+    """Per run folder: the ids of the jobs submitted for it (job.json; a submission whose id is not
+    written yet, in the instant of its sbatch, is left out)."""
+    return {d.name: [j["id"] for j in json.loads((d / "job.json").read_text())["jobs"] if "id" in j]
             for d in sorted(out.iterdir()) if (d / "job.json").exists()} if out.is_dir() else {}
 
 
@@ -226,8 +227,8 @@ def test_the_driver_killed_mid_map_reattaches_and_submits_no_run_twice(cluster, 
                               env=env_of(cluster), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     try:
-        wait_for("both runs submitted and one training", lambda: len(submitted(out)) == 2 and any(
-            logged_step(out / name) >= 1 for name in submitted(out)))
+        wait_for("both runs submitted and one training", lambda: len(submitted(out)) == 2 and all(
+            submitted(out).values()) and any(logged_step(out / name) >= 1 for name in submitted(out)))
     finally:
         os.killpg(driver.pid, kill)
         assert driver.wait(timeout=30) == -kill
