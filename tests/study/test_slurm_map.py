@@ -215,6 +215,31 @@ def test_a_job_scancelled_mid_run_is_resubmitted_and_the_table_is_the_same(clust
     assert len(submitted(out)["infonce_b8_s0"]) == 2 and len(submitted(out)["flatnce_b8_s0"]) == 1
 
 
+def test_a_job_requeued_underneath_the_driver_is_waited_for_and_status_counts_it(cluster, tiny_shards, tmp_path,
+                                                                                   local_table):
+    """scontrol requeue (what a preemption or a lost node does): the same job id runs again and
+    resumes from its checkpoint; the driver neither resubmits nor gives up; --status says requeued 1."""
+    config = write_config(tmp_path, tiny_shards)
+    out = tmp_path / "grid"
+    driver = subprocess.Popen([sys.executable, "-m", "vlp", "compare", "-c", str(config)], cwd=tmp_path,
+                              env=env_of(cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        folder = out / "infonce_b8_s0"
+        wait_for("a checkpoint of infonce", lambda: logged_step(folder) >= 12)
+        (job,) = submitted(out)["infonce_b8_s0"]
+        subprocess.run(["scontrol", "requeue", job], env=cluster.env, check=True)
+        status = wait_for("--status saying requeued 1",
+                          lambda: f"| requeued 1 | {job} |" in compare(cluster, config, "--status").stdout, 120)
+        cluster.release(int(job))
+        text, _ = driver.communicate(timeout=400)
+    finally:
+        driver.kill()
+    assert driver.returncode == 0, text[-4000:]
+    assert "resubmitted" not in text and status
+    assert submitted(out) == {"flatnce_b8_s0": submitted(out)["flatnce_b8_s0"], "infonce_b8_s0": [job]}
+    assert table(out) == local_table
+
+
 @pytest.mark.parametrize("kill", [signal.SIGKILL, signal.SIGHUP], ids=["SIGKILL", "SIGHUP"])
 def test_the_driver_killed_mid_map_reattaches_and_submits_no_run_twice(cluster, tiny_shards, tmp_path, local_table,
                                                                         kill):
