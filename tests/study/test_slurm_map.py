@@ -1,8 +1,10 @@
 """`vlp compare` with grid.executor=slurm on a real 2-node SLURM cluster on 127.0.0.1 with accounting
 (tests/support/slurm_cluster.py: slurmdbd on a private MariaDB), and one without: each run is one
-job (vlp/study/slurm.py, vlp/study/batch.py). A tiny plain grid (2 runs of vlp-micro) gives the same
-table as the local executor; so does a map whose job is scancelled mid-run, and one whose driver is
-SIGKILLed mid-map and started again (no run submitted twice). A run that always fails is reported
+job (vlp/study/slurm.py, vlp/study/batch.py). A tiny plain grid (2 runs of vlp-micro) gives the
+local executor's runs.csv, and a tiny tuned study its study.json; so does a map whose job is
+scancelled mid-run, one whose job is requeued underneath the driver, and one whose driver is
+killed mid-map and started again (no run submitted twice). A run on two nodes is one job of two
+processes. Ctrl-C leaves the jobs; --status and --cancel. A run that always fails is reported
 with its reason after grid.retries; bad executor settings are one line each, before any submission.
 Skipped with the reason where SLURM is not installed; under CI=true that skip is a failure."""
 import csv
