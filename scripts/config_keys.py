@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's vlp, also where an installed one is older
 
 from vlp import config  # noqa: E402  (after the path line above)
-from vlp.config import keys as config_keys, rules as config_rules  # noqa: E402
+from vlp.config import grid_keys, keys as config_keys, rules as config_rules  # noqa: E402
 
 PAGE = REPO / "docs" / "configuration.md"
 BEGIN = "<!-- config keys: written by scripts/config_keys.py from vlp/config/keys.py; do not edit -->"
@@ -27,10 +27,11 @@ END = "<!-- end of config keys -->"
 
 
 def docstrings() -> dict[str, str]:
-    """'Section.field' and 'Section' -> its docstring (one line), read from vlp/config/keys.py."""
-    tree = ast.parse(Path(config_keys.__file__).read_text())
+    """'Section.field' and 'Section' -> its docstring (one line), read from vlp/config/keys.py and
+    grid_keys.py."""
     out = {}
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+    trees = [ast.parse(Path(module.__file__).read_text()) for module in (config_keys, grid_keys)]
+    for cls in (n for tree in trees for n in tree.body if isinstance(n, ast.ClassDef)):
         out[cls.name] = " ".join((ast.get_docstring(cls) or "").split())
         for node, after in zip(cls.body, cls.body[1:]):
             if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
@@ -81,10 +82,19 @@ def cell(text: str) -> str:
     return "`".join(part if i % 2 else part.replace("<", "&lt;") for i, part in enumerate(parts))
 
 
+def owner_field(cls, parts: list[str]) -> str:
+    """'Class.field' of the field that declares a key, given its dotted parts after the section (a
+    nested group's key, grid.slurm.time: 'SlurmConfig.time', grid.seeds_until.step: 'SeedsUntil.step')."""
+    for part in parts[:-1]:
+        hint = typing.get_type_hints(cls)[part]
+        cls = config.group_of(hint) or hint  # a group (Optional[SeedsUntil]) or a section (SlurmConfig)
+    return f"{cls.__name__}.{parts[-1]}"
+
+
 def keys_markdown() -> str:
     """The generated part of the page: one table per section, `grid:` (vlp compare) last."""
     docs = docstrings()
-    sections = {**typing.get_type_hints(config.Config), "grid": config_keys.GridConfig}
+    sections = {**typing.get_type_hints(config.Config), "grid": grid_keys.GridConfig}
     lines = []
     for section, cls in sections.items():
         lines += [f"### `{section}`", "", docs.get(cls.__name__, ""), "",
@@ -93,11 +103,7 @@ def keys_markdown() -> str:
             if name.split(".")[0] != section:
                 continue
             accepts = "" if k.rule is config_rules.ANY else k.rule.allowed
-            *groups, leaf = name.split(".")[1:]  # grid.seeds_until.step: SeedsUntil.step
-            owner = cls
-            for group in groups:
-                owner = config.group_of(typing.get_type_hints(owner)[group])
-            meaning = docs.get(f"{owner.__name__}.{leaf}", "")
+            meaning = docs.get(owner_field(cls, name.split(".")[1:]), "")
             cells = [f"`{name}`", type_text(k.type), value_text(k.default), accepts, resume_text(k.resume), meaning]
             lines.append("| " + " | ".join(map(cell, cells)) + " |")
         lines.append("")

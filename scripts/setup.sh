@@ -21,15 +21,19 @@ if [ "$(cat .venv/.project-sha 2>/dev/null)" != "$proj_sha" ]; then
   .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
   echo "$proj_sha" > .venv/.project-sha
 fi
-# The SLURM tests (tests/cli/test_slurm.py) start a 2-node cluster on 127.0.0.1 from Debian's packages;
+# The SLURM tests (tests/cli/test_slurm.py, tests/study/test_slurm_map.py) start a 2-node cluster on
+# 127.0.0.1 from Debian's packages, the map's with accounting (slurmdbd on a private MariaDB);
 # installed here when running as root with apt-get and missing (else those tests skip, saying why).
+SLURM_DEBS="slurmctld slurmd slurm-client munge slurmdbd mariadb-server"
 slurm_missing=0
-for b in /usr/sbin/slurmctld /usr/sbin/slurmd /usr/sbin/munged /usr/bin/sbatch; do [ -x "$b" ] || slurm_missing=1; done
+for b in /usr/sbin/slurmctld /usr/sbin/slurmd /usr/sbin/munged /usr/bin/sbatch /usr/sbin/slurmdbd /usr/sbin/mariadbd; do
+  [ -x "$b" ] || slurm_missing=1
+done
 if [ "$slurm_missing" = 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  echo "[setup] installing slurmctld slurmd slurm-client munge (apt-get)"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null \
+  echo "[setup] installing $SLURM_DEBS (apt-get)"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $SLURM_DEBS >/dev/null \
     || { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-         slurmctld slurmd slurm-client munge >/dev/null; } \
-    || echo "[setup] could not install the SLURM packages; tests/cli/test_slurm.py will skip"
+         $SLURM_DEBS >/dev/null; } \
+    || echo "[setup] could not install the SLURM packages; the SLURM tests will skip"
 fi
 echo "[setup] .venv ready: $(.venv/bin/python -c 'import torch, open_clip; print("torch", torch.__version__, "open_clip", open_clip.__version__)')"

@@ -127,7 +127,22 @@ def cmd_compare(args) -> int:
     from vlp.study.compare import DEFAULT_CONFIG, load_compare_config, run_grid
 
     base, grid = load_compare_config(args.config or DEFAULT_CONFIG, _command_line_overrides(args), quick=args.quick)
-    run_grid(base, grid, report_only=args.report_only)
+    if args.status or args.cancel:  # the grid's scheduler jobs: nothing trains, nothing is submitted
+        from vlp.study.batch import scheduler_of
+        from vlp.study.status import cancel_study, study_status
+
+        scheduler = scheduler_of(grid)
+        print(study_status(grid, scheduler) if args.status else
+              f"vlp: cancelled {cancel_study(grid, scheduler)} job(s) of {grid.out_dir}")
+        return 0
+    result = run_grid(base, grid, report_only=args.report_only)
+    if grid.executor != "local":  # a scheduler's failed cells: the report is written, the status says so
+        from vlp.study.status import exit_on_failures
+
+        line = exit_on_failures(result["sweep"] + result["final"] + result["price"])
+        if line:
+            print(f"vlp: error: {line}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -213,6 +228,11 @@ def _add_compare(sub) -> None:
                    help="train nothing: rebuild runs.csv, results.md and the plots from the run folders")
     p.add_argument("--quick", action="store_true",
                    help="apply the config's 'quick:' overrides first (the same study in a few minutes)")
+    jobs = p.add_mutually_exclusive_group()
+    jobs.add_argument("--status", action="store_true",
+                      help="grid.executor=slurm: print the grid's runs by state (pending, running, done, requeued, "
+                      "failed with the reason); submits nothing")
+    jobs.add_argument("--cancel", action="store_true", help="grid.executor=slurm: cancel the grid's jobs")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.samples=4096 grid.seeds=[0]")
     p.set_defaults(func=cmd_compare)
 

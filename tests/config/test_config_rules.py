@@ -101,7 +101,7 @@ def _grid_with(key: str, value) -> dict:
     *groups, leaf = key.split(".")[1:]
     node = raw
     for group in groups:
-        node = node[group]
+        node = node.setdefault(group, {})  # a section (grid.slurm) given only for this key
     node[leaf] = value
     return raw
 

@@ -11,6 +11,14 @@ Both nodes are this box (NodeAddr=127.0.0.1, distinct ports); their names do not
 clusters whose node names are not in DNS. CPUs=64 per node (SlurmdParameters=config_overrides)
 so the sbatch script's own #SBATCH lines are accepted as written. Two partitions: "main"
 (default) and "high" (a higher PriorityTier: its jobs preempt main's with REQUEUE after GraceTime).
+
+    SlurmCluster(tmp_dir, accounting=True).start()   # with slurmdbd on a private MariaDB: sacct works
+
+Accounting (Debian's slurmdbd and mariadb-server): mariadbd runs with --no-defaults (nothing of
+/etc/mysql) as root on a free 127.0.0.1 port, slurmdbd reads slurmdbd.conf (mode 600) beside
+$SLURM_CONF (it has no -f), and slurmctld and sacct reach slurmdbd with the cluster's own munge
+socket (AccountingStoragePass=socket=...: AuthInfo is not read for that link). Without it sacct
+answers "Slurm accounting storage is disabled", as on many clusters.
 """
 from __future__ import annotations
 
@@ -27,15 +35,19 @@ from vlp_testing import free_port
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel")
 PACKAGES = "slurmctld slurmd slurm-client munge"
+ACCOUNTING_BINARIES = ("slurmdbd", "mariadbd", "mariadb-install-db", "sacct")
+ACCOUNTING_PACKAGES = "slurmdbd mariadb-server"
 SBIN = "/usr/sbin"
 
 
-def missing() -> str | None:
-    """Why the cluster cannot start here (None when it can)."""
+def missing(accounting: bool = False) -> str | None:
+    """Why the cluster (with accounting: and its slurmdbd) cannot start here (None when it can)."""
     path = os.environ.get("PATH", "") + os.pathsep + SBIN
-    absent = [b for b in BINARIES if shutil.which(b, path=path) is None]
+    wanted = BINARIES + (ACCOUNTING_BINARIES if accounting else ())
+    absent = [b for b in wanted if shutil.which(b, path=path) is None]
     if absent:
-        return f"SLURM not installed ({', '.join(absent)} missing; scripts/setup.sh installs {PACKAGES} as root)"
+        packages = PACKAGES + (f" {ACCOUNTING_PACKAGES}" if accounting else "")
+        return f"SLURM not installed ({', '.join(absent)} missing; scripts/setup.sh installs {packages} as root)"
     return None
 
 
@@ -47,7 +59,11 @@ def free_ports(n: int) -> list[int]:
     return sorted(ports)
 
 
-def slurm_conf(d: Path, host: str, ctld_port: int, node_ports: list[int], grace_s: int) -> str:
+def slurm_conf(d: Path, host: str, ctld_port: int, node_ports: list[int], grace_s: int, dbd_port: int = 0) -> str:
+    """slurm.conf of the cluster; ``dbd_port``: slurmdbd's port (accounting on), 0: no accounting."""
+    accounting = (f"AccountingStorageType=accounting_storage/slurmdbd\nAccountingStorageHost={host}\n"
+                  f"AccountingStoragePort={dbd_port}\nAccountingStoragePass=socket={d}/munge.sock\n"
+                  "JobAcctGatherType=jobacct_gather/none\n") if dbd_port else ""
     nodes = "\n".join(f"NodeName=n{i + 1} NodeHostname={host} NodeAddr=127.0.0.1 Port={p} CPUs=64 "
                       f"RealMemory=4000 State=UNKNOWN" for i, p in enumerate(node_ports))
     return f"""ClusterName=vlptest
@@ -84,14 +100,32 @@ PreemptMode=REQUEUE
 {nodes}
 PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={grace_s}
 PartitionName=high Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
+{accounting}"""
+
+
+def slurmdbd_conf(d: Path, host: str, dbd_port: int, db_port: int) -> str:
+    return f"""AuthType=auth/munge
+AuthInfo=socket={d}/munge.sock
+DbdHost={host}
+DbdAddr=127.0.0.1
+DbdPort={dbd_port}
+SlurmUser=root
+PidFile={d}/slurmdbd.pid
+LogFile={d}/slurmdbd.log
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort={db_port}
+StorageUser=root
+StorageLoc=slurm_acct_db
 """
 
 
 class SlurmCluster:
-    def __init__(self, root: Path, grace_s: int = 30):
+    def __init__(self, root: Path, grace_s: int = 30, accounting: bool = False):
         self.dir = Path(root)
         self.conf = self.dir / "slurm.conf"
         self.grace_s = grace_s
+        self.accounting = accounting
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = dict(os.environ, SLURM_CONF=str(self.conf), PATH=os.environ.get("PATH", "") + os.pathsep + SBIN)
 
@@ -107,17 +141,44 @@ class SlurmCluster:
         self._run(["munged", "--force", "-S", str(d / "munge.sock"), "--key-file", str(key),
                    "--pid-file", str(d / "munge" / "munged.pid"), "--log-file", str(d / "munge" / "munged.log"),
                    "--seed-file", str(d / "munge" / "munged.seed")])
-        ctld, *nodes = free_ports(3)
-        self.conf.write_text(slurm_conf(d, socket.gethostname().split(".")[0], ctld, nodes, self.grace_s))
+        ctld, dbd, db, *nodes = free_ports(5)
+        host = socket.gethostname().split(".")[0]
+        if self.accounting:
+            self._start_accounting(host, dbd, db)
+        self.conf.write_text(slurm_conf(d, host, ctld, nodes, self.grace_s, dbd if self.accounting else 0))
         self.procs["slurmctld"] = self._daemon(["slurmctld", "-D", "-i", "-f", str(self.conf)], "slurmctld")
         for name in ("n1", "n2"):
             self.procs[name] = self._daemon(["slurmd", "-D", "-f", str(self.conf), "-N", name], f"slurmd-{name}")
         self._wait_idle(90)
         return self
 
+    def _start_accounting(self, host: str, dbd_port: int, db_port: int) -> None:
+        """A private MariaDB (its own data folder and port) and slurmdbd on it, up before slurmctld
+        (which registers its ClusterName there)."""
+        d, data = self.dir, self.dir / "mysql"
+        self._run(["mariadb-install-db", "--no-defaults", "--user=root", f"--datadir={data}",
+                   "--auth-root-authentication-method=normal", "--skip-test-db"], timeout=120)
+        self.procs["mariadbd"] = self._daemon(
+            ["mariadbd", "--no-defaults", "--user=root", f"--datadir={data}", f"--socket={d}/mysql.sock",
+             f"--port={db_port}", "--bind-address=127.0.0.1", f"--pid-file={d}/mariadbd.pid",
+             "--innodb-buffer-pool-size=32M"], "mariadbd")
+        self._until(lambda: _port_open(db_port), 60, "MariaDB listening")
+        dbd_conf = self.conf.with_name("slurmdbd.conf")
+        dbd_conf.write_text(slurmdbd_conf(d, host, dbd_port, db_port))
+        os.chmod(dbd_conf, 0o600)
+        self.procs["slurmdbd"] = self._daemon(["slurmdbd", "-D"], "slurmdbd")
+        self._until(lambda: _port_open(dbd_port), 60, "slurmdbd listening")
+
+    def _until(self, ready, limit_s: float, what: str) -> None:
+        deadline = time.time() + limit_s
+        while not ready():
+            if time.time() > deadline:
+                raise RuntimeError(f"{what}: not after {limit_s} s; logs in {self.dir}")
+            time.sleep(0.2)
+
     def stop(self) -> None:
         subprocess.run(["scancel", "--full", "-u", "root"], env=self.env, capture_output=True, timeout=30)
-        for name in ("n1", "n2", "slurmctld"):
+        for name in ("n1", "n2", "slurmctld", "slurmdbd", "mariadbd"):
             proc = self.procs.get(name)
             if proc and proc.poll() is None:
                 proc.terminate()
@@ -216,6 +277,12 @@ class SlurmCluster:
         self.wait(job_id, lambda i: i["JobState"] == "PENDING", 120, "pending after requeue")
         time.sleep(2)
         subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], env=self.env, capture_output=True)
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _environs() -> dict[int, dict]:

@@ -21,7 +21,8 @@ from typing import Any, Iterator, Optional, Sequence
 import yaml
 
 from vlp import util
-from vlp.config.keys import DataConfig, EvalConfig, GridConfig, LossConfig, ModelConfig, OptimConfig, TrainConfig
+from vlp.config.grid_keys import GridConfig
+from vlp.config.keys import DataConfig, EvalConfig, LossConfig, ModelConfig, OptimConfig, TrainConfig
 from vlp.config.rules import ConfigError, KeyRule, Rule, check_type, short
 
 # the configs shipped in the package (symlinks to configs/*.yaml in the clone): vlp demo, vlp compare
@@ -160,7 +161,7 @@ RULES: dict[str, Rule] = {name: k.rule for name, k in KEYS.items()}
 """What each key accepts: the validation table, read from the fields."""
 
 GRID_KEYS: dict[str, ConfigKey] = {k.name: k for k in declared_keys(GridConfig, "grid.")}
-"""The `grid:` keys of `vlp compare` (vlp/config/keys.py GridConfig), e.g. GRID_KEYS["grid.seeds"]."""
+"""The `grid:` keys of `vlp compare` (vlp/config/grid_keys.py GridConfig), e.g. GRID_KEYS["grid.seeds"]."""
 
 
 def read_grid(raw: Any) -> GridConfig:
@@ -179,11 +180,15 @@ def read_grid(raw: Any) -> GridConfig:
 
 
 def check_given(obj: Any, given: dict, prefix: str) -> None:
-    """Each key of `given` read into `obj` against its rule (a default passes its own), a group's too."""
+    """Each key of `given` read into `obj` against its rule (a default passes its own); the keys of
+    a group (grid.seeds_until: those without a default are required) and of a section (grid.slurm) too."""
     for name, value in given.items():
-        GRID_KEYS[prefix + name].rule.check(prefix + name, getattr(obj, name))
+        if prefix + name in GRID_KEYS:  # a section (grid.slurm) is no key of its own
+            GRID_KEYS[prefix + name].rule.check(prefix + name, getattr(obj, name))
         if dataclasses.is_dataclass(group := getattr(obj, name)):
-            required = [f.name for f in dataclasses.fields(group) if f.default is None]
+            hints = typing.get_type_hints(type(group))
+            required = [f.name for f in dataclasses.fields(group)
+                        if f.default is None and type(None) not in typing.get_args(hints[f.name])]
             missing = [k for k in required if getattr(group, k) is None]
             if missing:
                 raise ConfigError(f"config: {prefix}{name} must give {', '.join(required)}; "

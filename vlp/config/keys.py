@@ -3,6 +3,8 @@ rule (`key(default, rule, resume)`, vlp.config.rules) and what it means (the doc
 
     cfg.data.batch_per_device          # the sections of vlp.config.Config
 
+The `grid:` keys of `vlp compare` are declared the same way in vlp.config.grid_keys.
+
 vlp.config derives its validation table `RULES` from these fields and vlp.checkpoint.resume its
 `RESUME_RULES`; docs/configuration.md lists them (scripts/config_keys.py writes the list).
 A new key is one field here: a field declared without `key(...)` stops vlp at import.
@@ -10,13 +12,12 @@ A new key is one field here: a field declared without `key(...)` stops vlp at im
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any, Literal, Optional
+from dataclasses import dataclass
+from typing import Literal, Optional
 
 from vlp.config.rules import (ANY, APPLIED, CHECKPOINT, COUNT, FILE, FOLDER, HARMLESS, HF_FOLDER,
-                              LAYOUT_KEY, LAYOUT_STATE, NAME, PLAN, POSITIVE_INT, QUIET, REFUSE, SAMPLING_WEIGHTS,
-                              SEED, SHAPES_MODEL, TEXT, WEIGHTS, WEIGHTS_WIN, KeyRule, Rule, key, listed, number,
-                              short)
+                              LAYOUT_KEY, LAYOUT_STATE, NAME, POSITIVE_INT, QUIET, REFUSE, SAMPLING_WEIGHTS,
+                              SEED, SHAPES_MODEL, TEXT, WEIGHTS, WEIGHTS_WIN, KeyRule, key, number)
 
 OPTIMIZERS = ("adamw", "lars", "sgd")
 """optim.name's values (OptimConfig.name) and grid.optimizers'."""
@@ -254,117 +255,3 @@ class EvalConfig:
     suite: Optional[str] = key(None, FILE, APPLIED)
     """Eval suite YAML (configs/eval_*.yaml: zero-shot classification, more retrieval sets)
     run with the held-out retrieval at every eval."""
-
-
-WHOLE = replace(POSITIVE_INT, allowed="a positive integer")
-
-
-def _bounds_problem(table: Any) -> Optional[str]:
-    """Why grid.sweep_bounds is not {dotted key: [low, high]} with 0 < low < high, else None."""
-    for name, pair in table.items():
-        if "." not in str(name) or not (isinstance(pair, list) and len(pair) == 2 and all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair) and 0 < pair[0] < pair[1]):
-            return f"entry {name} must be [low, high] with 0 < low < high on a dotted swept key, got {short(pair)}"
-    return None
-
-
-BOUNDS = Rule("{dotted key: [low, high]}", lambda v: _bounds_problem(v) is None,
-              ({"optim.lr": [0.1, 0.01]}, {"optim.lr": 0.1}, {"lr": [0.01, 0.1]}, {"optim.lr": [0, 1]}),
-              problem=_bounds_problem)
-
-
-@dataclass(frozen=True)
-class AccumPrice:
-    """`grid.accum_price:` the price of a large contrastive batch as accumulated micro-batches."""
-
-    batch_per_device: int = key(None, WHOLE, PLAN)
-    """Required: b, the micro-batch per GPU."""
-    accum_steps: int = key(None, number(2, integer=True), PLAN)
-    """Required: k, the micro-batches per step; b·k must be one of grid.batch_per_device."""
-    samples: int = key(None, WHOLE, PLAN)
-    """Required: train.samples of a price run (at least one step of b·k)."""
-    seeds: list[int] = key([0], listed(0), PLAN)
-    """The price runs' seeds."""
-
-
-@dataclass(frozen=True)
-class SeedsUntil:
-    """`grid.seeds_until:` the rule that gives more seeds where the answer is open (vlp.study.adaptive)."""
-
-    half_width: float = key(None, replace(number(0, lo_open=True), allowed="a number of points > 0"), PLAN)
-    """Required: an interval within ± this many points of grid.metric is settled."""
-    max_seeds: int = key(None, WHOLE, PLAN)
-    """Required: the most seeds a comparison gets (more than grid.final_seeds)."""
-    step: int = key(None, WHOLE, PLAN)
-    """Required: seeds added at each look."""
-
-
-@dataclass
-class GridConfig:
-    """`grid:` the runs of `vlp compare` (vlp/study): the arms, seeds and sweep, where they go and
-    how they are reported. Not part of a run's config: popped before the rest becomes one."""
-
-    losses: list[str] = key(None, listed(), PLAN)
-    """Losses to compare (loss.name values of vlp/losses/registry.py): an axis of the arms. Required."""
-    batch_per_device: list[int] = key(None, listed(1), PLAN)
-    """Per-GPU batch sizes to sweep (data.batch_per_device values): an axis of the arms. Required."""
-    seeds: list[int] = key(None, listed(0), PLAN)
-    """Seeds (train.seed): model init and data order, the same for every loss and batch; a tuned
-    study's sweep seeds. Required."""
-    out_dir: str = key("runs/compare", TEXT, PLAN)
-    """Results folder: one subfolder per run plus runs.csv, the report and its figures; a plain grid's
-    may be a bucket (s3://b/grid, gs://...)."""
-    loss_overrides: dict[str, Any] = key({}, ANY, PLAN)
-    """Per-loss dotted overrides, e.g. {flatnce: {loss.temperature: split}}."""
-    warmup_samples: Optional[int] = key(None, COUNT, PLAN)
-    """If set, optim.warmup_steps = warmup_samples // global batch (equal warmup in samples)."""
-    log_every_samples: Optional[int] = key(None, COUNT, PLAN)
-    """If set, train.log_every = max(1, log_every_samples // global batch) (aligned curves)."""
-    keep_checkpoints: bool = key(True, ANY, PLAN)
-    """False: delete a run's checkpoints/ once it succeeded (open_clip_model.pt is kept)."""
-    keep_models: bool = key(True, ANY, PLAN)
-    """False: runs write no final checkpoint and no open_clip_model.pt (train.save_final); a study
-    ranks each trained model in memory, and its eval_items.json and log are kept."""
-    retries: int = key(1, COUNT, PLAN)
-    """Extra attempts for a run that raises, before it is recorded as failed."""
-    metric: str = key("mean_R@1", TEXT, PLAN)
-    """Eval metric (vlp.eval.keys.EVAL_KEYS) of metric_vs_batch.png; a study's verdict and figures."""
-    workers: int = key(1, number(1, 64, integer=True), PLAN)
-    """On one process: run this many runs at once in worker processes (2 on a 2-core CPU with
-    OMP_NUM_THREADS=1). Results do not depend on it; samples/s share the cores."""
-    sweep: dict[str, Any] = key({}, ANY, PLAN)
-    """Non-empty: a tuned study (sweep on val, seeds on test). Dotted key -> values, the same for
-    every arm, e.g. {optim.lr: [3e-4, 1e-3]}; or optimizer name -> such a map (per-optimizer ranges)."""
-    optimizers: list[str] = key([], listed(choices=OPTIMIZERS), PLAN)
-    """Study: optim.name values, an axis of the arms (default: the base config's optim.name)."""
-    final_seeds: Optional[list[int]] = key(None, listed(0), PLAN)
-    """Study: seeds of the final runs of each arm's selected setting (unset: grid.seeds)."""
-    select_metric: str = key("mean_R@10", TEXT, PLAN)
-    """Study: the val metric (mean over grid.seeds) that selects each arm's setting."""
-    test_shards: Optional[str] = key(None, TEXT, PLAN)
-    """Study on your own shards: the test set (data.eval_shards is the val set). OpenMoji: unset."""
-    regimes: dict[str, Any] = key({}, ANY, PLAN)
-    """Study: named regimes, an axis of the arms: {name: {dotted key: value, ..., sweep: {...}?}}
-    (e.g. scratch: {} and lit: {model.name: vlp-lit-lite0, model.lock_image: true, ...}); a
-    regime's own `sweep` replaces grid.sweep for it; a regime set to false is left out."""
-    accum_price: Optional[AccumPrice] = key(None, ANY, PLAN)
-    """Study: {batch_per_device: b, accum_steps: k, samples: n, seeds?}: per regime × loss, a timed
-    run of the b·k contrastive batch as k micro-batches of b (b·k a grid batch, whose accuracy it
-    has): samples/s and peak memory beside batch b."""
-    datasets: Any = key({}, ANY, PLAN)
-    """Study: the data sets, an axis of the arms ({}: the data config as given). A list of packaged
-    names, or {name: {batch_per_device: [...], regimes: [...]}} to run a data set on a subset of
-    the grid's batches or regimes; any other name is your own data (vlp.study.userdata): {train:
-    spec, val: spec, test: spec} or {shards: spec} split by caption hash."""
-    seeds_until: Optional[SeedsUntil] = key(None, ANY, PLAN)
-    """Study: seeds where the answer is open, {half_width: points, max_seeds: n, step: k}: after the
-    final seeds, every paired Δ (grid.metric) whose interval still contains 0 and is wider than ±
-    half_width points gets k more seeds, up to max_seeds; every interval and p-value is then
-    corrected for the planned looks (vlp.study.stats.look_level)."""
-    sweep_bounds: dict[str, list] = key({}, BOUNDS, PLAN)
-    """Study: {dotted key: [low, high]}: an arm selected at an edge of its values of that key gets
-    one more value beyond the edge (x3 or /3) until its selection is interior or the next value
-    would cross the bound (the report names it)."""
-    budget_points: int = key(1, number(1, 64, integer=True), PLAN)
-    """Study: rank val and test at this many evenly spaced points of the budget (the steps of every
-    run must divide by it); the report gives the verdict at the end and at each arm's val-best point."""

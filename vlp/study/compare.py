@@ -32,7 +32,7 @@ from vlp.config import PACKAGED_DEFAULTS, ConfigError, apply_overrides, from_dic
 
 from vlp.experiment import check
 from vlp.checkpoint.storage import open_run_folder
-from vlp.config.keys import GridConfig
+from vlp.config.grid_keys import GridConfig
 from vlp.study.grid import parse_grid
 from vlp.study.study import regime_bases, run_study
 from vlp.study.userdata import check_datasets

@@ -1,5 +1,5 @@
 """The plan's input: the `grid:` section of a compare config, its keys declared in
-vlp/config/keys.py (GridConfig: type, default, rule, doc) and read by vlp.config.read_grid; here
+vlp/config/grid_keys.py (GridConfig: type, default, rule, doc) and read by vlp.config.read_grid; here
 the checks that need the registries (losses, eval metrics, packaged data sets) or join keys, and
 the shapes of grid.regimes and grid.datasets (`parse_grid`: one ConfigError line per problem).
 
@@ -13,7 +13,8 @@ from typing import Any
 
 from vlp.config import ConfigError, read_grid
 from vlp.config.rules import listed
-from vlp.config.keys import OPTIMIZERS, GridConfig
+from vlp.config.grid_keys import GridConfig
+from vlp.config.keys import OPTIMIZERS
 from vlp.data.sources import PACKAGED
 from vlp.eval.keys import EVAL_KEYS
 from vlp.losses.registry import NAMES as LOSS_NAMES
