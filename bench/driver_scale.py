@@ -45,7 +45,7 @@ class SimulatedSlurm:
         self.stop_after_polls = None  # a driver "killed" after this many polls (KeyboardInterrupt)
 
     def __call__(self, cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-        self.calls[cmd[0]] += 1
+        self.calls["sbatch --test-only" if "--test-only" in cmd else cmd[0]] += 1
         self.longest_argv = max(self.longest_argv, sum(len(x) + 1 for x in cmd))
         out = getattr(self, "_" + cmd[0])(cmd)
         return subprocess.CompletedProcess(cmd, 0, out, "")
@@ -153,9 +153,11 @@ def main() -> None:
     figure("driver_cpu_s submit_and_watch", cpu_first, "s", f"{runs} sbatch + {first.calls['sacct']} polls")
     figure("driver_cpu_s reattach_to_the_end", cpu_second, "s", f"{rounds} polls, {second.calls['sbatch']} sbatch")
     figure("driver_cpu_ms_per_poll_round", 1000 * cpu_second / max(rounds, 1), "ms", f"{runs} jobs per sacct call")
-    figure("driver_peak_rss_mb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "MB",
-           f"{rss0 / 1024:.0f} MB before the first submission")
-    figure("driver_slurm_calls sbatch", first.calls["sbatch"] + second.calls["sbatch"], "calls", "one per run, none twice")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    figure("driver_peak_rss_mb", peak / 1024, "MB", f"{rss0 / 1024:.0f} MB with vlp imported and the runs' configs made")
+    figure("driver_rss_growth_mb", (peak - rss0) / 1024, "MB", "submitting and watching every run")
+    figure("driver_slurm_calls sbatch", first.calls["sbatch"] + second.calls["sbatch"], "calls",
+           f"for {runs} runs (the restarted driver: {second.calls['sbatch']}); and one sbatch --test-only per driver")
     figure("driver_slurm_calls per_poll_round", 1, "calls", "one sacct for every job in flight")
     figure("driver_sacct_argv_bytes", max(first.longest_argv, second.longest_argv), "bytes")
     figure("driver_files_per_run", files, "files")

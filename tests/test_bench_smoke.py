@@ -39,12 +39,14 @@ CASES = {
     "checksum_cost.py": ["--quick"],
     "feature_cache.py": ["--quick"],
     "many_ranks.py": ["--quick", "--only", "collectives"],  # ~13 s; the 2-rank train part takes ~95 s
+    "driver_scale.py": ["--quick"],
 }
 CLI = "scaling.py"  # run as `python bench/scaling.py --quick`: its CPU is in its children (vlp runs), not its imports
 BATCHES = {  # the rest: about 50 CPU seconds a batch once batched (2026-12-02); the CLI one and these start first
     "quality+features+step+checksum+sweep": ["quality.py", "feature_cache.py", "step_cost.py", "checksum_cost.py",
                                              "gpu_sweep.py"],
-    "soak+fsdp+augment+loss": ["soak.py", "fsdp_cost.py", "augment_equivalence.py", "loss_cost.py"],
+    "soak+fsdp+augment+loss+driver": ["soak.py", "fsdp_cost.py", "augment_equivalence.py", "loss_cost.py",
+                                      "driver_scale.py"],
     "data+train+remote+ranks+gpu+eval": ["data_loading.py", "train_throughput.py", "remote_loading.py",
                                          "many_ranks.py", "gpu_bench.py", "eval_cost.py"],
 }
@@ -76,6 +78,8 @@ EXPECTED = {
                       "collective_wall_ms nonfinite@2", "collective_wall_ms ckpt_meta@2"],
     "feature_cache.py": ["feature_cache_samples_per_s uncached", "feature_cache_samples_per_s cached",
                          "feature_cache_build_s", "feature_cache_speedup loop"],
+    "driver_scale.py": ["driver_runs_in_flight", "driver_cpu_ms_per_poll_round", "driver_peak_rss_mb",
+                        "driver_slurm_calls sbatch", "driver_sacct_argv_bytes"],
     "scaling.py": ["scaling_samples_per_s 1proc", "scaling_samples_per_s 2proc", "scaling_ratio 2proc/1proc"],
     "gpu_bench.py": ["gpu_synthetic_samples_per_s vlp", "gpu_synthetic_samples_per_s open_clip",
                      "gpu_synthetic_ratio vlp/open_clip", "gpu_flops_per_step", "gpu_real_ratio vlp/open_clip",
