@@ -36,4 +36,6 @@ if [ "$slurm_missing" = 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nu
          $SLURM_DEBS >/dev/null; } \
     || echo "[setup] could not install the SLURM packages; the SLURM tests will skip"
 fi
-echo "[setup] .venv ready: $(.venv/bin/python -c 'import torch, open_clip; print("torch", torch.__version__, "open_clip", open_clip.__version__)')"
+# the versions from the packages' metadata: importing open_clip imports torch._dynamo, which makes
+# torch.compile's cache folder in the temp dir
+echo "[setup] .venv ready: $(.venv/bin/python -c 'from importlib.metadata import version as v; print("torch", v("torch"), "open_clip", v("open_clip_torch"))')"
