@@ -198,14 +198,22 @@ def test_a_run_on_two_nodes_is_one_job_of_two_processes(cluster, tiny_shards, tm
     assert cluster.job(int(job))["NumNodes"] == "2"
 
 
-def test_a_job_scancelled_mid_run_is_resubmitted_and_the_table_is_the_same(cluster, tiny_shards, tmp_path, local_table):
-    config = write_config(tmp_path, tiny_shards)
-    out = tmp_path / "grid"
-    driver = subprocess.Popen([sys.executable, "-m", "vlp", "compare", "-c", str(config)], cwd=tmp_path,
+def driver_past_a_checkpoint(cluster, config: Path, folder: Path) -> subprocess.Popen:
+    """`vlp compare -c config` started, once the run in `folder` has logged step 12 (a checkpoint)."""
+    driver = subprocess.Popen([sys.executable, "-m", "vlp", "compare", "-c", str(config)], cwd=config.parent,
                               env=env_of(cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        folder = out / "infonce_b8_s0"
         wait_for("a checkpoint of infonce", lambda: logged_step(folder) >= 12)
+    except BaseException:
+        driver.kill()
+        raise
+    return driver
+
+
+def test_a_job_scancelled_mid_run_is_resubmitted_and_the_table_is_the_same(cluster, tiny_shards, tmp_path, local_table):
+    config, out = write_config(tmp_path, tiny_shards), tmp_path / "grid"
+    driver = driver_past_a_checkpoint(cluster, config, out / "infonce_b8_s0")
+    try:
         job = submitted(out)["infonce_b8_s0"][0]
         subprocess.run(["scancel", job], env=cluster.env, check=True)
         text, _ = driver.communicate(timeout=400)
@@ -221,13 +229,9 @@ def test_a_job_requeued_underneath_the_driver_is_waited_for_and_status_counts_it
                                                                                    local_table):
     """scontrol requeue (what a preemption or a lost node does): the same job id runs again and
     resumes from its checkpoint; the driver neither resubmits nor gives up; --status says requeued 1."""
-    config = write_config(tmp_path, tiny_shards)
-    out = tmp_path / "grid"
-    driver = subprocess.Popen([sys.executable, "-m", "vlp", "compare", "-c", str(config)], cwd=tmp_path,
-                              env=env_of(cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    config, out = write_config(tmp_path, tiny_shards), tmp_path / "grid"
+    driver = driver_past_a_checkpoint(cluster, config, out / "infonce_b8_s0")
     try:
-        folder = out / "infonce_b8_s0"
-        wait_for("a checkpoint of infonce", lambda: logged_step(folder) >= 12)
         (job,) = submitted(out)["infonce_b8_s0"]
         subprocess.run(["scontrol", "requeue", job], env=cluster.env, check=True)
         status = wait_for("--status saying requeued 1",
