@@ -111,6 +111,10 @@ def _worker(config) -> bool:
     return hasattr(config, "workerinput")  # an xdist worker: its controller reports and writes
 
 
+def _hung_up(signum, frame) -> None:
+    """SIGHUP in a pytest started under nohup: nothing (pytest_configure)."""
+
+
 @pytest.hookimpl(trylast=True)  # after pytest's tmp_path_factory exists
 def pytest_configure(config):
     """The session's temporary files, from collection on, under pytest's tree as each test's are
@@ -124,6 +128,12 @@ def pytest_configure(config):
         # tests of Ctrl-C would send it to processes that cannot take it (launch/local.sh cannot
         # even trap a signal ignored on entry)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+        # started under nohup: every process a test starts would inherit the ignore, and a `vlp`
+        # started with SIGHUP ignored keeps ignoring it (vlp.train.preempt.nohup), so the tests of
+        # SIGHUP would see no stop. A handler that does nothing keeps this pytest alive through a
+        # hang-up, as nohup asked, and is not inherited across exec: the processes get the default.
+        signal.signal(signal.SIGHUP, _hung_up)
     factory = config._tmp_path_factory
     os.environ["TMPDIR"] = str(factory.mktemp("session-tmp"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(factory.mktemp("inductor"))

@@ -3,11 +3,13 @@
 whose elastic agent writes its log folders) run in a pytest of their own with a TMPDIR of their
 own, which must be empty when it ends but for pytest's own (empty) root folder.
 
-That pytest is started as a script's background job starts it (`pytest &`: the shell ignores SIGINT
-there, and every process started below inherits it), on one xdist worker as the README's command
-runs them: a Ctrl-C test among the representatives checks that tests/conftest.py gave the pytest
-processes Python's handler back. Without it, a suite started so failed its Ctrl-C tests (a rank
-never saw the signal; launch/local.sh cannot trap a signal ignored on entry)."""
+That pytest is started as `nohup pytest ... &` in a script starts it (the shell ignores SIGINT in
+its background jobs, nohup ignores SIGHUP, and every process started below inherits both), on one
+xdist worker as the README's command runs them: a Ctrl-C test among the representatives checks
+that tests/conftest.py gave the pytest processes Python's handler back, and the last one that the
+processes a test starts take SIGINT and SIGHUP. Without it, a suite started so failed its Ctrl-C
+tests (a rank never saw the signal; launch/local.sh cannot trap a signal ignored on entry) and its
+SIGHUP tests (a `vlp` started with SIGHUP ignored keeps ignoring it, as under nohup it should)."""
 import os
 import shutil
 import signal
@@ -24,7 +26,21 @@ REPRESENTATIVE = [
     "tests/checkpoint/test_runlock.py::test_killed_holder_is_stale",
     "tests/cli/test_cluster.py::test_a_preempted_launch_says_it_once_and_exits_0_with_the_marker",
     "tests/train/test_stop_signals.py::test_under_a_launcher_that_forwards_sigint_its_copy_is_not_a_second_ctrl_c",
+    "tests/test_leftovers.py::test_the_processes_a_test_starts_take_sigint_and_sighup",
 ]
+
+
+def _as_nohup_in_the_background() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+def test_the_processes_a_test_starts_take_sigint_and_sighup():
+    """Whatever way this pytest was started (the test above starts one under nohup, in the background)."""
+    child = subprocess.run([PYTHON, "-c", "import os; print(open('/proc/self/status').read())"],
+                           capture_output=True, text=True, check=True).stdout
+    mask = int(next(x for x in child.splitlines() if x.startswith("SigIgn:")).split()[1], 16)
+    assert not mask & (1 << (signal.SIGINT - 1) | 1 << (signal.SIGHUP - 1)), hex(mask)
 
 
 def _left(folder: Path) -> list[str]:
@@ -46,7 +62,7 @@ def test_representative_tests_leave_their_temp_dir_empty_and_take_ctrl_c_when_st
     try:
         env = run_env() | {"TMPDIR": str(watched), "OMP_NUM_THREADS": "1"}
         done = subprocess.run([PYTHON, "-m", "pytest", "-q", "-n", "1", "-p", "no:cacheprovider", *REPRESENTATIVE],
-                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN), stdin=subprocess.DEVNULL, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                              preexec_fn=_as_nohup_in_the_background, stdin=subprocess.DEVNULL, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0 and " passed in " in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
         assert _left(watched) == [], _left(watched)
     finally:

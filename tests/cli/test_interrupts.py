@@ -147,38 +147,46 @@ def _check_finished(out: Path, names) -> None:
             assert json.loads((run / "compare.json").read_text())["status"] == "ok", name
 
 
-def _mid_grid(group: Group, out: Path) -> dict[str, float]:
-    """Waits until a run is done and another trains; returns the finished runs (name -> mtime)."""
-    group.until("a finished run beside a training one", lambda: _finished(out) and _training(out))
+def _mid_grid(group: Group, out: Path, more_than: int = 0) -> dict[str, float]:
+    """Waits until more than `more_than` runs are done and another trains; returns the finished
+    runs (name -> mtime)."""
+    group.until("a finished run beside a training one", lambda: len(_finished(out)) > more_than and _training(out))
     return _finished(out)
 
 
-@pytest.mark.parametrize("workers, sig", [(1, signal.SIGINT), (1, signal.SIGTERM), (2, signal.SIGUSR1), (1, signal.SIGHUP)],
-                         ids=["1-INT", "1-TERM", "2-USR1", "1-HUP"])  # 2 and a Ctrl-C: test_compare_second_ctrl_c_...[2]
-def test_compare_stopped_mid_grid_keeps_finished_runs_and_a_rerun_resumes(tiny_shards, tmp_path, workers, sig):
+@pytest.mark.parametrize("workers, sigs", [(1, (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)), (2, (signal.SIGUSR1,))],
+                         ids=["1-INT-TERM-HUP", "2-USR1"])
+def test_compare_stopped_mid_grid_keeps_finished_runs_and_a_rerun_resumes(tiny_shards, tmp_path, workers, sigs):
     """grid.workers=1 (the runs in the command's own process) and 2 (the --quick default: spawned
     worker processes): a Ctrl-C, SIGTERM, SIGUSR1 or SIGHUP (a closed terminal) to the group while a
-    run trains, with another already finished."""
+    run trains, with another already finished. With several signals, one after another on the same
+    grid: each rerun reuses what is done, finishes one more run and is stopped by the next signal;
+    the last rerun completes the grid."""
     out = tmp_path / "grid"
     args = _compare(tiny_shards, out, workers)
-    first = Group(args, tmp_path, "first")
-    before = _mid_grid(first, out)
-    os.killpg(first.proc.pid, sig)
-    code = first.end()
-    err = first.err()
-    line = _stopped_once(code, err, sig)
-    after = _finished(out)
-    assert before.items() <= after.items(), (before, after)  # nothing finished was redone or lost
-    _check_finished(out, after)
-    assert len(after) < RUNS, (after, line)  # it stopped mid-grid
-    for run in out.iterdir():  # a run not done left no record claiming it is
-        if run.is_dir() and run.name not in after:
-            assert not (run / "compare.json").exists() or json.loads((run / "compare.json").read_text())[
-                "status"] != "ok", run.name
-    deadline = time.time() + 30
-    while not first.gone() and time.time() < deadline:
-        time.sleep(0.05)
-    assert first.gone(), "a process of the stopped command outlived it"
+    after: dict[str, float] = {}
+    for n, sig in enumerate(sigs):
+        first = Group(args, tmp_path, f"stopped{n}")
+        before = _mid_grid(first, out, more_than=len(after))
+        os.killpg(first.proc.pid, sig)
+        code = first.end()
+        err = first.err()
+        line = _stopped_once(code, err, sig)
+        if n:
+            assert f"[compare] {RUNS} runs ({len(after)} already done)" in first.out(), first.out()[-3000:]
+        done_before, after = after, _finished(out)
+        assert before.items() <= after.items(), (before, after)  # nothing finished was redone or lost
+        assert all(after[name] == mtime for name, mtime in done_before.items()), (done_before, after)
+        _check_finished(out, after)
+        assert len(after) < RUNS, (after, line)  # it stopped mid-grid
+        for run in out.iterdir():  # a run not done left no record claiming it is
+            if run.is_dir() and run.name not in after:
+                assert not (run / "compare.json").exists() or json.loads((run / "compare.json").read_text())[
+                    "status"] != "ok", run.name
+        deadline = time.time() + 30
+        while not first.gone() and time.time() < deadline:
+            time.sleep(0.05)
+        assert first.gone(), "a process of the stopped command outlived it"
 
     again = Group(args, tmp_path, "again")
     code = again.end(240)

@@ -1,12 +1,14 @@
 """`vlp compare` with grid.executor=slurm on a real 2-node SLURM cluster on 127.0.0.1 with accounting
 (tests/support/slurm_cluster.py: slurmdbd on a private MariaDB), and one without: each run is one
 job (vlp/study/slurm.py, vlp/study/batch.py). A tiny plain grid (2 runs of vlp-micro) gives the
-local executor's runs.csv, and a tiny tuned study its study.json; so does a map whose job is
-scancelled mid-run, one whose job is requeued underneath the driver, and one whose driver is
-killed mid-map and started again (no run submitted twice). A run on two nodes is one job of two
-processes. Ctrl-C leaves the jobs; --status and --cancel. A run that always fails is reported
-with its reason after grid.retries; bad executor settings are one line each, before any submission.
-Skipped with the reason where SLURM is not installed; under CI=true that skip is a failure."""
+local executor's runs.csv, and a tiny tuned study its study.json; so does a map with one job
+scancelled mid-run and the other requeued underneath the driver, and one whose driver is killed
+mid-map (SIGHUP, then SIGKILL) and started again (no run submitted twice). A run on two nodes is
+one job of two processes. Ctrl-C leaves the jobs; --status and --cancel. A run that always fails
+is reported with its reason after grid.retries; bad executor settings are one line each, before
+any submission. The `vlp compare` drivers fork from the pre-imported server (tests/support/forked.py:
+a real process each; the jobs are exec'd by SLURM). Skipped with the reason where SLURM is not
+installed; under CI=true that skip is a failure."""
 import csv
 import json
 import os
@@ -20,11 +22,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+import forked
 from slurm_cluster import SlurmCluster, missing
 from vlp_testing import REPO
 
 pytestmark = pytest.mark.multiproc  # the tier (docs/testing.md): every test here starts processes
 
+RUNS = ("infonce_b8_s0", "flatnce_b8_s0")
 STEPS = 60  # per run: 480 samples at batch 8, a checkpoint every 10 steps
 SAME = ("run", "status", "steps", "samples_seen", "mean_R@1", "mean_R@5", "mean_R@10", "image_to_text_R@1", "text_to_image_R@1",
         "infonce", "logit_scale")
@@ -70,12 +74,18 @@ def write_config(tmp: Path, shards: dict, **grid) -> Path:
 
 
 def env_of(c) -> dict:
-    return dict(c.env, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONFAULTHANDLER="1")
+    return dict(c.env, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
 
 
 def compare(c, config: Path, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vlp", "compare", "-c", str(config), *args], cwd=config.parent,
-                          env=env_of(c), capture_output=True, text=True, timeout=timeout)
+    return forked.run([sys.executable, "-m", "vlp", "compare", "-c", str(config), *args], cwd=config.parent,
+                      env=env_of(c), capture_output=True, text=True, timeout=timeout)
+
+
+def driver(c, config: Path, *args: str, **popen) -> forked.Popen:
+    """`vlp compare -c config ARGS` started (a real process, forked from the pre-imported server)."""
+    return forked.Popen([sys.executable, "-m", "vlp", "compare", "-c", str(config), *args], cwd=config.parent,
+                        env=env_of(c), **popen)
 
 
 def table(out: Path) -> list[dict]:
@@ -101,9 +111,9 @@ def local_table(tiny_shards, tmp_path_factory):
     """The same grid by the local executor: the table every SLURM map must give."""
     tmp = tmp_path_factory.mktemp("local")
     config = write_config(tmp, tiny_shards, executor="local")
-    proc = subprocess.run([sys.executable, "-m", "vlp", "compare", "-c", str(config)], cwd=tmp,
-                          env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=400)
+    proc = forked.run([sys.executable, "-m", "vlp", "compare", "-c", str(config)], cwd=tmp,
+                      env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""),
+                      capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = table(tmp / "grid")
     assert [r["status"] for r in rows] == ["ok", "ok"] and all(r["steps"] == str(STEPS) for r in rows), rows
@@ -198,89 +208,68 @@ def test_a_run_on_two_nodes_is_one_job_of_two_processes(cluster, tiny_shards, tm
     assert cluster.job(int(job))["NumNodes"] == "2"
 
 
-def driver_past_a_checkpoint(cluster, config: Path, folder: Path) -> subprocess.Popen:
-    """`vlp compare -c config` started, once the run in `folder` has logged step 12 (a checkpoint)."""
-    driver = subprocess.Popen([sys.executable, "-m", "vlp", "compare", "-c", str(config)], cwd=config.parent,
-                              env=env_of(cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for("a checkpoint of infonce", lambda: logged_step(folder) >= 12)
-    except BaseException:
-        driver.kill()
-        raise
-    return driver
-
-
-def test_a_job_scancelled_mid_run_is_resubmitted_and_the_table_is_the_same(cluster, tiny_shards, tmp_path, local_table):
+def test_one_job_scancelled_and_one_requeued_mid_run_give_the_same_table(cluster, tiny_shards, tmp_path, local_table):
+    """Both runs past a checkpoint: infonce's job is scancelled (the driver resubmits it, one line),
+    flatnce's is requeued underneath the driver (scontrol requeue: what a preemption or a lost node
+    does; the same job id runs again and resumes from its checkpoint, the driver neither resubmits
+    nor gives up, --status says requeued 1). The table is the local one."""
     config, out = write_config(tmp_path, tiny_shards), tmp_path / "grid"
-    driver = driver_past_a_checkpoint(cluster, config, out / "infonce_b8_s0")
+    running = driver(cluster, config, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        job = submitted(out)["infonce_b8_s0"][0]
-        subprocess.run(["scancel", job], env=cluster.env, check=True)
-        text, _ = driver.communicate(timeout=400)
-    finally:
-        driver.kill()
-    assert driver.returncode == 0, text[-4000:]
-    assert f"infonce_b8_s0: job {job} CANCELLED" in text and "resubmitted (retry 1 of 1)" in text, text[-3000:]
-    assert table(out) == local_table
-    assert len(submitted(out)["infonce_b8_s0"]) == 2 and len(submitted(out)["flatnce_b8_s0"]) == 1
-
-
-def test_a_job_requeued_underneath_the_driver_is_waited_for_and_status_counts_it(cluster, tiny_shards, tmp_path,
-                                                                                   local_table):
-    """scontrol requeue (what a preemption or a lost node does): the same job id runs again and
-    resumes from its checkpoint; the driver neither resubmits nor gives up; --status says requeued 1."""
-    config, out = write_config(tmp_path, tiny_shards), tmp_path / "grid"
-    driver = driver_past_a_checkpoint(cluster, config, out / "infonce_b8_s0")
-    try:
-        (job,) = submitted(out)["infonce_b8_s0"]
-        subprocess.run(["scontrol", "requeue", job], env=cluster.env, check=True)
+        wait_for("both runs past a checkpoint", lambda: all(logged_step(out / n) >= 12 for n in RUNS))
+        cancelled, (requeued,) = submitted(out)["infonce_b8_s0"][0], submitted(out)["flatnce_b8_s0"]
+        subprocess.run(["scancel", cancelled], env=cluster.env, check=True)
+        subprocess.run(["scontrol", "requeue", requeued], env=cluster.env, check=True)
         status = wait_for("--status saying requeued 1",
-                          lambda: f"| requeued 1 | {job} |" in compare(cluster, config, "--status").stdout, 120)
-        cluster.release(int(job))
-        text, _ = driver.communicate(timeout=400)
+                          lambda: f"| requeued 1 | {requeued} |" in compare(cluster, config, "--status").stdout, 120)
+        cluster.release(int(requeued))
+        text, _ = running.communicate(timeout=400)
     finally:
-        driver.kill()
-    assert driver.returncode == 0, text[-4000:]
-    assert "resubmitted" not in text and status
-    assert submitted(out) == {"flatnce_b8_s0": submitted(out)["flatnce_b8_s0"], "infonce_b8_s0": [job]}
+        running.kill()
+    assert running.returncode == 0, text[-4000:]
+    assert f"infonce_b8_s0: job {cancelled} CANCELLED" in text and "resubmitted (retry 1 of 1)" in text, text[-3000:]
+    assert text.count("resubmitted") == 1 and status, text[-3000:]
     assert table(out) == local_table
+    assert len(submitted(out)["infonce_b8_s0"]) == 2 and submitted(out)["flatnce_b8_s0"] == [requeued]
 
 
-@pytest.mark.parametrize("kill", [signal.SIGKILL, signal.SIGHUP], ids=["SIGKILL", "SIGHUP"])
-def test_the_driver_killed_mid_map_reattaches_and_submits_no_run_twice(cluster, tiny_shards, tmp_path, local_table,
-                                                                        kill):
-    """The driver killed while both jobs run (SIGHUP: a closed terminal; SIGTERM has the same default
-    action); they are suspended (scontrol suspend) so that they are still in flight when the same
-    command starts again, whatever the box's speed."""
+def test_the_driver_killed_mid_map_reattaches_and_submits_no_run_twice(cluster, tiny_shards, tmp_path, local_table):
+    """The driver killed while both jobs are in flight, by SIGHUP (a closed terminal; SIGTERM has
+    the same default action), started again and killed by SIGKILL, then started once more: each
+    start re-attaches, no run is submitted twice, and the table is the local one. The jobs are
+    suspended (scontrol suspend) while the drivers come and go, so that they are still in flight
+    whatever the box's speed."""
     config = write_config(tmp_path, tiny_shards)
     out = tmp_path / "grid"
-    driver = subprocess.Popen([sys.executable, "-m", "vlp", "compare", "-c", str(config)], cwd=tmp_path,
-                              env=env_of(cluster), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+    first = driver(cluster, config, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_for("both runs submitted and one training", lambda: len(submitted(out)) == 2 and all(
             submitted(out).values()) and any(logged_step(out / name) >= 1 for name in submitted(out)))
     finally:
-        os.killpg(driver.pid, kill)
-        assert driver.wait(timeout=30) == -kill
-    first = submitted(out)
-    ids = [i for v in first.values() for i in v]
+        os.killpg(first.pid, signal.SIGHUP)
+        assert first.wait(timeout=30) == -signal.SIGHUP
+    jobs = submitted(out)
+    ids = [i for v in jobs.values() for i in v]
     wait_for("both jobs running", lambda: all(cluster.job(int(i))["JobState"] in ("RUNNING", "COMPLETED") for i in ids))
     for i in ids:
         subprocess.run(["scontrol", "suspend", i], env=cluster.env, capture_output=True)
-    lines: list[str] = []
-    again = subprocess.Popen([sys.executable, "-m", "vlp", "compare", "-c", str(config)], cwd=tmp_path,
-                             env=env_of(cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    reader = threading.Thread(target=lambda: lines.extend(again.stdout), daemon=True)
-    reader.start()
-    try:
-        wait_for("the rerun re-attached", lambda: any("re-attached to" in x for x in lines), 120)
-    finally:
-        for i in ids:
-            subprocess.run(["scontrol", "resume", i], env=cluster.env, capture_output=True)
-    assert again.wait(timeout=400) == 0, "".join(lines)[-4000:]
-    reader.join(10)
-    assert submitted(out) == first, (first, submitted(out))  # no new submission
+    for kill in (signal.SIGKILL, None):
+        lines: list[str] = []
+        again = driver(cluster, config, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       start_new_session=True)
+        reader = threading.Thread(target=lambda: lines.extend(again.stdout), daemon=True)
+        reader.start()
+        try:
+            wait_for("the rerun re-attached", lambda: any("re-attached to 2" in x for x in lines), 120)
+        finally:
+            if kill is None:
+                for i in ids:
+                    subprocess.run(["scontrol", "resume", i], env=cluster.env, capture_output=True)
+            else:
+                os.killpg(again.pid, kill)
+        assert again.wait(timeout=400) == (-kill if kill else 0), "".join(lines)[-4000:]
+        reader.join(10)
+        assert submitted(out) == jobs, (jobs, submitted(out))  # no new submission
     assert table(out) == local_table
     assert len(sacct_names(cluster, ids)) == 2
 
@@ -291,18 +280,17 @@ def test_ctrl_c_stops_submitting_leaves_the_jobs_then_status_and_cancel(cluster,
     submitted; --status shows it, --cancel cancels it."""
     config = write_config(tmp_path, tiny_shards)
     out = tmp_path / "grid"
-    driver = subprocess.Popen([sys.executable, "-m", "vlp", "compare", "-c", str(config),
-                               "grid.slurm.max_in_flight=1"], cwd=tmp_path, env=env_of(cluster),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    running = driver(cluster, config, "grid.slurm.max_in_flight=1", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     text=True, start_new_session=True)
     try:
         wait_for("one run training", lambda: any(logged_step(out / name) >= 1 for name in submitted(out)))
         (job,) = [i for v in submitted(out).values() for i in v]
         subprocess.run(["scontrol", "suspend", job], env=cluster.env, check=True)
-        os.kill(driver.pid, signal.SIGINT)
-        stdout, stderr = driver.communicate(timeout=60)
+        os.kill(running.pid, signal.SIGINT)
+        stdout, stderr = running.communicate(timeout=60)
     finally:
-        driver.kill()
-    assert driver.returncode == 130, stdout[-2000:] + stderr[-2000:]
+        running.kill()
+    assert running.returncode == 130, stdout[-2000:] + stderr[-2000:]
     assert stderr.strip().splitlines() == [
         "vlp: interrupted (Ctrl-C): nothing more is submitted; the 1 slurm job(s) in flight run on. "
         "Run the same command to re-attach, or add --cancel to cancel them"], stderr
