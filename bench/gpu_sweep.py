@@ -214,6 +214,9 @@ def cli_runs(args, spec: str, out: Path) -> dict:
     results = {}
     batch = 256 if not args.tiny else 8
     for name, extra in (("cli_eager", []), ("cli_graphs", ["train.cuda_graphs=true"])):
+        if name == "cli_graphs" and args.cpu:  # vlp refuses train.cuda_graphs off CUDA: no process for that line
+            print(f"  {name}: skipped (CUDA graphs need a CUDA device; --cpu)", flush=True)
+            continue
         run = out / name
         cmd = [sys.executable, "-m", "vlp", "train", "-c", str(REPO / "configs/gpu_vitb32.yaml"),
                f"data.train_shards={spec}", "data.eval_shards=null", f"train.output_dir={run}",
