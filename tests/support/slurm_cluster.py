@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -80,6 +81,7 @@ SlurmctldPidFile={d}/slurmctld.pid
 SlurmdPidFile={d}/slurmd-%n.pid
 SlurmctldLogFile={d}/slurmctld.log
 SlurmdLogFile={d}/slurmd-%n.log
+SlurmdDebug=debug
 SlurmdParameters=config_overrides
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -239,6 +241,26 @@ class SlurmCluster:
     def restart_slurmd(self, name: str) -> None:
         """Start node `name`'s slurmd again (after kill_node)."""
         self.procs[name] = self._daemon(["slurmd", "-D", "-f", str(self.conf), "-N", name], f"slurmd-{name}")
+
+    def log_size(self, name: str) -> int:
+        log = self.dir / f"slurmd-{name}.log"
+        return log.stat().st_size if log.exists() else 0
+
+    def wait_terminate_delivered(self, name: str, job_id: int, offset: int, limit_s: float = 90) -> float:
+        """Wait until node `name`'s slurmd has logged (past byte `offset`) the controller's request to
+        end job `job_id` that failed while the node was lost: slurmctld retries such a request once
+        per RPC_RETRY_INTERVAL (60 s), and one that reaches the slurmd after the job was requeued
+        and started again there kills the new run (SlurmdDebug=debug logs the request). Returns
+        the seconds waited (``limit_s`` when none came)."""
+        start, log = time.time(), self.dir / f"slurmd-{name}.log"
+        wanted = re.compile(rf"_rpc_(terminate|abort)_job: uid = \d+ JobId={job_id}\b")
+        while time.time() - start < limit_s:
+            with open(log, "rb") as f:
+                f.seek(offset)
+                if wanted.search(f.read().decode(errors="replace")):
+                    break
+            time.sleep(0.5)
+        return time.time() - start
 
     # ------------------------------------------------------------------ jobs
     def sbatch(self, args: list[str], env: dict | None = None, cwd=None) -> int:
