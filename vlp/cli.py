@@ -72,13 +72,6 @@ def cmd_shards(args) -> int:
     return 0
 
 
-def _command_line_overrides(args) -> list[str]:
-    """The dotted overrides of this command line, each key given once (else one line: the last
-    would win without a word), none holding a line break."""
-    parse_overrides(args.overrides, once=True)
-    return args.overrides
-
-
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides, once=True)  # config errors come before torch's import
     if not cfg.data.train_shards:
@@ -126,7 +119,7 @@ def cmd_eval(args) -> int:
 def cmd_compare(args) -> int:
     from vlp.study.compare import DEFAULT_CONFIG, load_compare_config, run_grid
 
-    base, grid = load_compare_config(args.config or DEFAULT_CONFIG, _command_line_overrides(args), quick=args.quick)
+    base, grid = load_compare_config(args.config or DEFAULT_CONFIG, args.overrides, quick=args.quick, once=True)
     if args.status or args.cancel:  # the grid's scheduler jobs: nothing trains, nothing is submitted
         from vlp.study.batch import scheduler_of
         from vlp.study.status import cancel_study, study_status
@@ -150,7 +143,8 @@ def cmd_demo(args) -> int:
     from vlp.demo import run_demo
 
     _local_only(args.out, "vlp demo --out", "the demo writes its shards and runs locally")
-    run_demo(out_dir=args.out, overrides=_command_line_overrides(args), config=args.config)
+    parse_overrides(args.overrides, once=True)  # each key once, before any shard is written
+    run_demo(out_dir=args.out, overrides=args.overrides, config=args.config)
     return 0
 
 

@@ -20,11 +20,16 @@ import pytest
 import torch
 
 from vlp.data import shard_list
-from vlp.data.layout import SEQ, BatchSizes, piece_bounds, rest_samples, segments
+from vlp.data.layout import HEADERS, SEQ, BatchSizes, piece_bounds, segments
 from loaders import make_loader
 from vlp.data.shard_list import SizesFetchError, brace_expand, expand_sources, shard_sizes
 from dp_helpers import png_bytes, to_tensor, tokenize, write_tar
 from vlp_testing import free_port
+
+
+def rest_samples(pieces) -> int:
+    """Samples in a rest of an epoch (either form; headers count 0)."""
+    return sum(end - begin for shard, begin, end in pieces if shard not in HEADERS)
 
 
 def loader(spec, **kw):

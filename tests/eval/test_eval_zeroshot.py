@@ -3,8 +3,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from vlp.eval.zeroshot import (accuracy_from_ranks, build_classifier, fill_template, load_templates,
-                               mean_per_class_recall, target_ranks, zeroshot_classify)
+from vlp.eval.zeroshot import (accuracy_from_ranks, build_classifier, fill_template, load_templates, predictions,
+                               recall_from_predictions, target_ranks, zeroshot_classify)
+
+
+def mean_per_class_recall(logits, targets, num_classes: int) -> float:
+    """The metric from logits: the rank-1 predictions' recall per class, averaged."""
+    return recall_from_predictions(predictions(logits), targets, num_classes)
 
 CLASSNAMES = ["cat", "dog", "goldfish", "red panda", "toilet paper", "bus", "tree", "car", "ship", "frog"]
 

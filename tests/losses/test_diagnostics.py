@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vlp.losses.diagnostics import contrastive_diagnostics
+from vlp.losses.common import as_fp32, as_scalar, check_inputs, fp32_block, scaled_logits
+from vlp.losses.diagnostics import diagnostics_from_logits
 from vlp.losses.registry import STATELESS, get_loss
 
 LOSSES = {name: get_loss(name) for name in STATELESS}  # the stateless losses by name
@@ -17,6 +18,18 @@ KEYS = {
     "infonce", "log_xi", "grad_ratio", "frac_saturated", "ess_neg", "acc", "mi_nce", "mi_loo",
     "logit_scale",
 }
+
+
+@torch.no_grad()
+def contrastive_diagnostics(img_local, txt_local, img_global, txt_global, logit_scale, offset: int = 0) -> dict:
+    """The diagnostics of (b, d) local and (B, d) gathered L2-normalised features: their scaled
+    logits (t = logit_scale; the positive of local row i is column offset + i), read as the losses do."""
+    check_inputs(img_local, txt_local, img_global, txt_global, offset, "same")
+    with fp32_block(img_local.device):
+        t = as_scalar(logit_scale, img_local.device)
+        logits_i2t = scaled_logits(as_fp32(img_local), as_fp32(txt_global), t)
+        logits_t2i = scaled_logits(as_fp32(txt_local), as_fp32(img_global), t)
+    return diagnostics_from_logits(logits_i2t, logits_t2i, offset, t)
 
 
 def sigmoid(x: float) -> float:

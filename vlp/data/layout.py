@@ -136,11 +136,6 @@ def seq_parts(lo: int, hi: int, n: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def rest_samples(pieces) -> int:
-    """Samples in a rest of an epoch (either form; headers count 0)."""
-    return sum(end - begin for shard, begin, end in pieces if shard not in HEADERS)
-
-
 def merge_pieces(pieces) -> list[tuple[int, int, int]]:
     """Join adjacent pieces of the same shard: [(s, 0, 5), (s, 5, 9)] -> [(s, 0, 9)]."""
     out: list[tuple[int, int, int]] = []

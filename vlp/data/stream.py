@@ -158,8 +158,8 @@ class Loader:
         batch ``epochs()`` yielded (None in resampled mode). The ranks' lists, concatenated in
         rank order, are the ``pieces`` with which another layout finishes the epoch without
         repeating or skipping a sample (vlp.checkpoint.resume). Compact (see SEQ): 3 headers, <= 2 pieces
-        plus the shuffle buffer's runs per worker, whatever the shard count;
-        ``rest_samples(pieces)`` counts what is left."""
+        plus the shuffle buffer's runs per worker, whatever the shard count (what is left: the
+        pieces' lengths, headers not counted)."""
         if self.plan.mode != "split":
             return None
         known = self._rest if self._rest_epoch == epoch else {}

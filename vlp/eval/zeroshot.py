@@ -126,10 +126,6 @@ def recall_from_predictions(preds: torch.Tensor, targets: torch.Tensor, num_clas
     return float((correct_c[present] / count_c[present]).mean())
 
 
-def mean_per_class_recall(logits: torch.Tensor, targets: torch.Tensor, num_classes: int) -> float:
-    return recall_from_predictions(predictions(logits), targets, num_classes)
-
-
 # ----------------------------------------------------------------------------- evaluation
 
 def _unpack(batch):

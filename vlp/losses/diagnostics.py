@@ -13,9 +13,9 @@ with margins d_ij = t * (s_ij - s_i,pos) over the B - 1 negatives j and v_i = lo
     mi_loo          log(B - 1) - log_xi                    (leave-one-out bound)
     logit_scale     t
 
-Usage: ``contrastive_diagnostics(img_b, txt_b, img_B, txt_B, logit_scale, offset=o)``. The softmax
-losses pass the softmax over the negatives they already computed (``diagnostics_from_softmax``),
-SigLIP its logits (``diagnostics_from_logits``), so no matmul or softmax is repeated, and all
+Usage: ``diagnostics_from_logits(logits_i2t, logits_t2i, offset, t)``. The softmax losses pass
+the softmax over the negatives they already computed (``diagnostics_from_softmax``), SigLIP its
+logits (``diagnostics_from_logits``), so no matmul or softmax is repeated, and all
 values reach the host in one transfer, made only when a value is looked at (a `DeviceScalars`:
 the trainer reads them on logging steps only, so other steps make no host sync for them).
 """
@@ -32,12 +32,10 @@ from vlp.losses.common import (
     NegativeSoftmax,
     as_fp32,
     as_scalar,
-    check_inputs,
     fp32_block,
     negative_softmax,
     positive_index,
     positive_mask,
-    scaled_logits,
     softplus_exact,
 )
 
@@ -126,25 +124,3 @@ def diagnostics_from_logits(
         directions = [negative_softmax(as_fp32(logits.detach()), pos_idx, pos_mask)
                       for logits in (logits_i2t, logits_t2i)]
         return diagnostics_from_softmax(directions, logit_scale, extra)
-
-
-@torch.no_grad()
-def contrastive_diagnostics(
-    img_local: Tensor,
-    txt_local: Tensor,
-    img_global: Tensor,
-    txt_global: Tensor,
-    logit_scale: Tensor,
-    offset: int = 0,
-) -> dict[str, float]:
-    """Diagnostics (module docstring) of (b, d) local and (B, d) gathered L2-normalised features.
-
-    ``logit_scale`` is t (already exponentiated); the positive of local row i is column offset + i.
-    """
-    check_inputs(img_local, txt_local, img_global, txt_global, offset, "same")
-    device = img_local.device
-    with fp32_block(device):
-        t = as_scalar(logit_scale, device)
-        logits_i2t = scaled_logits(as_fp32(img_local), as_fp32(txt_global), t)
-        logits_t2i = scaled_logits(as_fp32(txt_local), as_fp32(img_global), t)
-    return diagnostics_from_logits(logits_i2t, logits_t2i, offset, t)

@@ -42,10 +42,12 @@ from vlp.checkpoint import lock as runlock
 DEFAULT_CONFIG = PACKAGED_DEFAULTS / "compare_small_batch.yaml"
 
 
-def load_compare_config(path: str | Path, overrides: Sequence[str] = (), quick: bool = False) -> tuple[dict, GridConfig]:
+def load_compare_config(path: str | Path, overrides: Sequence[str] = (), quick: bool = False,
+                        once: bool = False) -> tuple[dict, GridConfig]:
     """YAML + dotted overrides (grid.* included) → (base vlp config dict, GridConfig), both validated.
     quick: the YAML's top-level `quick:` map of dotted overrides is applied first (a few-minute
-    version of the same study); otherwise that section is ignored."""
+    version of the same study); otherwise that section is ignored. once: each key given once in
+    `overrides` (vlp.config.parse_overrides: a user's command line)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config: no such file: {path}")
@@ -56,7 +58,7 @@ def load_compare_config(path: str | Path, overrides: Sequence[str] = (), quick: 
             raise ConfigError(f"config: --quick needs a top-level 'quick:' map of dotted overrides in {path}")
         for key, value in quick_sets.items():
             set_dotted(data, key, value)
-    data = apply_overrides(data, list(overrides))
+    data = apply_overrides(data, list(overrides), once)
     grid = parse_grid(data.pop("grid", None))
     cfg = check(from_dict(copy.deepcopy(data)))  # fail on a bad base config before any run
     if grid.sweep and not grid.optimizers:

@@ -5,7 +5,8 @@
     train() -> train_step(micro_batches) -> compute_gradients -> the loss over the gathered batch
 
 The parts: `TrainData` (the stream and its position, vlp.data.train_data), the parallel strategy
-(DDP or FSDP2: wrap, no_sync, gradient finish, full model; vlp.train.strategy), the loss from
+(DDP or FSDP2: wrap, no_sync, gradient finish, full model, the weights' checkpoint format;
+vlp.train.strategy), the LR `Schedule` (vlp.train.optim), the loss from
 the registry (vlp.losses.registry), the `Evaluator` and the `RunLogger`. Each part that owns
 state registers it with the `Checkpointer` (vlp.checkpoint.checkpointer), which saves and resumes
 them without calling back into the loop.
@@ -19,6 +20,7 @@ which equals the gradient of the global mean loss.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from datetime import timedelta
 from typing import Optional
@@ -44,11 +46,11 @@ from vlp.eval.evaluator import Evaluator
 from vlp.train.feature_cache import training_features
 from vlp.train.logger import RunLogger, show_step
 from vlp.train.memory import StepMemory
-from vlp.train.optim import build_optimizer, build_scheduler, follow_config, param_groups
+from vlp.train.optim import Schedule, build_optimizer, param_groups
 from vlp.train.parts import RNG, Counters
 from vlp.train.static_step import static_step
 from vlp.train.step import contrastive_backward
-from vlp.train.strategy import Tensors, make_strategy
+from vlp.train.strategy import make_strategy
 
 
 def _counter(name: str) -> property:
@@ -74,6 +76,7 @@ class Trainer:
         # the run's records go there (main process; a train.wandb_project without wandb is refused now)
         self.folder = storage.open_run_folder(cfg.train.output_dir)
         self.logger = RunLogger(self.folder, is_main(), cfg.train.wandb_project, cfg.to_dict())
+        self.evaluator = Evaluator(cfg, self.folder)  # reads the eval suite now: a bad one fails before any build
         set_seed(cfg.train.seed)
         self.world, self.accum = acc.num_processes, cfg.train.accum_steps
         self.global_batch = global_batch(cfg, self.world)
@@ -83,7 +86,7 @@ class Trainer:
         # global batch (train.resume_mode=continue) keeps it continuous
         lr_position = lambda: (steps_for(self.samples_seen, self.global_batch), schedule_steps)  # noqa: E731
         self.nonfinite_in_row = 0
-        self.peak_step_bytes: Optional[int] = None  # of this process's second step (measured_step)
+        self.peak_step_bytes: Optional[int] = None  # of this process's second step (run_steps, vlp.train.memory)
         self.train_mode_set = False  # train_step has called model.train() (see there)
         if self.total_steps < 1:
             raise ValueError(f"train.samples={cfg.train.samples} is smaller than one global batch "
@@ -99,7 +102,6 @@ class Trainer:
         if cfg.data.feature_cache:  # LiT: the locked stems' outputs once per sample, reused every epoch
             self.data.features = training_features(cfg, model, self.train_transform, self.tokenizer,
                                                    self.data.loader.plan, acc.device)
-        self.evaluator = Evaluator(cfg, self.tokenizer, self.eval_transform, self.folder)
         self.preemption = preempt.Preemption()  # installed by train(); agreed on in _finite
         self.strategy = make_strategy(cfg, acc)
         # fused AdamW: one kernel over all parameters (1.3x end-to-end on CPU, BENCHMARKS.md)
@@ -107,19 +109,19 @@ class Trainer:
             param_groups(m, cfg.optim.weight_decay), cfg.optim, acc.device.type))
         self.torch_optimizer = self.strategy.torch_optimizer
         # not prepared: Accelerate would step it once per process
-        self.scheduler = build_scheduler(self.torch_optimizer, cfg.optim, lr_position)
+        self.scheduler = Schedule(self.torch_optimizer, cfg.optim, lr_position)
         self.checkpoints = self.checkpointer(cfg, acc)
         self.static_step = static_step(self)  # train.cuda_graphs: the step without host reads, else None
 
     def checkpointer(self, cfg: Config, acc: Accelerator) -> Checkpointer:
         """The checkpointer of train.output_dir/checkpoints, with every part that owns state, in
-        the order they load: model and optimizer (the strategy's format), LR schedule, counters,
-        the loss's per-sample state, the AMP scaler, each rank's data position and RNG."""
+        the order they load: model and optimizer (the strategy, in its format), counters, LR schedule
+        (which then follows this config: it reads the counters), the loss's per-sample state, the
+        AMP scaler, each rank's data position and RNG."""
         facts = {"config": cfg.to_dict(), "world_size": self.world, "preprocess": dict(self.unwrapped.preprocess)}
-        checkpoints = Checkpointer(self.folder.sub("checkpoints"), Tensors(self.strategy, self.model, self.optimizer),
-                                   cfg.train.keep_last, facts, self.print)
-        checkpoints.register("scheduler", self.scheduler)
+        checkpoints = Checkpointer(self.folder.sub("checkpoints"), self.strategy, cfg.train.keep_last, facts, self.print)
         checkpoints.register("train", self.counters)
+        checkpoints.register("scheduler", self.scheduler)
         if self.loss_spec.stateful:  # per-sample state sharded by rank (SogCLR's u): one file per rank
             checkpoints.register("loss", self.loss, RANK_FILES)
         if acc.scaler is not None:
@@ -241,12 +243,11 @@ class Trainer:
         return f"{head}; the weights are not finite, nothing saved; {self.checkpoints.newest_valid()}"
 
     def maybe_resume(self) -> None:
-        """Resume from train.resume (the checkpointer loads every part and says what changed; the
-        counters decide the steps left, total_steps), then the optimizer follows changed settings."""
+        """Resume from train.resume: the checkpointer loads every part and says what changed (the
+        counters decide the steps left, total_steps; the schedule makes the optimizer follow this config)."""
         found = self.checkpoints.resume(self.cfg.train.resume, self.cfg)
         if found is not None:
             (path, _), d = found, self.data
-            follow_config(self.torch_optimizer, self.scheduler, self.cfg.optim)  # not the saved lr, betas, ...
             self.print(f"[vlp] resumed from {path} at step {self.step}, {self.samples_seen} samples seen (epoch "
                        f"{d.epoch}, batch {d.batch_in_epoch}{' of its rest under the new layout' if d.pieces else ''})")
 
@@ -264,7 +265,7 @@ class Trainer:
         flat: dict = {}
         if is_main():
             self.model.eval()
-            flat = self.evaluator.run(model, self.step, self.accelerator.device)
+            flat = self.evaluator.run(model, self.tokenizer, self.eval_transform, self.step, self.accelerator.device)
             self.model.train()
         barrier()
         return flat
@@ -288,20 +289,17 @@ class Trainer:
     def train(self) -> dict:
         """One writer per run folder (a lock), SIGTERM/SIGUSR1/SIGINT saved at the next step boundary."""
         lock = runlock.acquire_on_main(self.folder, self.cfg.train.break_lock, is_main(), self.print)
-        self.preemption = preempt.Preemption().install()
-        try:
-            return self._train()
-        except WorkerDied as e:  # a loader worker died on its own (OOM killer, segfault): one line
-            raise WorkerDied(f"{e}, at step {self.step}; not saved: the checkpoints written before are "
-                             "intact, resume with train.resume=latest (docs/reliability.md)") from e
-        finally:
-            self.preemption.uninstall()
+        with contextlib.ExitStack() as leave:  # undone last to first, each whatever the others raised
+            leave.callback(self.folder.close)  # a bucket's temp folder (stage, downloads) goes
+            if lock is not None:
+                leave.callback(lock.release)
+            leave.callback(self.checkpoints.close)  # a bucket: the upload in flight ends (its error raised)
+            self.preemption = leave.enter_context(preempt.Preemption())  # its handlers: restored first
             try:
-                self.checkpoints.close()  # a bucket: the upload in flight ends (its error raised)
-            finally:
-                if lock is not None:
-                    lock.release()
-                self.folder.close()  # a bucket's temp folder (stage, downloads) goes
+                return self._train()
+            except WorkerDied as e:  # a loader worker died on its own (OOM killer, segfault): one line
+                raise WorkerDied(f"{e}, at step {self.step}; not saved: the checkpoints written before are "
+                                 "intact, resume with train.resume=latest (docs/reliability.md)") from e
 
     def _train(self) -> dict:
         cfg = self.cfg
@@ -330,8 +328,11 @@ class Trainer:
             first = self.step
             while self.step < self.total_steps:
                 batches = next(groups)
-                if self.step - first == min(1, self.total_steps - first - 1):  # a step with optimizer state
-                    metrics = self.measured_step(batches)
+                if self.step - first == min(1, self.total_steps - first - 1):  # a step with optimizer state:
+                    held = (self.unwrapped, self.torch_optimizer, *(t for b in batches for t in b.tensors()))
+                    with StepMemory(self.accelerator.device, held) as mem:  # its peak tensor memory, for result.json
+                        metrics = self.train_step(batches)
+                    self.peak_step_bytes = mem.peak_bytes
                 else:
                     metrics = self.train_step(batches)
                 bar.update(1)
@@ -354,14 +355,6 @@ class Trainer:
         finally:
             bar.close()
             groups.close()
-
-    def measured_step(self, micro_batches: list[Batch]) -> dict:
-        """train_step, with its peak tensor memory kept for result.json (vlp.train.memory)."""
-        held = (self.unwrapped, self.torch_optimizer, *(t for b in micro_batches for t in b.tensors()))
-        with StepMemory(self.accelerator.device, held) as mem:
-            metrics = self.train_step(micro_batches)
-        self.peak_step_bytes = mem.peak_bytes
-        return metrics
 
     def finish(self, train_time: float) -> dict:
         """The export, the final evaluation and result.json."""

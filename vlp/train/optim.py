@@ -110,15 +110,23 @@ def lr_multiplier(step: int, total: int, warmup: int, schedule: str, cooldown: i
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg, position) -> torch.optim.lr_scheduler.LambdaLR:
+class Schedule(torch.optim.lr_scheduler.LambdaLR):
     """The LR schedule of `optim` (cfg: OptimConfig); ``position()`` -> (step, total steps) in
-    steps of the current global batch, read at each scheduler step."""
+    steps of the current global batch, read at each scheduler step. Loaded from a checkpoint it
+    keeps its place, and the optimizer and the schedule follow `cfg`, not the checkpoint's values
+    (follow_config): the checkpointer loads it after the optimizer and the counters it reads."""
 
-    def factor(_):
-        step, total = position()
-        return lr_multiplier(step, total, cfg.warmup_steps, cfg.schedule, cfg.cooldown_steps)
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg, position):
+        self.cfg = cfg  # not saved (state_dict): a resume follows this run's
+        super().__init__(optimizer, lambda _: lr_multiplier(*position(), cfg.warmup_steps, cfg.schedule,
+                                                            cfg.cooldown_steps))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    def state_dict(self) -> dict:
+        return {k: v for k, v in super().state_dict().items() if k != "cfg"}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        follow_config(self.optimizer, self, self.cfg)
 
 
 def follow_config(optimizer: torch.optim.Optimizer, scheduler, cfg) -> None:

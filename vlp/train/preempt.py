@@ -169,13 +169,10 @@ class Preemption:
     def agree(self, ranks_signalled: float) -> bool:
         """The decision from the sum of `local_flag` over all ranks (the same on every rank);
         the next `should_stop` returns it without a collective of its own."""
-        self.agreed = self._decide(ranks_signalled)
-        return self.agreed
-
-    def _decide(self, ranks_signalled: float) -> bool:
         if ranks_signalled > 0 and self.received is None:
             self.received = -1  # another rank's signal
-        return bool(ranks_signalled > 0)
+        self.agreed = bool(ranks_signalled > 0)
+        return self.agreed
 
     def should_stop(self, device=None) -> bool:
         """True on every rank once any rank got a signal: the sum of the flag over ranks (one
@@ -185,13 +182,12 @@ class Preemption:
 
         from vlp.distributed import all_reduce, is_distributed
 
-        if self.agreed is not None:  # agreed on in the step's fused collective (Trainer._finite)
-            agreed, self.agreed = self.agreed, None
-            return agreed
-        if not is_distributed():
-            return self.requested
-        total = all_reduce(torch.tensor([self.local_flag()], device=device))  # how many ranks got one
-        return self._decide(total.item())
+        if self.agreed is None:  # else agreed on in the step's fused collective (Trainer._finite)
+            if not is_distributed():
+                return self.requested
+            self.agree(all_reduce(torch.tensor([self.local_flag()], device=device)).item())  # ranks that got one
+        agreed, self.agreed = self.agreed, None
+        return agreed
 
     def stopped(self, step: int, checkpoint=None, is_main: bool = True) -> Preempted:
         """The Preempted exception to raise after the checkpoint is saved; the main process

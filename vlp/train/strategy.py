@@ -4,13 +4,15 @@
     model, optimizer = strategy.prepare(model, make_optimizer)   # make_optimizer(model) -> torch optimizer
     with strategy.no_sync(model): ...                            # a non-last accumulation micro-step
     strategy.backward(loss); strategy.finish_grads(model, clip)  # then optimizer.step()
-    tensors = Tensors(strategy, model, optimizer)                # the checkpointer's weights part
+    Checkpointer(folder, strategy, ...)                          # the prepared model and optimizer: its weights part
     full = strategy.full_model(model, build)                     # main process: a plain model
 
 `Replicated` (train.parallel=ddp): Accelerate's DDP replicas; a checkpoint is one step_N.pt of
 full tensors written by the main process. `Sharded` (train.parallel=fsdp): FSDP2 applied by
 vlp.train.parallel; a checkpoint is a DCP folder each rank writes its shards into. Both load
-both formats (DCP reshards to any layout).
+both formats (DCP reshards to any layout). The strategy that prepared the model and optimizer
+is the checkpointer's weights part (vlp.checkpoint.checkpointer): state_dict / load_state_dict (full
+tensors, a .pt) and sharded_state / load_sharded (each rank's DCP shards).
 """
 
 from __future__ import annotations
@@ -35,13 +37,14 @@ class Replicated:
         self.acc, self.cfg = accelerator, cfg
 
     def prepare(self, model, make_optimizer: Callable):
-        """(model, optimizer) ready to train; the torch optimizer stays in `torch_optimizer`
-        (DCP state dicts need the optimizer itself, not Accelerate's wrapper)."""
+        """(model, optimizer) ready to train, kept for the checkpoint; the torch optimizer stays in
+        `torch_optimizer` (DCP state dicts need the optimizer itself, not Accelerate's wrapper)."""
         self.torch_optimizer = make_optimizer(model)
         if self.cfg.train.compile:
             model = torch.compile(model)
         with on_capture_stream(self.acc.device, self.cfg.train.cuda_graphs):  # DDP built where it is captured
-            return self.acc.prepare(model, self.torch_optimizer)
+            self.model, self.optimizer = self.acc.prepare(model, self.torch_optimizer)
+        return self.model, self.optimizer
 
     def unwrap(self, model):
         return self.acc.unwrap_model(model)
@@ -57,10 +60,22 @@ class Replicated:
         if max_norm:
             self.acc.clip_grad_norm_(model.parameters(), max_norm)
 
-    def load_full(self, model, optimizer, state: dict) -> None:
-        """Model and optimizer state from full tensors ({"model", "optimizer"} of a .pt)."""
-        self.unwrap(model).clip.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+    # the checkpointer's weights part: the prepared model and optimizer
+    def state_dict(self) -> dict:
+        """Full tensors ({"model", "optimizer"} of a .pt: the main process's)."""
+        return {"model": self.unwrap(self.model).clip.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Model and optimizer state from full tensors."""
+        self.unwrap(self.model).clip.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def sharded_state(self) -> dict:
+        """The target of a DCP save or load (a collective under FSDP)."""
+        return parallel.sharded_state(self.unwrap(self.model), self.torch_optimizer)
+
+    def load_sharded(self, state: dict) -> None:
+        parallel.set_sharded_state(self.unwrap(self.model), self.torch_optimizer, state)
 
     def full_model(self, model, build: Callable):
         """The model to evaluate or export on the main process: the replica itself."""
@@ -85,7 +100,8 @@ class Sharded(Replicated):
         self.torch_optimizer = make_optimizer(model)
         if self.cfg.train.compile:
             model = torch.compile(model)
-        return model, self.torch_optimizer  # already parallel: Accelerate would add DDP
+        self.model, self.optimizer = model, self.torch_optimizer  # already parallel: Accelerate would add DDP
+        return self.model, self.optimizer
 
     def no_sync(self, model):
         return parallel.no_grad_sync(model)
@@ -97,11 +113,11 @@ class Sharded(Replicated):
         if max_norm:
             parallel.clip_grad_norm_(model.parameters(), max_norm)
 
-    def load_full(self, model, optimizer, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> None:
         """A replicated .pt that every rank reads whole, keeping its own shards. A collective."""
         weights = {f"clip.{k}": v for k, v in state["model"].items()}
-        optim = parallel.name_keyed_optimizer_state(state["optimizer"], optimizer_param_names(model))
-        parallel.set_full_state(model, self.torch_optimizer, weights, optim)
+        optim = parallel.name_keyed_optimizer_state(state["optimizer"], optimizer_param_names(self.model))
+        parallel.set_full_state(self.model, self.torch_optimizer, weights, optim)
 
     def full_model(self, model, build: Callable):
         """A full copy gathered from the shards on the main process (a collective; None on the
@@ -113,28 +129,6 @@ class Sharded(Replicated):
             fresh = build()
         fresh.load_state_dict(full)
         return fresh.to(self.acc.device).eval()
-
-
-class Tensors:
-    """The model and optimizer as the checkpointer's weights part (vlp.checkpoint.checkpointer): full
-    tensors for a .pt (the main process's) or DCP shards (each rank's own), loaded from either."""
-
-    def __init__(self, strategy: Replicated, model, optimizer):
-        self.strategy, self.model, self.optimizer = strategy, model, optimizer
-        self.sharded = strategy.sharded
-
-    def state_dict(self) -> dict:
-        return {"model": self.strategy.unwrap(self.model).clip.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.strategy.load_full(self.model, self.optimizer, state)
-
-    def sharded_state(self) -> dict:
-        """The target of a DCP save or load (a collective under FSDP)."""
-        return parallel.sharded_state(self.strategy.unwrap(self.model), self.strategy.torch_optimizer)
-
-    def load_sharded(self, state: dict) -> None:
-        parallel.set_sharded_state(self.strategy.unwrap(self.model), self.strategy.torch_optimizer, state)
 
 
 def make_strategy(cfg, accelerator) -> Replicated:
