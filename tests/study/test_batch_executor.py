@@ -360,7 +360,7 @@ def test_a_regimes_warm_up_is_a_job_before_its_runs(tmp_path, capsys):
                             {"a": "lit", "b": "lit", "s": "scratch"})
     assert [name for name, _ in fake.submitted] == ["warm_lit", "s", "a", "b"] and done == [
         ("a", "ok"), ("b", "ok"), ("s", "ok")]
-    assert fake.polls[0] == ["100", "101"] and fake.regimes["warm_lit"] == "lit"
+    assert fake.polls[0] == ["100", "101"] and fake.regimes == {"warm_lit": "lit", "a": "lit", "b": "lit", "s": "scratch"}
     spec = json.loads((tmp_path / "warm_lit" / "job_spec.json").read_text())
     assert spec["warm"] is True and spec["config"]["data"]["feature_cache"] == str(tmp_path / "features")
     assert spec["config"]["train"]["output_dir"] == str(tmp_path / "warm_lit") and spec["specs"]["val"] == "v"
