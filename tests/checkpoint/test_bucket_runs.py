@@ -276,16 +276,22 @@ def test_fsdp_in_a_bucket_resumes_after_sigkill_bit_identical(s3, tiny_shards, c
 
 
 # ----------------------------------------------------------------------------- compare
+def _bucket_grid(s3, tiny_shards, tmp_path, what: str, more: str = "") -> tuple[str, Path, list[str]]:
+    """(its URL, config file, overrides) of a one-run grid whose out_dir is in the bucket; ``more``: grid lines."""
+    url = _prefix(s3, what)
+    cfg = tmp_path / "grid.yaml"
+    cfg.write_text(Path(DEMO).read_text() + f"\ngrid:\n  losses: [infonce]\n  batch_per_device: [16]\n  seeds: [0]\n"
+                   f"  out_dir: {url}\n{more}")
+    sets = [f"data.train_shards={tiny_shards['train']}", f"data.eval_shards={tiny_shards['eval']}",
+            "model.name=vlp-micro", "train.samples=32", "data.shuffle_buffer=64", "optim.warmup_steps=1"]
+    return url, cfg, sets
+
+
 def test_compare_grid_in_a_bucket_resumes(s3, tiny_shards, tmp_path, capsys, monkeypatch):
     from vlp.study.compare import load_compare_config, run_grid
 
     monkeypatch.chdir(tmp_path)
-    url = _prefix(s3, "grid")
-    cfg = tmp_path / "grid.yaml"
-    cfg.write_text(Path(DEMO).read_text() + f"\ngrid:\n  losses: [infonce]\n  batch_per_device: [16]\n  seeds: [0]\n"
-                   f"  out_dir: {url}\n")
-    sets = [f"data.train_shards={tiny_shards['train']}", f"data.eval_shards={tiny_shards['eval']}",
-            "model.name=vlp-micro", "train.samples=32", "data.shuffle_buffer=64", "optim.warmup_steps=1"]
+    url, cfg, sets = _bucket_grid(s3, tiny_shards, tmp_path, "grid")
     run_grid(*load_compare_config(cfg, sets))
     run_grid(*load_compare_config(cfg, [*sets, "grid.seeds=[0,1]"]))
     out = capsys.readouterr().out
@@ -311,12 +317,7 @@ def test_compare_grid_on_slurm_in_a_bucket(s3, tiny_shards, tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     here = JobsHere()
     monkeypatch.setattr(batch, "scheduler_of", lambda grid: Slurm(grid.slurm, cwd=tmp_path, run=here))
-    url = _prefix(s3, "slurm")
-    cfg = tmp_path / "grid.yaml"
-    cfg.write_text(Path(DEMO).read_text() + f"\ngrid:\n  losses: [infonce]\n  batch_per_device: [16]\n  seeds: [0]\n"
-                   f"  out_dir: {url}\n  executor: slurm\n  slurm: {{poll_s: 0.2}}\n")
-    sets = [f"data.train_shards={tiny_shards['train']}", f"data.eval_shards={tiny_shards['eval']}",
-            "model.name=vlp-micro", "train.samples=32", "data.shuffle_buffer=64", "optim.warmup_steps=1"]
+    url, cfg, sets = _bucket_grid(s3, tiny_shards, tmp_path, "slurm", "  executor: slurm\n  slurm: {poll_s: 0.2}\n")
     base, grid = load_compare_config(cfg, sets)
     run_grid(base, grid)
     keys = set(_keys(s3, url))
