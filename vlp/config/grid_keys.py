@@ -85,7 +85,7 @@ class SlurmResources:
     """The resources of one run's SLURM job: grid.slurm's, or a regime's own (grid.slurm.regimes)."""
 
     partition: Optional[str] = key(None, TEXT, PLAN)
-    """Partition of every run's job (unset: the cluster's default partition)."""
+    """Partition of the jobs (unset: the cluster's default partition)."""
     account: Optional[str] = key(None, TEXT, PLAN)
     """Account charged for the jobs (sbatch --account; unset: your default)."""
     qos: Optional[str] = key(None, TEXT, PLAN)
