@@ -84,11 +84,13 @@ def cell(text: str) -> str:
 
 def owner_field(cls, parts: list[str]) -> str:
     """'Class.field' of the field that declares a key, given its dotted parts after the section (a
-    nested group's key, grid.slurm.time: 'SlurmConfig.time', grid.seeds_until.step: 'SeedsUntil.step')."""
+    nested group's key, grid.slurm.poll_s: 'SlurmConfig.poll_s', grid.seeds_until.step: 'SeedsUntil.step'; a
+    key a section inherits, grid.slurm.time: 'SlurmResources.time')."""
     for part in parts[:-1]:
         hint = typing.get_type_hints(cls)[part]
         cls = config.group_of(hint) or hint  # a group (Optional[SeedsUntil]) or a section (SlurmConfig)
-    return f"{cls.__name__}.{parts[-1]}"
+    owner = next(c for c in cls.__mro__ if parts[-1] in vars(c).get("__annotations__", {}))  # SlurmResources.time
+    return f"{owner.__name__}.{parts[-1]}"
 
 
 def keys_markdown() -> str:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import forked
+from jobs_here import JobsHere
 from object_store import start_gcs, start_s3
 from vlp_testing import PYTHON, REPO, accelerate_cmd, free_port, overrides, run_env, run_launch
 
@@ -275,16 +276,22 @@ def test_fsdp_in_a_bucket_resumes_after_sigkill_bit_identical(s3, tiny_shards, c
 
 
 # ----------------------------------------------------------------------------- compare
+def _bucket_grid(s3, tiny_shards, tmp_path, what: str, more: str = "") -> tuple[str, Path, list[str]]:
+    """(its URL, config file, overrides) of a one-run grid whose out_dir is in the bucket; ``more``: grid lines."""
+    url = _prefix(s3, what)
+    cfg = tmp_path / "grid.yaml"
+    cfg.write_text(Path(DEMO).read_text() + f"\ngrid:\n  losses: [infonce]\n  batch_per_device: [16]\n  seeds: [0]\n"
+                   f"  out_dir: {url}\n{more}")
+    sets = [f"data.train_shards={tiny_shards['train']}", f"data.eval_shards={tiny_shards['eval']}",
+            "model.name=vlp-micro", "train.samples=32", "data.shuffle_buffer=64", "optim.warmup_steps=1"]
+    return url, cfg, sets
+
+
 def test_compare_grid_in_a_bucket_resumes(s3, tiny_shards, tmp_path, capsys, monkeypatch):
     from vlp.study.compare import load_compare_config, run_grid
 
     monkeypatch.chdir(tmp_path)
-    url = _prefix(s3, "grid")
-    cfg = tmp_path / "grid.yaml"
-    cfg.write_text(Path(DEMO).read_text() + f"\ngrid:\n  losses: [infonce]\n  batch_per_device: [16]\n  seeds: [0]\n"
-                   f"  out_dir: {url}\n")
-    sets = [f"data.train_shards={tiny_shards['train']}", f"data.eval_shards={tiny_shards['eval']}",
-            "model.name=vlp-micro", "train.samples=32", "data.shuffle_buffer=64", "optim.warmup_steps=1"]
+    url, cfg, sets = _bucket_grid(s3, tiny_shards, tmp_path, "grid")
     run_grid(*load_compare_config(cfg, sets))
     run_grid(*load_compare_config(cfg, [*sets, "grid.seeds=[0,1]"]))
     out = capsys.readouterr().out
@@ -296,6 +303,36 @@ def test_compare_grid_in_a_bucket_resumes(s3, tiny_shards, tmp_path, capsys, mon
     rows = s3.fs().cat_file(f"{url[5:]}/runs.csv").decode().splitlines()
     assert len(rows) == 3 and all(",ok," in r for r in rows[1:]), rows
     assert list(tmp_path.iterdir()) == [cfg]
+
+
+def test_compare_grid_on_slurm_in_a_bucket(s3, tiny_shards, tmp_path, monkeypatch):
+    """grid.executor=slurm, grid.out_dir in the bucket (SLURM's commands answered here,
+    tests/support/jobs_here.py): the driver writes each run's job_spec.json and job.json to the
+    bucket, the job reads its spec from the run's URL and writes its run there; the job script and
+    SLURM's output go to a local folder, slurm-logs/<bucket>/<path>/<run> under the working directory."""
+    from vlp.study import batch, status
+    from vlp.study.compare import load_compare_config, run_grid
+    from vlp.study.slurm import Slurm
+
+    monkeypatch.chdir(tmp_path)
+    here = JobsHere()
+    monkeypatch.setattr(batch, "scheduler_of", lambda grid: Slurm(grid.slurm, cwd=tmp_path, run=here))
+    url, cfg, sets = _bucket_grid(s3, tiny_shards, tmp_path, "slurm", "  executor: slurm\n  slurm: {poll_s: 0.2}\n")
+    base, grid = load_compare_config(cfg, sets)
+    run_grid(base, grid)
+    keys = set(_keys(s3, url))
+    assert {"runs.csv", "infonce_b16_s0/job_spec.json", "infonce_b16_s0/job.json", "infonce_b16_s0/result.json",
+            "infonce_b16_s0/compare.json"} <= keys, keys
+    rows = s3.fs().cat_file(f"{url[5:]}/runs.csv").decode().splitlines()
+    assert len(rows) == 2 and ",ok," in rows[1], rows
+    assert here.submitted() == [f"{url}/infonce_b16_s0"]
+    logs = tmp_path / "slurm-logs" / url[5:] / "infonce_b16_s0"
+    assert f"-m vlp.study.job {url}/infonce_b16_s0" in (logs / "job.sh").read_text()
+    (sbatch,) = [c for c in here.calls if c[0] == "sbatch" and "--test-only" not in c]
+    assert f"--output={logs}/slurm-%j.out" in sbatch and sbatch[-1] == str(logs / "job.sh")
+    jobs = json.loads(s3.fs().cat_file(f"{url[5:]}/infonce_b16_s0/job.json"))["jobs"]
+    assert [j["state"] for j in jobs] == ["COMPLETED"]
+    assert status.study_status(grid, Slurm(grid.slurm, run=here)).endswith("1 done")
 
 
 # ----------------------------------------------------------------------------- refusals, lock

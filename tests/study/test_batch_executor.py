@@ -2,16 +2,22 @@
 fake scheduler, and the SLURM scheduler's pure parts (vlp/study/slurm.py): the sbatch line and script, sinfo / sacct / squeue
 read, the settings refused. In-process and fast; the real cluster: tests/study/test_slurm_map.py."""
 import json
+import re
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from vlp.checkpoint.storage import RunFolder
 from vlp.config import ConfigError, read_grid
+from vlp.study.compare import load_compare_config
+from vlp.study.grid import parse_grid
 from vlp.study import jobfiles, slurm, status
 from vlp.study.batch import BatchExecutor
 from vlp.study.jobstate import DONE, FAILED, PENDING, RUNNING, JobState
 from vlp.study.executor import Job
+from vlp_testing import REPO
 
 
 class FakeScheduler:
@@ -23,14 +29,20 @@ class FakeScheduler:
     def __init__(self, plan: dict[str, list[str]]):
         self.plan, self.submitted, self.folders, self.cancelled, self.polls = plan, [], {}, [], []
         self.named: dict[str, str] = {}  # job name -> id: what find() knows
+        self.regimes: dict[str, str] = {}  # run folder -> the regime it was submitted with
+        self.checked: list = []
 
-    def check(self):
-        pass
+    def check(self, regimes):
+        self.checked.append(list(regimes))
 
-    def submit(self, folder: Path, name: str) -> str:
+    def processes(self, regime):
+        return 1
+
+    def submit(self, folder, name: str, regime: str = "") -> str:
         job_id = str(100 + len(self.submitted))
-        self.submitted.append((folder.name, job_id))
-        self.folders[job_id] = folder
+        name = Path(folder.url).name
+        self.submitted.append((name, job_id))
+        self.folders[job_id], self.regimes[name] = Path(folder.url), regime
         return job_id
 
     def poll(self, ids):
@@ -55,7 +67,7 @@ class FakeScheduler:
         self.cancelled += ids
 
     def output(self, folder, job_id):
-        return folder / f"out-{job_id}"
+        return Path(folder.url) / f"out-{job_id}"
 
     def find(self, name, since):
         return self.named.get(name)
@@ -101,8 +113,7 @@ def test_a_config_error_in_the_job_is_not_retried(tmp_path):
 
 
 def test_a_rerun_reattaches_to_the_jobs_in_flight_and_submits_no_run_twice(tmp_path, capsys):
-    (tmp_path / "a").mkdir()
-    jobfiles.write_submissions(tmp_path / "a", "fake", [{"id": "7", "submitted": 0}])
+    jobfiles.write_submissions(RunFolder(tmp_path / "a"), "fake", [{"id": "7", "submitted": 0}])
     fake = FakeScheduler({"a": ["run", "ok"], "b": ["ok"]})
     fake.folders["7"] = tmp_path / "a"
     BatchExecutor(grid_of(tmp_path), fake, sleep=lambda s: None).run(jobs_of(tmp_path, ["a", "b"]))
@@ -116,9 +127,8 @@ def test_a_submission_whose_id_was_not_recorded_is_found_by_name_or_submitted_ag
     """The driver killed between asking the scheduler and writing the id: job.json holds the job's
     name only. Found by that name: re-attached; not found (the scheduler never took it): submitted."""
     folder = tmp_path / "a"
-    folder.mkdir()
-    name = jobfiles.job_name("a", folder)
-    jobfiles.write_submissions(folder, "fake", [{"name": name, "submitted": 0}])
+    name = jobfiles.job_name("a", RunFolder(folder))
+    jobfiles.write_submissions(RunFolder(folder), "fake", [{"name": name, "submitted": 0}])
     fake = FakeScheduler({"a": ["run", "ok"]})
     if known:
         fake.named[name], fake.folders["7"] = "7", folder
@@ -129,8 +139,7 @@ def test_a_submission_whose_id_was_not_recorded_is_found_by_name_or_submitted_ag
 
 
 def test_a_rerun_with_another_config_does_not_reattach(tmp_path):
-    (tmp_path / "a").mkdir()
-    jobfiles.write_submissions(tmp_path / "a", "fake", [{"id": "7", "submitted": 0}])
+    jobfiles.write_submissions(RunFolder(tmp_path / "a"), "fake", [{"id": "7", "submitted": 0}])
     (tmp_path / "a" / "job_spec.json").write_text(json.dumps({"run": "a", "config": {"x": 2}}))
     with pytest.raises(ConfigError, match=r"a's job 7 was submitted with another config \(x: 2 then, 1 now\)"):
         BatchExecutor(grid_of(tmp_path), FakeScheduler({}), sleep=lambda s: None).run(jobs_of(tmp_path, ["a"]))
@@ -139,8 +148,7 @@ def test_a_rerun_with_another_config_does_not_reattach(tmp_path):
 def test_status_rows_and_cancel(tmp_path):
     for name, jobs in (("a", [{"id": "1", "state": "COMPLETED"}]), ("b", [{"id": "2"}]), ("c", [{"id": "3"}]),
                        ("d", [{"id": "4", "state": "TIMEOUT", "reason": "TimeLimit"}])):
-        (tmp_path / name).mkdir()
-        jobfiles.write_submissions(tmp_path / name, "fake", jobs)
+        jobfiles.write_submissions(RunFolder(tmp_path / name), "fake", jobs)
     (tmp_path / "a" / "result.json").write_text("{}")
     states = {"2": JobState("2", "PENDING", PENDING, "Priority", requeues=2), "3": JobState("3", "RUNNING", RUNNING)}
     rows = status.status_rows(status.run_folders(tmp_path), states)
@@ -201,6 +209,179 @@ def test_a_failed_poll_is_one_line_and_polled_again(tmp_path, capsys):
     assert "squeue failed: timeout; polling again in 0.2 s" in capsys.readouterr().out
 
 
-def test_a_bucket_out_dir_is_refused_for_a_scheduler(tmp_path):
-    with pytest.raises(ConfigError, match="grid.out_dir on a file system the jobs share"):
-        BatchExecutor(grid_of("s3://b/grid"), FakeScheduler({}))
+
+# ---------------------------------------------------------------------------- a regime's own resources
+def regimes_grid(**slurm_keys):
+    """A study with a scratch and a lit regime, grid.slurm giving a scratch run a node of 8 GPUs."""
+    return parse_grid({"losses": ["infonce"], "batch_per_device": [8], "seeds": [0], "sweep": {"optim.lr": [1e-3]},
+                       "regimes": {"scratch": {}, "lit": {"model.lock_image": True}, "big": False},
+                       "executor": "slurm", "slurm": {"partition": "gpu", "gpus_per_node": 8, "time": 600,
+                                                      "sbatch": ["--exclusive"], **slurm_keys}})
+
+
+class Answers:
+    """A `run` for slurm.Slurm: sinfo's partitions, sbatch's id; every command kept."""
+
+    def __init__(self, sinfo="main*|2|(null)\ngpu|4|gpu:h100:8(S:0-1)\n"):
+        self.sinfo, self.calls = sinfo, []
+
+    def __call__(self, cmd, timeout=120):
+        self.calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, self.sinfo if cmd[0] == "sinfo" else "42\n", "")
+
+
+def test_a_regime_has_job_resources_of_its_own_and_a_world_of_its_own(tmp_path):
+    """grid.slurm.regimes.lit: a LiT run on 1 GPU for 30 minutes, without --exclusive; the keys it
+    leaves out (partition) are grid.slurm's; a regime without an entry gets grid.slurm's node."""
+    grid = regimes_grid(regimes={"lit": {"gpus_per_node": 1, "time": 30, "sbatch": []}})
+    lit, scratch = grid.slurm.of_regime("lit"), grid.slurm.of_regime("scratch")
+    assert (lit.partition, lit.gpus_per_node, lit.time, lit.sbatch, lit.nodes) == ("gpu", 1, 30, [], 1)
+    assert (scratch.gpus_per_node, scratch.time, scratch.sbatch) == (8, 600, ["--exclusive"])
+    answers = Answers()
+    sched = slurm.Slurm(grid.slurm, python="/venv/bin/python", cwd=tmp_path, run=answers)
+    sched.submit(RunFolder(tmp_path / "a"), "vlp-a", "lit")
+    sched.submit(RunFolder(tmp_path / "b"), "vlp-b", "scratch")
+    a, b = answers.calls
+    assert {"--gpus-per-node=1", "--time=30", "--partition=gpu"} <= set(a) and "--exclusive" not in a
+    assert {"--gpus-per-node=8", "--time=600", "--exclusive"} <= set(b)
+    assert (tmp_path / "a" / "job.sh").read_text().rstrip().endswith(f"-m vlp.study.job {tmp_path / 'a'}")
+    assert "VLP_PROCS_PER_NODE=8" in (tmp_path / "b" / "job.sh").read_text()
+    ex = BatchExecutor(grid, sched)
+    assert (ex.world_of("lit"), ex.world_of("scratch")) == (1, 8)  # each run's global batch follows its job
+
+
+def test_a_run_folder_in_a_bucket_keeps_its_script_and_output_in_a_local_folder(tmp_path):
+    """SLURM writes --output to a file system: slurm-logs/<bucket>/<path>/<run> under the working
+    directory (the jobs' --chdir), or under grid.slurm.log_dir; the job gets the run's URL."""
+    grid = grid_of(tmp_path)
+    folder = RunFolder("s3://bucket/grid/a")
+    answers = Answers()
+    sched = slurm.Slurm(grid.slurm, python="/venv/bin/python", cwd=tmp_path, run=answers)
+    logs = tmp_path / "slurm-logs" / "bucket" / "grid" / "a"
+    assert sched.logs(folder) == logs and sched.output(folder, "42") == logs / "slurm-42.out"
+    sched.submit(folder, "vlp-a")
+    (cmd,) = answers.calls
+    assert f"--output={logs}/slurm-%j.out" in cmd and cmd[-1] == str(logs / "job.sh")
+    assert (logs / "job.sh").read_text().rstrip().endswith("-m vlp.study.job s3://bucket/grid/a")
+    elsewhere = slurm.Slurm(grid_of(tmp_path, log_dir="/shared/logs").slurm, cwd=tmp_path)
+    assert elsewhere.logs(folder) == Path("/shared/logs/bucket/grid/a")
+    assert elsewhere.logs(RunFolder(tmp_path / "a")) == tmp_path / "a"  # a local run folder keeps them
+    with pytest.raises(ConfigError, match=r"grid.slurm.log_dir must be a local folder \(a path, not a URL\)"):
+        grid_of(tmp_path, log_dir="s3://b/logs")
+
+
+def test_every_set_of_resources_is_checked_before_anything_is_submitted():
+    """One sinfo, then each distinct set once (sbatch --test-only); a regime's set the cluster
+    cannot run is one line naming its entry."""
+    grid = regimes_grid(regimes={"lit": {"gpus_per_node": 1}})
+    answers = Answers()
+    slurm.Slurm(grid.slurm, run=answers).check(list(grid.regimes))
+    tests = [c for c in answers.calls if "--test-only" in c]
+    assert [c[0] for c in answers.calls].count("sinfo") == 1 and len(tests) == 2
+    assert [next(a for a in c if a.startswith("--gpus-per-node")) for c in tests] == ["--gpus-per-node=8",
+                                                                                       "--gpus-per-node=1"]
+    same = regimes_grid(regimes={"lit": {"time": 600}})  # the same set as grid.slurm's: checked once
+    answers = Answers()
+    slurm.Slurm(same.slurm, run=answers).check(list(same.regimes))
+    assert len([c for c in answers.calls if "--test-only" in c]) == 1
+    bad = regimes_grid(regimes={"lit": {"partition": "main", "gpus_per_node": 1}})
+    with pytest.raises(ConfigError, match=r"^config: grid.slurm.regimes.lit.gpus_per_node=1, but partition main "
+                                          r"has no GPUs \(sinfo's gres\)$"):
+        slurm.Slurm(bad.slurm, run=Answers()).check(list(bad.regimes))
+    fake = FakeScheduler({})
+    BatchExecutor(grid, fake, sleep=lambda s: None).run([])
+    assert fake.checked == [["scratch", "lit"]]
+
+
+@pytest.mark.parametrize("regimes, message", [
+    ({"lti": {"gpus_per_node": 1}}, "config: grid.slurm.regimes.lti: no such regime in grid.regimes (it has scratch, "
+                                    "lit, big)"),
+    ({"lit": {"gpus": 1}}, "config: unknown key 'grid.slurm.regimes.lit.gpus' (valid: account, constraint, "),
+    ({"lit": {"nodes": 0}}, "config: grid.slurm.regimes.lit.nodes must be > 0, got 0"),
+    ({"lit": {"mem": "lots"}}, "config: grid.slurm.regimes.lit.mem must be a SLURM memory size"),
+    ({"lit": {"time": "long"}}, "config: grid.slurm.regimes.lit.time must be int, got str 'long'"),
+    ({"lit": 1}, "config: grid.slurm.regimes entry lit must map resource keys"),
+])
+def test_a_bad_regime_entry_is_one_line(regimes, message):
+    with pytest.raises(ConfigError) as e:
+        regimes_grid(regimes=regimes)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_regime_left_out_may_keep_its_resources_and_a_plain_grid_has_no_regimes():
+    assert regimes_grid(regimes={"big": {"nodes": 4}}).slurm.of_regime("big").nodes == 4
+    with pytest.raises(ConfigError, match=r"grid.slurm.regimes.lit: no such regime in grid.regimes \(the grid has none\)"):
+        parse_grid({"losses": ["infonce"], "batch_per_device": [8], "seeds": [0], "slurm": {"regimes": {"lit": {}}}})
+
+
+def test_the_gpu_configs_slurm_section_gives_lit_one_gpu(tmp_path):
+    """configs/compare_gpu_vitb32.yaml's commented slurm section, uncommented, parses: lit on 1 GPU."""
+    text = (REPO / "configs" / "compare_gpu_vitb32.yaml").read_text()
+    head, mark, tail = text.partition("  # executor: slurm")
+    config = tmp_path / "gpu.yaml"
+    config.write_text(head + re.sub(r"(?m)^  # ", "  ", mark + tail))
+    _, grid = load_compare_config(config)
+    assert grid.executor == "slurm" and grid.slurm.of_regime("scratch").gpus_per_node == 8
+    lit = grid.slurm.of_regime("lit")
+    assert (lit.gpus_per_node, lit.sbatch, lit.partition) == (1, [], "gpu")
+
+
+# ---------------------------------------------------------------------------- the feature-cache warm-up job
+def warm_bases(tmp_path) -> dict:
+    """regime_bases' shape: lit caches its locked towers' features in a folder, scratch caches nothing."""
+    lit = {"model": {"name": "vlp-micro", "lock_image": True, "lock_text": True},
+           "data": {"train_shards": "s", "train_transform": "eval", "feature_cache": str(tmp_path / "features")}}
+    specs = {"val": "v", "test": "t"}
+    return {("", "lit"): (lit, specs), ("", "scratch"): ({"model": {"name": "vlp-micro"}}, specs)}
+
+
+def regime_jobs(out: Path, runs: dict[str, str]) -> list[Job]:
+    """jobs_of, each run of a regime ({run: regime})."""
+    return [Job(SimpleNamespace(name=n, arm=SimpleNamespace(regime=r, table=("", r))),
+                SimpleNamespace(train=SimpleNamespace(output_dir=str(out / n)), to_dict=lambda: {"x": 1}))
+            for n, r in runs.items()]
+
+
+def warm_drive(tmp_path, plan, runs, reattach: dict[str, str] = ()):
+    fake, done = FakeScheduler(plan), []
+    for name, job_id in dict(reattach).items():  # a driver before this one submitted these
+        jobfiles.write_submissions(RunFolder(tmp_path / name), "fake", [{"id": job_id, "submitted": 0}])
+        fake.folders[job_id] = tmp_path / name
+    ex = BatchExecutor(grid_of(tmp_path), fake, sleep=lambda s: None)
+    ex.warm(warm_bases(tmp_path))
+    ex.run(regime_jobs(tmp_path, runs), on_done=lambda j, r: done.append((j.run.name, r["status"])))
+    return fake, sorted(done)
+
+
+def test_a_regimes_warm_up_is_a_job_before_its_runs(tmp_path, capsys):
+    """The driver computes no feature: lit's caches are one job (the regime's resources) in
+    warm_lit/; lit's runs are submitted once it is done, scratch's at once; a rerun does not warm again."""
+    fake, done = warm_drive(tmp_path, {"warm_lit": ["run", "ok"], "a": ["ok"], "b": ["ok"], "s": ["ok"]},
+                            {"a": "lit", "b": "lit", "s": "scratch"})
+    assert [name for name, _ in fake.submitted] == ["warm_lit", "s", "a", "b"] and done == [
+        ("a", "ok"), ("b", "ok"), ("s", "ok")]
+    assert fake.polls[0] == ["100", "101"] and fake.regimes == {"warm_lit": "lit", "a": "lit", "b": "lit", "s": "scratch"}
+    spec = json.loads((tmp_path / "warm_lit" / "job_spec.json").read_text())
+    assert spec["warm"] is True and spec["config"]["data"]["feature_cache"] == str(tmp_path / "features")
+    assert spec["config"]["train"]["output_dir"] == str(tmp_path / "warm_lit") and spec["specs"]["val"] == "v"
+    assert "warm_lit: feature caches built (job 100); its runs go next" in capsys.readouterr().out
+    again, _ = warm_drive(tmp_path, {"c": ["ok"]}, {"c": "lit"})
+    assert [name for name, _ in again.submitted] == ["c"]
+    assert "warm_lit: the feature caches were built before" in capsys.readouterr().out
+
+
+def test_a_warm_up_that_fails_is_retried_then_fails_its_runs_with_its_reason(tmp_path):
+    fake, done = warm_drive(tmp_path, {"warm_lit": ["OUT_OF_MEMORY", "NODE_FAIL"], "s": ["ok"]},
+                            {"a": "lit", "s": "scratch"})
+    assert [name for name, _ in fake.submitted] == ["warm_lit", "s", "warm_lit"]  # grid.retries: 1
+    assert done == [("a", "failed"), ("s", "ok")]
+    record = json.loads((tmp_path / "a" / "compare.json").read_text())
+    assert record["error"].startswith("its feature-cache warm-up warm_lit failed: 2 attempts, the last job 102 "
+                                      "NODE_FAIL"), record
+
+
+def test_a_warm_up_in_flight_is_reattached(tmp_path, capsys):
+    """Its id recorded as a run's (job.json): a restarted driver waits for it, submits it no more."""
+    fake, done = warm_drive(tmp_path, {"warm_lit": ["run", "ok"], "a": ["ok"]}, {"a": "lit"}, reattach={"warm_lit": "7"})
+    assert [name for name, _ in fake.submitted] == ["a"] and done == [("a", "ok")]
+    assert "re-attached to 1 submitted job(s): 7" in capsys.readouterr().out

@@ -9,6 +9,7 @@ import pytest
 
 from test_compare_study import study_shards  # noqa: F401  (fixture: tiny fit / val / test shards)
 from lit_fixtures import bert_dir, timm_json  # noqa: F401  (fixtures: a tiny LiT model)
+from jobs_here import JobsHere
 from vlp.config import ConfigError
 from vlp.study import executor, tables
 from vlp.study.rows import final_table
@@ -60,6 +61,34 @@ def test_tiny_map_two_regimes_workers_report_and_rerun(study_shards, tmp_path, t
     monkeypatch.setattr(executor, "run_job", no_training)
     again = run_grid(base, grid)
     assert again["best"] == result["best"] and again["final"] == result["final"]
+
+
+def test_on_a_batch_scheduler_the_lit_caches_are_a_job_before_the_runs(study_shards, tmp_path, timm_json, bert_dir,
+                                                                      monkeypatch):
+    """grid.executor=slurm (SLURM's commands answered here, tests/support/jobs_here.py): lit's feature
+    caches are built by a job of their own (warm_lit/, `vlp.study.job` reading its job_spec.json),
+    with the regime's resources (grid.slurm.regimes.lit), before its run's job."""
+    from vlp.study import batch
+    from vlp.study.slurm import Slurm
+
+    here = JobsHere()
+    monkeypatch.setattr(batch, "scheduler_of", lambda grid: Slurm(grid.slurm, cwd=tmp_path, run=here))
+    monkeypatch.setattr(executor, "warm_caches", lambda *a: pytest.fail("the driver built the caches itself"))
+    out = tmp_path / "map"
+    lit = _grid(out, timm_json, bert_dir).regimes["lit"]["set"]
+    grid = parse_grid({"losses": ["infonce"], "batch_per_device": [8], "seeds": [0], "optimizers": ["adamw"],
+                       "sweep": {"optim.lr": [1e-2]}, "out_dir": str(out), "metric": "mean_R@10",
+                       "test_shards": study_shards["test"], "regimes": {"lit": lit}, "executor": "slurm",
+                       "slurm": {"poll_s": 0.2, "time": 60, "regimes": {"lit": {"time": 5}}}})
+    base = {"model": {"name": "vlp-micro"},
+            "data": {"train_shards": study_shards["fit"], "eval_shards": study_shards["val"], "shuffle_buffer": 16},
+            "train": {"samples": 32}, "eval": {"batch_size": 24}}
+    result = run_grid(base, grid)
+    assert [r["status"] for r in result["final"]] == ["ok"], result["final"]
+    assert here.submitted() == [str(out / "warm_lit"), str(out / "lit_infonce_adamw_b8_lr0.01_s0")]
+    assert all("--time=5" in c for c in here.calls if c[0] == "sbatch")
+    assert json.loads((out / "warm_lit" / "result.json").read_text())["feature_cache"] == str(tmp_path / "features")
+    assert list((tmp_path / "features").glob("*.pt"))
 
 
 def test_map_tables_and_mechanism_by_hand():

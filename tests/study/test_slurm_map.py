@@ -153,7 +153,8 @@ def test_a_tiny_grid_on_slurm_gives_the_local_table_one_job_per_run(cluster, tin
 @pytest.fixture(scope="module")
 def study_config(tmp_path_factory):
     """A tuned study's config (2 losses x 2 rates, seed 0 on val, then seeds 0 and 1 on test: two
-    steps, six ranked runs) on tiny fit / val / test shards; its out_dir given per run."""
+    steps, six ranked runs) on tiny fit / val / test shards; its out_dir given per run. Its one
+    regime has job resources of its own (grid.slurm.regimes: a 9-minute limit)."""
     from vlp.data.sources.openmoji import load_pairs
     from vlp.data.write import write_shards
 
@@ -165,7 +166,8 @@ def study_config(tmp_path_factory):
             "train": {"samples": 32}, "eval": {"batch_size": 64},
             "grid": {"losses": ["infonce", "sogclr"], "batch_per_device": [8], "seeds": [0], "final_seeds": [0, 1],
                      "optimizers": ["adamw"], "sweep": {"optim.lr": [1e-4, 3e-3]}, "test_shards": shards["test"],
-                     "metric": "mean_R@10", "keep_checkpoints": False, "slurm": {"poll_s": 0.5, "time": 10}}}
+                     "metric": "mean_R@10", "keep_checkpoints": False, "regimes": {"scratch": {}},
+                     "slurm": {"poll_s": 0.5, "time": 10, "regimes": {"scratch": {"time": 9}}}}}
 
 
 def study_numbers(out: Path):
@@ -179,7 +181,8 @@ def study_numbers(out: Path):
 
 def test_a_tiny_study_on_slurm_gives_the_local_study_json(cluster, study_config, tmp_path):
     """Ranked runs (train_and_rank with the val / test specs from job_spec.json) and a second step
-    planned from the first's results (the final seeds): study.json as the local executor writes it."""
+    planned from the first's results (the final seeds): study.json as the local executor writes it.
+    Every job has its regime's time limit (grid.slurm.regimes.scratch.time), not grid.slurm's."""
     outs = {}
     for executor in ("local", "slurm"):
         config = tmp_path / f"{executor}.yaml"
@@ -191,6 +194,9 @@ def test_a_tiny_study_on_slurm_gives_the_local_study_json(cluster, study_config,
     assert study_numbers(outs["slurm"]) == study_numbers(outs["local"])
     ids = submitted(outs["slurm"])
     assert len(ids) == 6 and all(len(v) == 1 for v in ids.values()), ids
+    limits = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(i for v in ids.values() for i in v), "-o",
+                             "Timelimit"], env=cluster.env, capture_output=True, text=True, check=True).stdout.split()
+    assert limits == ["00:09:00"] * 6, limits
 
 
 def test_a_run_on_two_nodes_is_one_job_of_two_processes(cluster, tiny_shards, tmp_path):

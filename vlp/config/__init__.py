@@ -134,7 +134,16 @@ class ConfigKey:
 
 def group_of(tp: Any) -> Optional[type]:
     """The dataclass of a key whose value is a mapping of its own keys (Optional[SeedsUntil]), else None."""
+    if typing.get_origin(tp) is dict:  # names -> groups (entries_of)
+        return None
     return next((t for t in typing.get_args(tp) if dataclasses.is_dataclass(t)), None)
+
+
+def entries_of(tp: Any) -> Optional[type]:
+    """The dataclass of a key that maps names to groups of some of its section's own keys
+    (grid.slurm.regimes: dict[str, SlurmResources]), else None."""
+    args = typing.get_args(tp)
+    return args[1] if typing.get_origin(tp) is dict and len(args) == 2 and dataclasses.is_dataclass(args[1]) else None
 
 
 def declared_keys(cls: type, prefix: str = "") -> Iterator[ConfigKey]:
@@ -182,10 +191,13 @@ def read_grid(raw: Any) -> GridConfig:
 def check_given(obj: Any, given: dict, prefix: str) -> None:
     """Each key of `given` read into `obj` against its rule (a default passes its own); the keys of
     a group (grid.seeds_until: those without a default are required) and of a section (grid.slurm) too."""
+    declared = {f.name: f for f in dataclasses.fields(obj)}
     for name, value in given.items():
-        if prefix + name in GRID_KEYS:  # a section (grid.slurm) is no key of its own
-            GRID_KEYS[prefix + name].rule.check(prefix + name, getattr(obj, name))
-        if dataclasses.is_dataclass(group := getattr(obj, name)):
+        if "rule" in declared[name].metadata:  # a section (grid.slurm) is no key of its own
+            declared[name].metadata["rule"].check(prefix + name, getattr(obj, name))
+        if entries := entries_of(typing.get_type_hints(type(obj))[name]):
+            setattr(obj, name, {n: read_entry(obj, entries, e, f"{prefix}{name}.{n}.") for n, e in value.items()})
+        elif dataclasses.is_dataclass(group := getattr(obj, name)):
             hints = typing.get_type_hints(type(group))
             required = [f.name for f in dataclasses.fields(group)
                         if f.default is None and type(None) not in typing.get_args(hints[f.name])]
@@ -194,6 +206,16 @@ def check_given(obj: Any, given: dict, prefix: str) -> None:
                 raise ConfigError(f"config: {prefix}{name} must give {', '.join(required)}; "
                                   f"{', '.join(missing)} missing, got {short(value)}")
             check_given(group, {k: v for k, v in value.items() if v is not None}, f"{prefix}{name}.")
+
+
+def read_entry(section: Any, cls: type, given: dict, prefix: str) -> Any:
+    """One entry of a key of names -> groups (entries_of): the `section`'s own keys of `cls`, with
+    the keys `given` (unknown keys, types and rules refused in one line naming the dotted key) over them."""
+    given = {k: v for k, v in given.items() if v is not None}
+    own = from_dict(given, cls, prefix)
+    check_given(own, given, prefix)
+    inherited = {f.name: getattr(section, f.name) for f in dataclasses.fields(cls)}
+    return cls(**{**inherited, **{k: getattr(own, k) for k in given}})
 
 
 def get_dotted(tree: Any, dotted: str, missing: Any = AttributeError) -> Any:

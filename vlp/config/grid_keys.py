@@ -9,7 +9,7 @@ docstring below each. `vlp.config.read_grid` reads them; docs/configuration.md l
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Optional
 
 from vlp.config.keys import OPTIMIZERS
@@ -65,13 +65,27 @@ SBATCH_LINES = Rule("a list of sbatch options, each starting with '--' (e.g. ['-
                     (["exclusive"], ["--a\n--b"]))
 
 
+def _resource_tables_problem(table: Any) -> Optional[str]:
+    """Why grid.slurm.regimes is not {regime: {resource key: value}}, else None (the keys and
+    values of each entry are read as grid.slurm's own: vlp.config.check_given)."""
+    for name, entry in table.items():
+        if not isinstance(entry, dict):
+            return f"entry {name} must map resource keys (nodes, gpus_per_node, time, ...) to values, got {short(entry)}"
+    return None
+
+
+LOCAL_FOLDER = Rule("a local folder (a path, not a URL)", lambda v: bool(v.strip()) and "://" not in v,
+                    ("", "s3://b/logs"), path=True)
+RESOURCE_TABLES = Rule("{regime: {resource key: value}}", lambda v: _resource_tables_problem(v) is None,
+                       ({"lit": 1}, {"lit": [1]}), problem=_resource_tables_problem)
+
+
 @dataclass
-class SlurmConfig:
-    """`grid.slurm:` the resources of each run's SLURM job (grid.executor: slurm; vlp/study/slurm.py),
-    checked against the cluster (sinfo) before any job is submitted."""
+class SlurmResources:
+    """The resources of one run's SLURM job: grid.slurm's, or a regime's own (grid.slurm.regimes)."""
 
     partition: Optional[str] = key(None, TEXT, PLAN)
-    """Partition of every run's job (unset: the cluster's default partition)."""
+    """Partition of the jobs (unset: the cluster's default partition)."""
     account: Optional[str] = key(None, TEXT, PLAN)
     """Account charged for the jobs (sbatch --account; unset: your default)."""
     qos: Optional[str] = key(None, TEXT, PLAN)
@@ -82,7 +96,8 @@ class SlurmConfig:
     nodes: int = key(1, POSITIVE_INT, PLAN)
     """Nodes per run's job: one `accelerate launch` per node, as launch/slurm.sbatch."""
     gpus_per_node: int = key(0, COUNT, PLAN)
-    """GPUs per node, one process each (0: one CPU process per node, over gloo)."""
+    """GPUs per node, one process each (0: one CPU process per node, over gloo). A run's global
+    batch is its per-GPU batch times nodes times max(1, gpus_per_node)."""
     cpus_per_task: int = key(1, POSITIVE_INT, PLAN)
     """CPUs per node's task (the launcher, its processes and their loader workers)."""
     mem: Optional[str] = key(None, SLURM_MEM, PLAN)
@@ -92,10 +107,33 @@ class SlurmConfig:
     """Node features the jobs need (sbatch --constraint, e.g. h100)."""
     sbatch: list[str] = key([], SBATCH_LINES, PLAN)
     """More sbatch options, one per item, as written after `#SBATCH` (e.g. ['--exclusive'])."""
+
+
+@dataclass
+class SlurmConfig(SlurmResources):
+    """`grid.slurm:` the resources of each run's SLURM job (grid.executor: slurm; vlp/study/slurm.py),
+    a regime's own where grid.slurm.regimes gives them, checked against the cluster (sinfo) before
+    any job is submitted; and how the driver watches them."""
+
+    regimes: dict[str, SlurmResources] = key({}, RESOURCE_TABLES, PLAN)
+    """{regime: {resource key: value}}: the jobs of a regime of grid.regimes (its runs and its
+    feature-cache warm-up) with resources of their own, e.g. {lit: {gpus_per_node: 1, time: 30}}
+    beside a scratch run's node of 8 GPUs. Each entry takes the keys above (partition to sbatch),
+    each with its rule; a key it leaves out is grid.slurm's."""
+    log_dir: Optional[str] = key(None, LOCAL_FOLDER, PLAN)
+    """grid.out_dir in a bucket: the local folder of each job's script (job.sh) and SLURM's output
+    (slurm-<id>.out), <log_dir>/<bucket>/<path>/<run>/ (SLURM writes output to a file system only).
+    Unset: slurm-logs under the folder `vlp compare` runs in, the jobs' working directory (sbatch
+    --chdir), which they share. With a local grid.out_dir both stay in each run folder."""
     max_in_flight: int = key(64, number(1, 100_000, integer=True), PLAN)
     """At most this many of the grid's jobs submitted and not yet ended at once."""
     poll_s: float = key(10.0, number(0.2, 3600), PLAN)
     """Seconds between two polls of the scheduler (one squeue or sacct call for all the jobs)."""
+
+    def of_regime(self, regime: str = "") -> SlurmResources:
+        """The resources of a regime's jobs: its entry of grid.slurm.regimes (read with grid.slurm's
+        keys under the ones it gives, vlp.config.read_entry), else grid.slurm's."""
+        return self.regimes.get(regime) or SlurmResources(**{f.name: getattr(self, f.name) for f in fields(SlurmResources)})
 
 
 @dataclass
@@ -112,7 +150,7 @@ class GridConfig:
     study's sweep seeds. Required."""
     out_dir: str = key("runs/compare", TEXT, PLAN)
     """Results folder: one subfolder per run plus runs.csv, the report and its figures; a plain grid's
-    may be a bucket (s3://b/grid, gs://...)."""
+    may be a bucket (s3://b/grid, gs://...), with either executor."""
     loss_overrides: dict[str, Any] = key({}, ANY, PLAN)
     """Per-loss dotted overrides, e.g. {flatnce: {loss.temperature: split}}."""
     warmup_samples: Optional[int] = key(None, COUNT, PLAN)
@@ -170,6 +208,7 @@ class GridConfig:
     run must divide by it); the report gives the verdict at the end and at each arm's val-best point."""
     executor: Literal["local", "slurm"] = key("local", ANY, PLAN)
     """Where the runs run: local (this process, or grid.workers worker processes) or slurm (each
-    run one SLURM job with the resources of grid.slurm; vlp/study/slurm.py). The table is the same."""
+    run one SLURM job with the resources of grid.slurm, or of its regime in grid.slurm.regimes;
+    vlp/study/slurm.py). The table is the same."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     """grid.executor=slurm: each run's job resources (SlurmConfig)."""

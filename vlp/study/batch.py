@@ -14,7 +14,15 @@ Everything else is the same for any scheduler: this driver loop; the run folder'
   specs; vlp.study.job reads it inside the job) and `job.json` (every job submitted for the run:
   its id, and how it ended once it did). The driver holds nothing else: killed and started again,
   it re-attaches to the job of every run whose last submission has not ended, and submits no run
-  twice; a run done (result.json) is not walked at all (vlp.study.runs.plan_runs).
+  twice; a run done (result.json) is not walked at all (vlp.study.runs.plan_runs). The folders
+  are reached through the run folders' storage (vlp.checkpoint.storage.RunFolder): grid.out_dir
+  may be a bucket; the scheduler keeps its own files (script, output) on a local file system.
+- each regime's jobs have its resources (grid.slurm.regimes; the scheduler's `processes` is the
+  world of its runs), every set checked before anything is submitted.
+- a (data set, regime) whose config caches the locked towers' features in a folder
+  (data.feature_cache) gets a warm-up job of its own first (`warm`: <out_dir>/warm_<regime>/,
+  re-attached and retried as a run's); its runs are submitted once it is done, and are failed
+  with its reason when it fails for good. The driver computes nothing itself.
 - results come from the run folder, as for a local run: the job writes result.json and
   compare.json (vlp.study.runs.run_one); a job that ended without writing a record (killed,
   timed out, out of memory, its node lost) gets a failed compare.json with the scheduler's reason
@@ -28,21 +36,23 @@ Everything else is the same for any scheduler: this driver loop; the run folder'
 
 from __future__ import annotations
 
-import json
+import copy
 import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Optional, Protocol
 
-from vlp.config import ConfigError
-from vlp.locations import is_url
+from vlp.checkpoint.storage import RunFolder
+from vlp.config import ConfigError, from_dict
+from vlp.experiment import check
 from vlp.study.executor import Job
-from vlp.study.jobfiles import (RECORD_FILE, job_name, live_id, read_record, spec_changed, submissions, unrecorded,
-                                write_spec, write_submissions)
+from vlp.study.jobfiles import (SPEC_FILE, folder_name, has_result, job_name, live_id, read_record, spec_changed,
+                                submissions, unrecorded, write_record, write_spec, write_submissions)
+from vlp.study.runs import run_dir
 from vlp.study.jobstate import CONFIG_ERROR_EXIT, PENDING, RUNNING, JobState
 from vlp.train.preempt import Preempted
-from vlp.util import atomic_write
 
 POLL_FAILURES = 5  # failed polls in a row before the driver gives up (its jobs run on)
 
@@ -52,11 +62,16 @@ class Scheduler(Protocol):
 
     name: str
 
-    def check(self) -> None:
-        """Raise ConfigError (one line) when the grid's resources cannot run on this cluster."""
+    def check(self, regimes: list[str]) -> None:
+        """Raise ConfigError (one line) when the resources of the jobs of these regimes (of
+        grid.regimes; [] for a grid without) cannot run on this cluster."""
 
-    def submit(self, folder: Path, name: str) -> str:
-        """Submit the job that runs the run in ``folder`` (its job_spec.json); its id."""
+    def processes(self, regime: str) -> int:
+        """The processes of a job of this regime ('' for a grid without): its run's world size."""
+
+    def submit(self, folder: RunFolder, name: str, regime: str = "") -> str:
+        """Submit the job that runs the run in ``folder`` (its job_spec.json; a local folder or a
+        bucket's) with the resources of its regime; its id."""
 
     def poll(self, ids: list[str]) -> dict[str, JobState]:
         """The states of ``ids``, in one call to the scheduler (an id it does not know is absent)."""
@@ -64,8 +79,8 @@ class Scheduler(Protocol):
     def cancel(self, ids: list[str]) -> None:
         """Cancel ``ids`` (one call)."""
 
-    def output(self, folder: Path, job_id: str) -> Path:
-        """The file where job ``job_id`` of the run in ``folder`` writes its output."""
+    def output(self, folder: RunFolder, job_id: str) -> Path:
+        """The local file where job ``job_id`` of the run in ``folder`` writes its output."""
 
     def find(self, name: str, since: float) -> Optional[str]:
         """The id of the job named ``name`` submitted at or after ``since`` (a Unix time), else None."""
@@ -88,10 +103,12 @@ def retried(state: JobState) -> bool:
 # ---------------------------------------------------------------------------- the driver loop
 @dataclass
 class Track:
-    """One run the driver walks: its job, folder, submissions and failures seen by this driver."""
+    """One run the driver walks (or a warm-up, ``job.warm``): its job, folder, the (data set,
+    regime) table whose warm-up it waits for, submissions and failures seen by this driver."""
 
     job: Job
-    folder: Path
+    folder: RunFolder
+    table: tuple = ("", "")
     jobs: list = field(default_factory=list)
     failures: int = 0
 
@@ -100,12 +117,15 @@ class BatchExecutor:
     """Runs a grid's jobs as scheduler jobs (module doc); used as vlp.study.executor.Executor is."""
 
     def __init__(self, grid, scheduler: Scheduler, sleep: Callable[[float], None] = time.sleep):
-        if is_url(grid.out_dir):
-            raise ConfigError(f"config: grid.executor={scheduler.name} needs grid.out_dir on a file system the "
-                              f"jobs share, got {grid.out_dir}")
         self.grid, self.scheduler, self.sleep = grid, scheduler, sleep
         self.checked, self.poll_failures = False, 0
-        self.world = grid.slurm.nodes * max(1, grid.slurm.gpus_per_node)  # each run's processes (its global batch)
+        self.warmups: dict[tuple, Track] = {}  # (data set, regime) -> its feature-cache warm-up (warm)
+        self.warmed: set[tuple] = set()  # the tables whose caches are built
+        self.warm_failed: dict[tuple, str] = {}  # the tables whose warm-up failed after its retries: why
+
+    def world_of(self, regime: str) -> int:
+        """The processes of a run of this regime: its job's (its global batch follows them)."""
+        return self.scheduler.processes(regime)
 
     def __enter__(self) -> "BatchExecutor":
         return self
@@ -113,16 +133,76 @@ class BatchExecutor:
     def __exit__(self, *exc) -> None:
         pass
 
+    def warm(self, bases: dict) -> None:
+        """The feature caches (data.feature_cache, a folder) of each (data set, regime) of ``bases``
+        (vlp.study.study.regime_bases) as one job of its own, in <out_dir>/warm_<data set>_<regime>:
+        submitted before that table's runs, which are submitted once it is done (``run``). Nothing
+        is computed here (the driver may be a login node's process); "memory" caches are each job's."""
+        for table, (tree, specs) in bases.items():
+            cfg = check(from_dict(copy.deepcopy(tree)))
+            if cfg.data.feature_cache in (None, "memory"):
+                continue
+            name = "_".join(["warm", *(part for part in table if part)])
+            cfg.train.output_dir = run_dir(self.grid.out_dir, name)
+            job = Job(SimpleNamespace(name=name, arm=SimpleNamespace(regime=table[1])), cfg, specs,
+                      self.grid.retries, warm=True)
+            self.warmups[table] = Track(job, RunFolder(cfg.train.output_dir), table)
+
     def run(self, jobs: list[Job], total: Optional[int] = None,
             on_done: Optional[Callable[[Job, dict], None]] = None) -> None:
-        """Submit the jobs' runs (re-attaching to those in flight), poll them all once per round,
-        resubmit the failed ones up to grid.retries; ``on_done`` after each run that ended."""
-        if not self.checked:  # the cluster can run these resources: before anything is submitted
-            self.scheduler.check()
+        """Submit the jobs' runs (re-attaching to those in flight; a table's runs once its warm-up
+        is done), poll them all once per round, resubmit the failed ones up to grid.retries;
+        ``on_done`` after each run that ended."""
+        if not self.checked:  # the cluster can run every regime's resources: before anything is submitted
+            self.scheduler.check(list(self.grid.regimes))
             self.checked = True
-        tracks = [Track(job, Path(job.cfg.train.output_dir)) for job in jobs]
+        tracks = [Track(job, RunFolder(job.cfg.train.output_dir), table_of(job)) for job in jobs]
+        waiting = [tb for tb in dict.fromkeys(t.table for t in tracks)  # their caches not built yet
+                   if tb in self.warmups and tb not in self.warmed and tb not in self.warm_failed]
+        tracks = [self.warmups[tb] for tb in waiting] + tracks
         for t in tracks:
             t.jobs = self._recorded(t.folder, submissions(t.folder))
+        watching = self._reattach(tracks)
+        queue = [t for t in tracks if not live_id(t.jobs) and not self._built_before(t)]
+        ended = 0
+
+        def finish(t: Track, job_id: str) -> None:
+            nonlocal ended
+            ended += 1
+            record = read_record(t.folder)
+            print(f"[compare] {ended}/{len(jobs)} {t.job.run.name}: {record.get('status', 'failed')} "
+                  f"(job {job_id})", flush=True)
+            if on_done is not None:
+                on_done(t.job, record)
+
+        try:
+            while queue or watching:
+                for t in [t for t in queue if t.table in self.warm_failed and not t.job.warm]:
+                    queue.remove(t)  # its warm-up failed after its retries: so does the run, with its reason
+                    self._fail_unwarmed(t)
+                    finish(t, "-")
+                for t in [t for t in queue if self._ready(t)][:self.grid.slurm.max_in_flight - len(watching)]:
+                    queue.remove(t)
+                    watching[self._submit(t)] = t
+                if not watching:
+                    continue
+                self.sleep(self.grid.slurm.poll_s)
+                for job_id, state in self._poll(sorted(watching)).items():
+                    if job_id not in watching or state.phase in (PENDING, RUNNING):
+                        continue
+                    t = watching.pop(job_id)
+                    if self._ended(t, state):
+                        queue.append(t)
+                    elif t.job.warm:
+                        self._warm_ended(t, job_id)
+                    else:
+                        finish(t, job_id)
+        except KeyboardInterrupt:
+            raise stopped_submitting(len(watching), self.scheduler.name) from None
+
+    def _reattach(self, tracks: list[Track]) -> dict[str, Track]:
+        """{id: track} of the tracks whose last job is in flight, each submitted with the config it
+        has now (else one line: a rerun re-attaches only to what it would submit)."""
         watching = {live_id(t.jobs): t for t in tracks if live_id(t.jobs)}
         for job_id, t in watching.items():
             why = spec_changed(t.folder, t.job)
@@ -132,29 +212,35 @@ class BatchExecutor:
         if watching:
             print(f"[compare] re-attached to {len(watching)} submitted job(s): "
                   f"{', '.join(sorted(watching, key=lambda i: (len(i), i)))}", flush=True)
-        queue = [t for t in tracks if not live_id(t.jobs)]
-        ended = 0
-        try:
-            while queue or watching:
-                while queue and len(watching) < self.grid.slurm.max_in_flight:
-                    t = queue.pop(0)
-                    watching[self._submit(t)] = t
-                self.sleep(self.grid.slurm.poll_s)
-                for job_id, state in self._poll(sorted(watching)).items():
-                    if job_id not in watching or state.phase in (PENDING, RUNNING):
-                        continue
-                    t = watching.pop(job_id)
-                    if self._ended(t, state):
-                        queue.append(t)
-                        continue
-                    ended += 1
-                    record = read_record(t.folder)
-                    print(f"[compare] {ended}/{len(jobs)} {t.job.run.name}: {record.get('status', 'failed')} "
-                          f"(job {job_id})", flush=True)
-                    if on_done is not None:
-                        on_done(t.job, record)
-        except KeyboardInterrupt:
-            raise stopped_submitting(len(watching), self.scheduler.name) from None
+        return watching
+
+    def _ready(self, t: Track) -> bool:
+        """A warm-up, or a run whose table needs none or has its caches built."""
+        return t.job.warm or t.table not in self.warmups or t.table in self.warmed
+
+    def _built_before(self, t: Track) -> bool:
+        """A warm-up done by an earlier driver with the config it has now (its result.json): not
+        submitted again."""
+        if not t.job.warm or not has_result(t.folder) or not t.folder.exists(SPEC_FILE) or spec_changed(t.folder, t.job):
+            return False
+        self.warmed.add(t.table)
+        print(f"[compare] {t.job.run.name}: the feature caches were built before (its result.json)", flush=True)
+        return True
+
+    def _warm_ended(self, t: Track, job_id: str) -> None:
+        """A warm-up's job ended for good: its table's runs may go, or fail with its reason."""
+        record = read_record(t.folder)
+        if record.get("status") == "ok" and has_result(t.folder):
+            self.warmed.add(t.table)
+            print(f"[compare] {t.job.run.name}: feature caches built (job {job_id}); its runs go next", flush=True)
+            return
+        self.warm_failed[t.table] = record.get("error") or "failed"
+        print(f"[compare] {t.job.run.name}: failed (job {job_id}); its runs are failed with it", flush=True)
+
+    def _fail_unwarmed(self, t: Track) -> None:
+        error = f"its feature-cache warm-up {self.warmups[t.table].job.run.name} failed: {self.warm_failed[t.table]}"
+        write_record(t.folder, {"status": "failed", "error": error[:300], "attempts": 0, "scheduler": self.scheduler.name,
+                                "wall_time_s": 0.0})
 
     def _poll(self, ids: list[str]) -> dict[str, JobState]:
         """One poll of the scheduler; a failed one (the controller busy or restarting) is one line
@@ -170,7 +256,7 @@ class BatchExecutor:
         self.poll_failures = 0
         return states
 
-    def _recorded(self, folder: Path, jobs: list[dict]) -> list[dict]:
+    def _recorded(self, folder: RunFolder, jobs: list[dict]) -> list[dict]:
         """``jobs`` with an unrecorded last submission resolved: its id, found by its job name in the
         scheduler, or the entry dropped when the scheduler never took it (the run is submitted)."""
         pending = unrecorded(jobs)
@@ -181,12 +267,11 @@ class BatchExecutor:
             jobs = jobs[:-1]
         else:
             pending["id"] = found
-            print(f"[compare] {folder.name}: found its job {found} by name (its id was not recorded)", flush=True)
+            print(f"[compare] {folder_name(folder)}: found its job {found} by name (its id was not recorded)", flush=True)
         write_submissions(folder, self.scheduler.name, jobs)
         return jobs
 
     def _submit(self, t: Track) -> str:
-        t.folder.mkdir(parents=True, exist_ok=True)
         write_spec(t.folder, t.job)
         name = job_name(t.job.run.name, t.folder)
         # noted before the scheduler hears of it: a driver killed before the id is written finds
@@ -195,7 +280,7 @@ class BatchExecutor:
         write_submissions(t.folder, self.scheduler.name, t.jobs)
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            job_id = self.scheduler.submit(t.folder, name)
+            job_id = self.scheduler.submit(t.folder, name, regime_of(t.job))
             t.jobs[-1]["id"] = job_id
             write_submissions(t.folder, self.scheduler.name, t.jobs)
         finally:
@@ -206,7 +291,7 @@ class BatchExecutor:
     def _ended(self, t: Track, state: JobState) -> bool:
         """Note how the run's job ended (job.json); True when it is to be submitted again."""
         record = read_record(t.folder)  # the run's own word: a job that ended without one failed
-        ok = record.get("status") == "ok" and (t.folder / "result.json").exists()
+        ok = record.get("status") == "ok" and has_result(t.folder)
         t.jobs[-1].update(state=state.state, reason=state.reason, ended=time.time())
         write_submissions(t.folder, self.scheduler.name, t.jobs)
         if ok:
@@ -221,10 +306,19 @@ class BatchExecutor:
                   f"(retry {t.failures} of {self.grid.retries})", flush=True)
             return True
         error = f"{t.failures} attempt{'s' * (t.failures > 1)}, the last job {state.id} {why}"
-        atomic_write(t.folder / RECORD_FILE, json.dumps({
-            "status": "failed", "error": error[:300], "attempts": t.failures, "scheduler": self.scheduler.name,
-            "wall_time_s": record.get("wall_time_s", 0.0)}, indent=2))
+        write_record(t.folder, {"status": "failed", "error": error[:300], "attempts": t.failures,
+                                "scheduler": self.scheduler.name, "wall_time_s": record.get("wall_time_s", 0.0)})
         return False
+
+
+def regime_of(job: Job) -> str:
+    """The regime of a job's run ('' for a grid without regimes)."""
+    return getattr(getattr(job.run, "arm", None), "regime", "")
+
+
+def table_of(job: Job) -> tuple:
+    """The (data set, regime) of a job's run, whose feature-cache warm-up it waits for."""
+    return getattr(getattr(job.run, "arm", None), "table", ("", ""))
 
 
 def stopped_submitting(running: int, scheduler: str) -> Preempted:

@@ -16,11 +16,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import json
 import multiprocessing
 import os
 import signal
 import sys
 import threading
+import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from vlp.checkpoint.storage import RunFolder
 from vlp.config import from_dict, global_batch, steps_for
 
 from vlp.experiment import check
@@ -43,7 +46,9 @@ _GRID_STOP: list = []  # this process's Ctrl-C watch while it runs a grid's jobs
 class Job:
     """One run to execute: its config, the val / test specs it is ranked on (None: trained only,
     a plain grid's run or a price run), and the grid's retry and checkpoint policy; ``index``:
-    its 1-based place among the runs of its grid (for the progress line). Picklable."""
+    its 1-based place among the runs of its grid (for the progress line); ``warm``: not a run but
+    a (data set, regime)'s feature-cache warm-up, a job of its own under a batch scheduler
+    (vlp.study.batch; `warm_one`). Picklable."""
 
     run: Any
     cfg: Any
@@ -51,6 +56,7 @@ class Job:
     retries: int = 1
     keep_checkpoints: bool = True
     index: int = 0
+    warm: bool = False
 
 
 def run_job(job: Job, accelerator=None) -> dict:
@@ -60,6 +66,8 @@ def run_job(job: Job, accelerator=None) -> dict:
     accelerator = accelerator or _process_accelerator()
     specs = job.specs
     train = (lambda c, a: train_and_rank(c, a, specs)) if specs is not None else train_only
+    if job.warm:
+        train = lambda c, a: warm_one(c, a, specs)  # noqa: E731
     return run_one(job.run, job.cfg, accelerator, train, job.retries, job.keep_checkpoints)
 
 
@@ -174,6 +182,14 @@ class Executor:
     def __init__(self, grid, acc):
         self.grid, self.acc, self.pool = grid, acc, None
 
+    def world_of(self, regime: str) -> int:
+        """The processes of a run (of any regime): this process's group."""
+        return self.acc.num_processes
+
+    def warm(self, bases: dict) -> None:
+        """The feature caches of every (data set, regime), built here before any run (warm_caches)."""
+        warm_caches(bases, self.grid, self.acc)
+
     def __enter__(self) -> "Executor":
         return self
 
@@ -276,6 +292,17 @@ def warm_caches(bases: dict, grid, acc) -> None:
         if cfg.data.feature_cache:
             with threads(grid.workers if acc.num_processes == 1 else torch.get_num_threads()):
                 _warm(cfg, specs, acc)
+
+
+def warm_one(cfg, accelerator, specs: dict) -> dict:
+    """One (data set, regime)'s caches as a job of its own (a batch scheduler's warm-up job,
+    vlp.study.batch; its folder is cfg.train.output_dir): then result.json says they are built."""
+    t0 = time.time()
+    _warm(cfg, specs, accelerator)
+    if accelerator.is_main_process:
+        with RunFolder(cfg.train.output_dir).file("result.json") as path:
+            path.write_text(json.dumps({"feature_cache": cfg.data.feature_cache, "warm_time_s": time.time() - t0}))
+    return {}
 
 
 @contextlib.contextmanager

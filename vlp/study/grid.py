@@ -59,6 +59,10 @@ def parse_grid(raw: Any) -> GridConfig:
             raise ConfigError(f"config: grid.{key} needs a tuned study (grid.sweep)")
     spec.final_seeds = spec.final_seeds or list(spec.seeds)
     spec.regimes = _parse_regimes(spec.regimes)
+    named = list(raw.get("regimes") or {})  # a regime left out (false) may keep its resources
+    for name in set(spec.slurm.regimes) - set(named):
+        raise ConfigError(f"config: grid.slurm.regimes.{name}: no such regime in grid.regimes "
+                          f"({'it has ' + ', '.join(named) if named else 'the grid has none'})")
     spec.datasets = _parse_datasets(spec.datasets, spec)
     _check_groups(spec)
     return spec

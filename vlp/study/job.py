@@ -1,11 +1,13 @@
 """One run of a grid inside a scheduler's job (vlp.study.batch): what `vlp compare` would have run
 in its own process, from the run folder's job_spec.json.
 
-    python -m vlp.study.job RUN_FOLDER                       # one CPU process (1 node, 0 GPUs)
+    python -m vlp.study.job RUN_FOLDER                       # one CPU process (1 node, 0 GPUs); or s3://b/grid/run
     python -m accelerate.commands.launch ... -m vlp.study.job RUN_FOLDER   # per node, as launch/slurm.sbatch
 
 It trains (and ranks) the run once (vlp.study.executor.run_job, no retry here: the driver
-resubmits a failed job), writing result.json and compare.json as a local run does. Exit status:
+resubmits a failed job), writing result.json and compare.json as a local run does. A folder whose
+job_spec.json says "warm" is a (data set, regime)'s feature-cache warm-up instead: it builds the
+caches of data.feature_cache (vlp.study.executor.warm_one) and writes the same two files. Exit status:
 0 done, 1 failed (compare.json says why), 2 a config error (not retried), a preemption's own
 status (saved; the driver resubmits and the run resumes from its checkpoint).
 """
@@ -15,26 +17,28 @@ from __future__ import annotations
 import copy
 import json
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
+from vlp.checkpoint.storage import RunFolder
 from vlp.config import ConfigError, from_dict
 from vlp.study.jobfiles import SPEC_FILE
 from vlp.study.jobstate import CONFIG_ERROR_EXIT
 
 
-def read_job(folder: Path):
-    """The Job of job_spec.json in ``folder`` (vlp.study.batch.write_spec), its config checked."""
+def read_job(folder: str):
+    """The Job of job_spec.json in ``folder`` (a path, or a URL: s3://b/grid/run; written by
+    vlp.study.jobfiles.write_spec), its config checked."""
     from vlp.experiment import check
     from vlp.study.executor import Job
 
     try:
-        spec = json.loads((folder / SPEC_FILE).read_text())
+        run = RunFolder(folder)
+        spec = json.loads(run.read_bytes(SPEC_FILE))
     except (OSError, ValueError) as e:
-        raise ConfigError(f"job: cannot read {folder / SPEC_FILE}: {e}") from None
+        raise ConfigError(f"job: cannot read {str(folder).rstrip('/')}/{SPEC_FILE}: {e}") from None
     cfg = check(from_dict(copy.deepcopy(spec["config"])))
     return Job(SimpleNamespace(name=spec["run"]), cfg, spec.get("specs"), retries=0,
-               keep_checkpoints=spec.get("keep_checkpoints", True))
+               keep_checkpoints=spec.get("keep_checkpoints", True), warm=spec.get("warm", False))
 
 
 def main(argv: list[str]) -> int:
@@ -47,7 +51,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m vlp.study.job RUN_FOLDER", file=sys.stderr)
         return CONFIG_ERROR_EXIT
     try:
-        job = read_job(Path(argv[0]))
+        job = read_job(argv[0])
     except ConfigError as e:
         print(f"vlp: error: {e}", file=sys.stderr)
         return CONFIG_ERROR_EXIT

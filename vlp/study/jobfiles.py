@@ -1,7 +1,9 @@
 """What a run folder holds for a scheduler's job (vlp.study.batch), and the one reader and writer
-of each file:
+of each file, through the run folders' storage (vlp.checkpoint.storage.RunFolder: a local folder,
+or a bucket for grid.out_dir s3://... / gs://...):
 
-    job_spec.json   what the job runs: the run's name, config, val / test specs (vlp.study.job reads it)
+    job_spec.json   what the job runs: the run's name, config, val / test specs, and "warm": true for
+                    a (data set, regime)'s feature-cache warm-up (vlp.study.job reads it)
     job.json        every job submitted for the run: {"name", "submitted", then "id", and once it
                     ended "state", "reason", "ended"}; the last one without "state" is in flight
     compare.json    the run's record (vlp.study.runs.run_one; a job that ended without one gets a
@@ -15,44 +17,53 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from vlp.checkpoint.storage import RunFolder
 from vlp.config import ConfigError
 from vlp.study.runs import stale_key
-from vlp.util import atomic_write
 
 SPEC_FILE = "job_spec.json"
 JOBS_FILE = "job.json"
 RECORD_FILE = "compare.json"  # vlp.study.runs.run_one's record: what the report reads
+RESULT_FILE = "result.json"  # the Trainer's (a warm-up's: vlp.study.executor.warm_one): the run is done
 
 
-def write_spec(folder: Path, job) -> None:
+def write_spec(folder: RunFolder, job) -> None:
     """job_spec.json: what the job runs (vlp.study.job), from a vlp.study.executor.Job."""
     spec = {"run": job.run.name, "config": job.cfg.to_dict(), "specs": job.specs,
-            "keep_checkpoints": job.keep_checkpoints}
-    atomic_write(folder / SPEC_FILE, json.dumps(spec, indent=1))
+            "keep_checkpoints": job.keep_checkpoints, "warm": job.warm}
+    folder.write_bytes(SPEC_FILE, json.dumps(spec, indent=1).encode())
 
 
-def spec_changed(folder: Path, job) -> Optional[str]:
+def read_json(folder: RunFolder, name: str) -> Optional[dict]:
+    """A run folder's JSON file (local or in a bucket: one GET, never a cached listing), None when
+    it is absent or unreadable."""
+    try:
+        return json.loads(folder.read_bytes(name))
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def spec_changed(folder: RunFolder, job) -> Optional[str]:
     """The first key whose value differs between a job in flight's job_spec.json and the run's
     config now (vlp.study.runs.stale_key), else None: a rerun re-attaches only to what it would submit."""
-    try:
-        saved = json.loads((folder / SPEC_FILE).read_text())["config"]
-    except (OSError, ValueError, KeyError):
+    saved = read_json(folder, SPEC_FILE)
+    if not isinstance(saved, dict) or "config" not in saved:
         return None
-    return stale_key(saved, job.cfg.to_dict())
+    return stale_key(saved["config"], job.cfg.to_dict())
 
 
-def submissions(folder: Path) -> list[dict]:
+def submissions(folder: RunFolder) -> list[dict]:
     """job.json's submissions, oldest first: {"id", "submitted", and once ended "state", "reason"}."""
     try:
-        return json.loads((folder / JOBS_FILE).read_text())["jobs"]
+        return json.loads(folder.read_bytes(JOBS_FILE))["jobs"]
     except FileNotFoundError:
         return []
     except (ValueError, KeyError, TypeError):
-        raise ConfigError(f"compare: {folder / JOBS_FILE} is not a job list; delete it to submit the run afresh") from None
+        raise ConfigError(f"compare: {folder.path(JOBS_FILE)} is not a job list; delete it to submit the run afresh") from None
 
 
-def write_submissions(folder: Path, scheduler: str, jobs: list[dict]) -> None:
-    atomic_write(folder / JOBS_FILE, json.dumps({"scheduler": scheduler, "jobs": jobs}, indent=1))
+def write_submissions(folder: RunFolder, scheduler: str, jobs: list[dict]) -> None:
+    folder.write_bytes(JOBS_FILE, json.dumps({"scheduler": scheduler, "jobs": jobs}, indent=1).encode())
 
 
 def live_id(jobs: list[dict]) -> Optional[str]:
@@ -66,14 +77,28 @@ def unrecorded(jobs: list[dict]) -> Optional[dict]:
     return jobs[-1] if jobs and "id" not in jobs[-1] and "state" not in jobs[-1] else None
 
 
-def read_record(folder: Path) -> dict:
-    try:
-        return json.loads((folder / RECORD_FILE).read_text())
-    except (FileNotFoundError, ValueError):
-        return {}
+def read_record(folder: RunFolder) -> dict:
+    """compare.json, {} while the run has not written one."""
+    return read_json(folder, RECORD_FILE) or {}
 
 
-def job_name(run: str, folder: Path) -> str:
+def has_result(folder: RunFolder) -> bool:
+    """The run wrote result.json (it is done)."""
+    return read_json(folder, RESULT_FILE) is not None
+
+
+def write_record(folder: RunFolder, record: dict) -> None:
+    """compare.json written by the driver: a run that ended without a record of its own."""
+    folder.write_bytes(RECORD_FILE, json.dumps(record, indent=2).encode())
+
+
+def folder_name(folder: RunFolder) -> str:
+    """A run folder's own name (its run's), the last part of its path or URL."""
+    return folder.url.rsplit("/", 1)[-1]
+
+
+def job_name(run: str, folder: RunFolder) -> str:
     """The scheduler's name of a run's job: the run's name and a tag of its folder (two grids'
     runs of one name are told apart in the queue and in accounting)."""
-    return f"vlp-{run}-{hashlib.sha1(str(folder.resolve()).encode()).hexdigest()[:6]}"
+    where = folder.url if folder.remote else str(Path(folder.url).resolve())
+    return f"vlp-{run}-{hashlib.sha1(where.encode()).hexdigest()[:6]}"

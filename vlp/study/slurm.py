@@ -1,8 +1,10 @@
 """The SLURM scheduler of vlp.study.batch (grid.executor: slurm): each run of a grid is one SLURM
-job with the resources of grid.slurm.
+job with the resources of grid.slurm, or its regime's own (grid.slurm.regimes).
 
-    sbatch --parsable --job-name=vlp-<run> --output=<run>/slurm-%j.out ... <run>/job.sh
-    job.sh: one node, <= 1 GPU: python -m vlp.study.job <run>
+    sbatch --parsable --job-name=vlp-<run> --output=<logs>/slurm-%j.out ... <logs>/job.sh
+    <logs>: the run folder; for a grid.out_dir in a bucket, <grid.slurm.log_dir>/<bucket path>/<run>
+            (SLURM writes its output to a file system; the job reads and writes the run in the bucket)
+    job.sh: one node, <= 1 GPU: python -m vlp.study.job <run folder or URL>
             otherwise:         srun, one `accelerate launch -m vlp.study.job <run>` per node
                                (the launcher of launch/slurm.sbatch, one process per GPU)
     states: sacct (one call for all the jobs) where accounting is on, else squeue (one line says so)
@@ -10,7 +12,8 @@ job with the resources of grid.slurm.
 Pure functions build the sbatch line and the script and read sinfo, sacct and squeue; the class
 `Slurm` runs the commands. Before anything is submitted `check` refuses, in one line, a partition
 the cluster lacks, GPUs asked of a partition without any, more nodes than it has, and anything
-`sbatch --test-only` refuses (an account, a QOS, a time over the partition's limit).
+`sbatch --test-only` refuses (an account, a QOS, a time over the partition's limit), for each
+distinct set of resources the grid's regimes ask for.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from vlp.config import ConfigError
 from vlp.study.jobstate import DONE, FAILED, PENDING, RUNNING, JobState
 
 SCRIPT = "job.sh"
-OUTPUT = "slurm-{job}.out"  # in the run folder, appended across a requeue
+OUTPUT = "slurm-{job}.out"  # in the run folder (or its local log folder), appended across a requeue
+LOGS = "slurm-logs"  # grid.slurm.log_dir's default, under the driver's (and the jobs') working directory
 WAITING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED", "STOPPED"}
 GOING = {"RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING"}
 ACCOUNTING_OFF = "accounting storage is disabled"
@@ -100,29 +104,43 @@ def partitions(sinfo: str) -> dict[str, dict]:
     return out
 
 
-def settings_problem(cfg, parts: dict[str, dict]) -> Optional[str]:
-    """Why grid.slurm cannot run on a cluster with these partitions (one line), else None."""
+def settings_problem(cfg, parts: dict[str, dict], where: str = "grid.slurm") -> Optional[str]:
+    """Why one set of job resources (``where``: grid.slurm, or grid.slurm.regimes.<regime>) cannot
+    run on a cluster with these partitions (one line), else None."""
     if not parts:
         return "grid.executor=slurm, but sinfo lists no partition"
     default = next((name for name, p in parts.items() if p["default"]), None)
     name = cfg.partition or default
     if name is None:
-        return "grid.slurm.partition is unset and the cluster has no default partition: name one of " + ", ".join(parts)
+        return f"{where}.partition is unset and the cluster has no default partition: name one of " + ", ".join(parts)
     if name not in parts:
-        return f"grid.slurm.partition={name}: the cluster has no such partition (it has {', '.join(sorted(parts))})"
+        return f"{where}.partition={name}: the cluster has no such partition (it has {', '.join(sorted(parts))})"
     part = parts[name]
     if cfg.gpus_per_node and part["gpus"] < cfg.gpus_per_node:
         have = f"{part['gpus']} GPUs per node" if part["gpus"] else "no GPUs"
-        return f"grid.slurm.gpus_per_node={cfg.gpus_per_node}, but partition {name} has {have} (sinfo's gres)"
+        return f"{where}.gpus_per_node={cfg.gpus_per_node}, but partition {name} has {have} (sinfo's gres)"
     if cfg.nodes > part["nodes"]:
-        return f"grid.slurm.nodes={cfg.nodes}, but partition {name} has {part['nodes']} node(s)"
+        return f"{where}.nodes={cfg.nodes}, but partition {name} has {part['nodes']} node(s)"
     return None
 
 
+def resource_sets(cfg, regimes: list[str]) -> list[tuple[str, object]]:
+    """(where, resources) of each distinct set of job resources that the grid's ``regimes`` ask
+    for (grid.slurm.regimes.<regime> where a regime has its own, else grid.slurm), each once."""
+    out: list[tuple[str, object]] = []
+    for regime in regimes or [""]:
+        where = f"grid.slurm.regimes.{regime}" if regime in cfg.regimes else "grid.slurm"
+        resources = cfg.of_regime(regime)
+        if all(resources != seen for _, seen in out):
+            out.append((where, resources))
+    return out
+
+
 # ---------------------------------------------------------------------------- pure: a job
-def sbatch_args(cfg, name: str, folder: Path, cwd: Path) -> list[str]:
-    """The sbatch options of one run's job (grid.slurm), the script last."""
-    args = [f"--job-name={name}", f"--chdir={cwd}", f"--output={folder}/{OUTPUT.format(job='%j')}", "--open-mode=append",
+def sbatch_args(cfg, name: str, logs: Path, cwd: Path) -> list[str]:
+    """The sbatch options of one run's job (``cfg``: its resources), the script last; ``logs``:
+    the local folder of its script and output."""
+    args = [f"--job-name={name}", f"--chdir={cwd}", f"--output={logs}/{OUTPUT.format(job='%j')}", "--open-mode=append",
             "--requeue", f"--nodes={cfg.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={cfg.cpus_per_task}",
             f"--time={cfg.time}"]
     for option, value in (("partition", cfg.partition), ("account", cfg.account), ("qos", cfg.qos),
@@ -131,7 +149,7 @@ def sbatch_args(cfg, name: str, folder: Path, cwd: Path) -> list[str]:
             args.append(f"--{option}={value}")
     if cfg.gpus_per_node:
         args.append(f"--gpus-per-node={cfg.gpus_per_node}")
-    return [*args, *cfg.sbatch, str(folder / SCRIPT)]
+    return [*args, *cfg.sbatch, str(logs / SCRIPT)]
 
 
 LAUNCH = ('trap "" USR1 TERM; export PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT; '
@@ -142,7 +160,7 @@ LAUNCH = ('trap "" USR1 TERM; export PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT
 """Each node's launcher, as launch/slurm.sbatch's (signals: the ranks save, the launcher outlives them)."""
 
 
-def job_script(cfg, folder: Path, python: str) -> str:
+def job_script(cfg, folder: str, python: str) -> str:
     """The batch script of one run's job: the run in one process (one node, at most one GPU), else
     one `accelerate launch` per node over srun, one process per GPU (one per node without GPUs, gloo)."""
     head = "#!/bin/bash\n# written by vlp compare (grid.executor: slurm); runs " + shlex.quote(str(folder)) + "\nset -euo pipefail\n"
@@ -186,25 +204,40 @@ class Slurm:
         self.cfg, self.python, self.cwd, self.call, self.say = cfg, python, Path(cwd or os.getcwd()), run, say
         self.accounting: Optional[bool] = None  # unknown until the first sacct
 
-    def check(self) -> None:
+    def check(self, regimes: list[str]) -> None:
         proc = self.call(["sinfo", "-h", "-o", "%P|%D|%G"])
         if proc.returncode != 0:
             raise ConfigError(f"compare: sinfo failed: {_said(proc)}")
-        why = settings_problem(self.cfg, partitions(proc.stdout))
-        if why:
-            raise ConfigError(f"config: {why}")
-        test = self.call(["sbatch", "--test-only", *sbatch_args(self.cfg, "vlp-check", Path("/"), self.cwd)[:-1],
-                          "--wrap=true"])
-        if test.returncode != 0:
-            raise ConfigError(f"config: grid.slurm: sbatch refuses the jobs' resources: {_said(test)}")
+        parts = partitions(proc.stdout)
+        for where, resources in resource_sets(self.cfg, regimes):
+            why = settings_problem(resources, parts, where)
+            if why:
+                raise ConfigError(f"config: {why}")
+            test = self.call(["sbatch", "--test-only", *sbatch_args(resources, "vlp-check", Path("/"), self.cwd)[:-1],
+                              "--wrap=true"])
+            if test.returncode != 0:
+                raise ConfigError(f"config: {where}: sbatch refuses the jobs' resources: {_said(test)}")
 
-    def submit(self, folder: Path, name: str) -> str:
-        script = folder / SCRIPT
-        script.write_text(job_script(self.cfg, folder, self.python))
-        proc = self.call(["sbatch", "--parsable", *sbatch_args(self.cfg, name, folder, self.cwd)])
+    def processes(self, regime: str) -> int:
+        resources = self.cfg.of_regime(regime)
+        return resources.nodes * max(1, resources.gpus_per_node)
+
+    def logs(self, folder) -> Path:
+        """The local folder of a run's job script and output: the run folder, or for a run folder
+        in a bucket <grid.slurm.log_dir>/<bucket>/<path> (relative: under the working directory)."""
+        if not folder.remote:
+            return Path(folder.url)
+        root = Path(self.cfg.log_dir or LOGS)
+        return (root if root.is_absolute() else self.cwd / root) / folder.url.split("://", 1)[1]
+
+    def submit(self, folder, name: str, regime: str = "") -> str:
+        resources, logs = self.cfg.of_regime(regime), self.logs(folder)
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / SCRIPT).write_text(job_script(resources, folder.url, self.python))
+        proc = self.call(["sbatch", "--parsable", *sbatch_args(resources, name, logs, self.cwd)])
         job_id = proc.stdout.strip().split(";")[0]
         if proc.returncode != 0 or not job_id.isdigit():
-            raise ConfigError(f"compare: sbatch refused {folder.name}: {_said(proc)}")
+            raise ConfigError(f"compare: sbatch refused {folder.url}: {_said(proc)}")
         return job_id
 
     def poll(self, ids: list[str]) -> dict[str, JobState]:
@@ -237,8 +270,8 @@ class Slurm:
         ids = [x.strip() for x in proc.stdout.split() if x.strip().isdigit()] if proc.returncode == 0 else []
         return max(ids, key=int) if ids else None
 
-    def output(self, folder: Path, job_id: str) -> Path:
-        return folder / OUTPUT.format(job=job_id)
+    def output(self, folder, job_id: str) -> Path:
+        return self.logs(folder) / OUTPUT.format(job=job_id)
 
     def cancel(self, ids: list[str]) -> None:
         if ids:

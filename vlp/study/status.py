@@ -5,48 +5,48 @@ the one line of a grid that ended with failed cells: read from the run folders' 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Optional
 
-from vlp.study.jobfiles import JOBS_FILE, live_id, read_record, submissions, write_submissions
+from vlp.checkpoint.storage import RunFolder
+from vlp.study.jobfiles import (JOBS_FILE, RESULT_FILE, folder_name, has_result, live_id, read_record, submissions,
+                                write_submissions)
 from vlp.study.jobstate import PENDING, RUNNING, JobState
 
 
-def run_folders(out_dir) -> list[Path]:
-    """The grid's run folders that were ever submitted (job.json) or are done (result.json)."""
-    root = Path(out_dir)
-    if not root.is_dir():
-        return []
-    return sorted(d for d in root.iterdir() if d.is_dir() and ((d / JOBS_FILE).exists() or (d / "result.json").exists()))
+def run_folders(out_dir) -> list[RunFolder]:
+    """The grid's run folders (local or in a bucket) that were ever submitted (job.json) or are
+    done (result.json), by name."""
+    root = RunFolder(out_dir)
+    return [root.sub(name) for name in root.listdir() if any(root.exists(f"{name}/{f}") for f in (JOBS_FILE, RESULT_FILE))]
 
 
-def status_rows(folders: list[Path], states: dict[str, JobState]) -> list[tuple[str, str, str, str]]:
+def status_rows(folders: list[RunFolder], states: dict[str, JobState]) -> list[tuple[str, str, str, str]]:
     """(run, state, job id, detail) per run folder: done, pending, running, requeued N, failed (reason),
     never submitted here ('-'). Pure: the folders' files and the scheduler's states."""
     rows = []
     for folder in folders:
-        jobs = submissions(folder)
+        name, jobs = folder_name(folder), submissions(folder)
         last = jobs[-1] if jobs else {}
         job_id = last.get("id", "-")
-        if (folder / "result.json").exists():
-            rows.append((folder.name, "done", job_id, ""))
+        if has_result(folder):
+            rows.append((name, "done", job_id, ""))
             continue
         if not jobs:
-            rows.append((folder.name, "-", "-", "not submitted"))
+            rows.append((name, "-", "-", "not submitted"))
             continue
         tries = f"attempt {len(jobs)}"
         live = states.get(job_id) if "state" not in last else None
         if live is not None and live.phase in (PENDING, RUNNING):
             word = f"requeued {live.requeues}" if live.requeues else live.phase
-            rows.append((folder.name, word, job_id, f"{live.state} {live.reason}".strip() + f"; {tries}"))
+            rows.append((name, word, job_id, f"{live.state} {live.reason}".strip() + f"; {tries}"))
         elif live is not None:
-            rows.append((folder.name, "ended", job_id, f"{live.state} {live.reason}".strip() + "; not yet seen by a driver"))
+            rows.append((name, "ended", job_id, f"{live.state} {live.reason}".strip() + "; not yet seen by a driver"))
         elif "state" in last:
             record = read_record(folder)
             why = record.get("error") or f"{last['state']} {last.get('reason', '')}".strip()
-            rows.append((folder.name, "failed", job_id, f"{why}; {tries}"))
+            rows.append((name, "failed", job_id, f"{why}; {tries}"))
         else:
-            rows.append((folder.name, "unknown", job_id, "not known to the scheduler any more"))
+            rows.append((name, "unknown", job_id, "not known to the scheduler any more"))
     return rows
 
 

@@ -43,7 +43,7 @@ from vlp.distributed import broadcast_object
 from vlp.data.sources import parse_packaged
 from vlp.study.batch import executor_of
 from vlp.study.adaptive import more_seed_runs, open_arms, seeds_of_look, sizes_of
-from vlp.study.executor import Executor, Job, warm_caches
+from vlp.study.executor import Executor, Job
 from vlp.study.plan import Run, arms_of, final_runs, groups_of, price_runs, select_best, sweep_runs
 from vlp.study.report import STUDY_METRICS, test_rows, write_report
 from vlp.study.rows import final_table, run_row
@@ -140,14 +140,14 @@ class StudyWalk:
         self.grid, self.acc, self.bases, self.executor, self.report_only = grid, acc, bases, executor, report_only
         self.out, self.on_done = open_run_folder(grid.out_dir, option="grid.out_dir"), on_done
         self.cfgs: dict = {}  # every walked run's config, by name
-        self.world = getattr(executor, "world", acc.num_processes)  # a run's processes (a job's: its own)
+        self.world = executor.world_of  # a run's processes by its regime (a job's: its own resources)
 
     def __call__(self, runs: list[Run], ranked: bool = True) -> list[dict]:
         if not runs:
             return []
         grid, acc, out = self.grid, self.acc, self.out
         ranked = ranked and bool(grid.sweep)  # a plain grid's runs are evaluated by the Trainer
-        cfgs = {r.name: run_config(self.bases[r.arm.table][0], grid, r, self.world) for r in runs}
+        cfgs = {r.name: run_config(self.bases[r.arm.table][0], grid, r, self.world(r.arm.regime)) for r in runs}
         self.cfgs.update(cfgs)
         done, error = broadcast_object(plan_runs(runs, cfgs, out, items=ranked) if acc.is_main_process else None)
         if error:  # raised on every rank, so none waits in a collective
@@ -160,7 +160,7 @@ class StudyWalk:
         return self.rows(runs, ranked)
 
     def rows(self, runs: list[Run], ranked: bool) -> list[dict]:
-        return [row for r in runs if (row := run_row(r, self.cfgs[r.name], self.world, ranked,
+        return [row for r in runs if (row := run_row(r, self.cfgs[r.name], self.world(r.arm.regime), ranked,
                                                      STUDY_METRICS)) is not None]
 
 
@@ -201,10 +201,10 @@ def run_study(base: dict, bases: dict, grid, acc, report_only: bool = False) -> 
     report; a plain grid: its runs, the report rewritten after each. Every process walks the same
     runs in the same order; with grid.workers > 1 (one process) runs go to worker processes.
     `bases`: regime_bases(base, grid, acc)."""
-    if grid.sweep and not report_only:
-        warm_caches(bases, grid, acc)
     plain = {arm: () for arm in arms_of(grid)} if not grid.sweep else None
     with executor_of(grid, acc) as executor:  # local, or a scheduler's jobs (vlp.study.batch)
+        if grid.sweep and not report_only:  # here, or a job per (data set, regime) before its runs
+            executor.warm(bases)
         walk = StudyWalk(grid, acc, bases, executor, report_only)
         if plain is not None:  # the report after every run: partial results are always on disk
             runs = final_runs(grid, plain)
