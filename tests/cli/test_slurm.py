@@ -236,10 +236,10 @@ def test_a_lost_node_ends_the_other_in_one_line_and_the_requeued_job_resumes_exa
     offset = cluster.log_size("n2")
     cluster.restart_slurmd("n2")
     cluster.resume_nodes()
-    # and the job runs again once the controller's retried "end job" for the lost node has reached
-    # n2's new slurmd: arriving after the requeued job started there, it killed the new run's rank
-    # at its 30th step (a loaded box, eighteenth session: "srun: error: n2: task 1: Killed" about
-    # 60 s after the requeue, two "lost its peers" lines, a third run from step 25)
+    # and the job runs again once the lost run's "end job" and "kill step 7.0" have reached n2's
+    # new slurmd: the second is retried about 60 s after n2 died, and arriving after the requeued
+    # job started there it killed the new run's step (eighteenth session, twice on a loaded box:
+    # "srun: error: n2: task 1: Killed", two "lost its peers" lines, a third run from step 25)
     waited = cluster.wait_terminate_delivered("n2", job, offset)
     print(f"n2's slurmd got the lost run's end {waited:.1f} s after it was started again")
     cluster.release(job)

@@ -246,19 +246,22 @@ class SlurmCluster:
         log = self.dir / f"slurmd-{name}.log"
         return log.stat().st_size if log.exists() else 0
 
-    def wait_terminate_delivered(self, name: str, job_id: int, offset: int, limit_s: float = 90) -> float:
-        """Wait until node `name`'s slurmd has logged (past byte `offset`) the controller's request to
-        end job `job_id` that failed while the node was lost: slurmctld retries such a request once
-        per RPC_RETRY_INTERVAL (60 s), and one that reaches the slurmd after the job was requeued
-        and started again there kills the new run (SlurmdDebug=debug logs the request). Returns
-        the seconds waited (``limit_s`` when none came)."""
+    def wait_terminate_delivered(self, name: str, job_id: int, offset: int, limit_s: float = 150) -> float:
+        """Wait until node `name`'s slurmd has logged (past byte `offset`) both requests to end job
+        `job_id`'s lost run that failed while the node was down: the controller's "end job"
+        (resent as the node registers) and srun's "kill step J.0" (retried from slurmctld's agent
+        queue once per RPC_RETRY_INTERVAL, 60 s). One that reaches the slurmd after the requeued
+        job started there kills the new run's step of the same id (SlurmdDebug=debug logs both).
+        Returns the seconds waited (``limit_s`` when they did not both come)."""
         start, log = time.time(), self.dir / f"slurmd-{name}.log"
-        wanted = re.compile(rf"_rpc_(terminate|abort)_job: uid = \d+ JobId={job_id}\b")
+        wanted = [re.compile(rf"_rpc_(terminate|abort)_job: uid = \d+ JobId={job_id}\b"),
+                  re.compile(rf"_rpc_signal_tasks: .*(StepId={job_id}\.0|job {job_id})\b")]
         while time.time() - start < limit_s:
             with open(log, "rb") as f:
                 f.seek(offset)
-                if wanted.search(f.read().decode(errors="replace")):
-                    break
+                text = f.read().decode(errors="replace")
+            if all(w.search(text) for w in wanted):
+                break
             time.sleep(0.5)
         return time.time() - start
 
