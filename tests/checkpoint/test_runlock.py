@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -104,15 +103,15 @@ def test_release_leaves_a_lock_that_is_not_ours(tmp_path):
 
 
 RACE = """
-import sys, time
+import sys
 from vlp.checkpoint import lock as runlock
 from vlp.checkpoint.storage import RunFolder
-while time.time() < float(sys.argv[2]):
-    pass
+print("ready", flush=True)
+sys.stdin.readline()  # go: every racer has its imports behind it
 try:
     runlock.acquire(RunFolder(sys.argv[1]), log=lambda m: None)
     print("won", flush=True)
-    time.sleep(3)
+    sys.stdin.read()  # the winner holds the lock until every racer has answered
 except runlock.RunLockError:
     print("refused", flush=True)
 """
@@ -120,10 +119,21 @@ except runlock.RunLockError:
 
 @pytest.mark.multiproc
 def test_of_racing_writers_exactly_one_wins(tmp_path):
-    start = time.time() + 2.0
-    procs = [subprocess.Popen([sys.executable, "-c", RACE, str(tmp_path), str(start)], cwd=REPO, env=run_env(),
-                              stdout=subprocess.PIPE, text=True) for _ in range(3)]
-    outs = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+    """Three processes acquire the lock at once; the start is a barrier (each has imported and said
+    ready), not a wall-clock time, so a slow start on a loaded box cannot make a late racer find the
+    lock already released."""
+    procs = [subprocess.Popen([sys.executable, "-c", RACE, str(tmp_path)], cwd=REPO, env=run_env(),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    try:
+        assert [p.stdout.readline().strip() for p in procs] == ["ready"] * 3
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outs = sorted(p.stdout.readline().strip() for p in procs)
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait(timeout=60)
     assert outs == ["refused", "refused", "won"]
 
 
