@@ -15,8 +15,9 @@ own contiguous near-equal ranges (every sample once over all ranks, so per-rank 
 may differ by one: run eval on rank 0 or gather without per-batch collectives); the last batch
 may be partial; batches keep file order.
 
-Bad samples are skipped and counted by kind (``SKIP_KINDS``); each batch's ``skipped`` holds
-what its worker skipped since its previous batch, and ``Loader.stats`` sums them.
+Bad samples are skipped and counted by kind (corrupt_image, missing_caption, missing_image,
+bad_member, bad_shard); each batch's ``skipped`` holds what its worker skipped since its previous
+batch, and ``Loader.stats`` sums them.
 ``start_batch=n`` skips the first n batches without decoding them, making the same replacements
 as decoding would, so a resumed epoch yields exactly the uninterrupted one's batches (same
 num_workers, world_size and batch_per_device). To go on under another layout,
@@ -44,7 +45,6 @@ from vlp.data.tars import IMAGE_EXTS, TEXT_EXTS, read_shard, warn_bad_shard
 from vlp.data.lifecycle import Board, start_worker
 from vlp.data.worker import EpochDataset
 
-SKIP_KINDS = ("corrupt_image", "missing_caption", "missing_image", "bad_member", "bad_shard")
 MODES = ("split", "resampled", "sequential")
 
 

@@ -25,7 +25,6 @@ from open_clip.hf_model import register_pooler
 from torch import nn
 
 HF_HUB = "hf-hub:"
-TOWERS = ("image", "text")
 
 
 # ----------------------------------------------------------------------------- HF text poolers
@@ -201,7 +200,7 @@ def tower_state(clip: nn.Module, tower: str, state: dict) -> dict:
 
 
 def load_tower(clip: nn.Module, tower: str, source: str, model_name: str, what: str) -> bool:
-    """Load one tower (`tower` in TOWERS) from `source`; strict over that tower's keys (a missing
+    """Load one tower (`tower`: "image" or "text") from `source`; strict over that tower's keys (a missing
     or extra key, or another shape, is one ValueError line). The other tower is untouched.
     Returns whether the source was an open_clip checkpoint (else the tower module's own weights)."""
     path = resolve_weights(source, model_name)

@@ -101,6 +101,3 @@ def load_pairs(split: str = "all", image_size: int = 64, cache_dir: str | os.Pat
     """Material Icons pairs of ``split`` sorted by icon name; Pair.meta holds name, icon, codepoint
     and split. Raises MissingPackage without the package."""
     return load_split(ensure_rendered(image_size, cache_dir, font_path, codepoints), split)
-
-
-LICENSE = "Material Icons: Apache License 2.0 (Google); Debian fonts-material-design-icons-iconfont"

@@ -183,6 +183,3 @@ def load_pairs(split: str = "all", image_size: int = 64, cache_dir: str | os.Pat
     """Openclipart pairs of ``split`` sorted by first path; Pair.meta holds name, title,
     description, category, path, sha1 and split. Raises MissingPackage without the packages."""
     return load_split(ensure_rendered(image_size, cache_dir, root), split)
-
-
-LICENSE = "Openclipart: public domain (Creative Commons Public Domain Dedication); Debian openclipart-svg/-png"

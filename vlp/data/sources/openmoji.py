@@ -196,7 +196,3 @@ def load_pairs(
         image = (directory / "images" / f"{row['key']}.png").read_bytes()
         pairs.append(Pair(key=row["key"], image=image, caption=row["caption"], meta=meta))
     return pairs
-
-
-ATTRIBUTION = "All emojis designed by OpenMoji - the open-source emoji and icon project. " \
-    "License: CC BY-SA 4.0"
