@@ -263,11 +263,8 @@ def user_message(error: BaseException) -> str:
 
 def peer_failure(error: BaseException) -> bool:
     """True for a collective that failed because another rank or node died or timed out (gloo /
-    NCCL connection errors, the process group's timeout): not this rank's bug, so one line.
-    gloo's own words differ with where the wait ended: "Timed out waiting ...", "Connection reset
-    by peer", "Socket closed", and "Application timeout caused pair closure" (a frozen peer, the
-    timeout hit inside DDP's gradient all-reduce: a bare RuntimeError naming neither gloo nor a
-    time-out; tests/cli/test_cluster.py [frozen])."""
+    NCCL connection errors, the process group's timeout): not this rank's bug, so one line. gloo's
+    words differ with where the wait ended (docs/schedulers.md; tests/cli/test_cluster.py)."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and isinstance(error, getattr(dist, "DistError", ())):
         return True
@@ -326,11 +323,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """The `vlp` command and `python -m vlp`: main(), then an exit without the interpreter's last
-    garbage collection, which walks every object that torch, torchvision, open_clip and
-    transformers made at import: 1.3 of the 8 CPU seconds a `vlp train` process took, on every rank
-    (docs/performance.md). atexit handlers, weakref finalizers, logging's shutdown and the
-    flushes of open files still run; only objects in reference cycles at exit are left to the
-    operating system. Not in main(), which tests call in their own process."""
+    garbage collection over everything torch and open_clip made at import (docs/performance.md);
+    atexit handlers, finalizers and flushes still run. Not in main(), which tests call in process."""
     code = main()
     gc.freeze()
     sys.exit(code)

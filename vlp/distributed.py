@@ -23,25 +23,9 @@ This assumes equal local batch sizes on every rank (the stream guarantees it);
 ``positive_offset`` asserts it when given the gathered size, and ``gather_with_grad(x,
 check_shapes=True)`` checks it with one extra tiny collective.
 
-Autograd semantics (why there is no extra scale factor)
--------------------------------------------------------
-Let rank r hold local features x_r and compute L_r, the mean loss over *its own* anchors, using
-X = gather_with_grad(x_r) (identical on every rank). The global loss -- exactly what a single
-process would compute on the concatenated batch of B = R*b pairs -- is L = (1/R) * sum_r L_r.
-
-* Backward of all_gather is a reduce-scatter with SUM: rank r receives, for its slot of X, the sum
-  over all ranks r' of dL_{r'}/dX[slot r]. Adding the direct path (x_r used as local anchors in
-  L_r), the gradient reaching x_r is  sum_{r'} dL_{r'}/dx_r = R * dL/dx_r.
-* Encoder parameters on rank r therefore get R * (dL/dx_r)(dx_r/dtheta); DDP *averages* over
-  ranks, giving (1/R) * sum_r R * (dL/dx_r)(dx_r/dtheta) = dL/dtheta. The factor R from the
-  summing backward cancels DDP's division by R.
-* Parameters used outside the gather (logit_scale, logit_bias) get dL_r/dt on rank r; the DDP
-  average is (1/R) * sum_r dL_r/dt = dL/dt.
-
-So each rank must return the *mean over its local anchors* (do not multiply by world size, do not
-sum), and after DDP averaging every parameter gradient equals the gradient of the global mean loss.
-tests/train/test_distributed.py checks this to 1e-6 (2 ranks x b versus 1 rank x 2b, float64).
-
+Gradient scale (docs/design.md, "Gather and gradient scale"): each rank returns the *mean over its
+local anchors* (no world-size factor, no sum); all_gather's summing backward and DDP's average
+cancel, so every parameter gradient equals the global mean loss's (tests/train/test_distributed.py).
 Caveats: the backward pass runs a collective, so every rank must backpropagate through the gather
 the same way (same losses, same order); ``all_gather`` is not supported under ``torch.compile``.
 """
@@ -60,21 +44,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
-__all__ = [
-    "is_distributed",
-    "get_rank",
-    "get_world_size",
-    "gather_with_grad",
-    "positive_offset",
-    "exit_with_launcher",
-    "cpu_when_launched_without_gpu",
-    "is_main",
-    "barrier",
-    "all_reduce",
-    "gather_object",
-    "broadcast_object",
-]
 
 
 def is_distributed() -> bool:
@@ -234,22 +203,13 @@ def launcher_gone() -> bool:
 
 
 def exit_with_launcher(poll_s: float = 1.0) -> None:
-    """Under a launcher (torchrun / ``accelerate launch`` with several processes), stop this rank
-    when its launcher dies instead of training on as an orphan. A daemon thread watches the parent
-    pid (portable, and unlike PR_SET_PDEATHSIG not tied to the parent *thread*); within ``poll_s``
-    of the launcher's death:
-
-    * a training loop that saves on SIGTERM (vlp.train.preempt's handler is installed) is sent
-      SIGTERM: it saves at the next step boundary and exits like a preempted run. This is how a
-      bare `accelerate launch` / torchrun that dies of SIGUSR1 (torch's agent has no handler for
-      it, and starts each rank in a session of its own, so the signal never reaches the ranks)
-      or of the OOM killer's SIGKILL loses nothing;
-    * anything else (start-up, the final eval) ends at once, status 1, with one line.
-
-    A rank that is still stopping ``STOP_GRACE_S`` later ends the same way. No-op without a
-    launcher, so a plain ``python -m vlp train`` survives its shell. First refuses a process that
-    is not in its launcher's world (`check_launched_world`): the Trainer calls this right after
-    its Accelerator."""
+    """Under a launcher (torchrun / ``accelerate launch``), stop this rank when its launcher dies
+    instead of training on as an orphan (docs/reliability.md: a launcher SIGKILLed or dead of
+    SIGUSR1). A daemon thread watches the parent pid (unlike PR_SET_PDEATHSIG not tied to the
+    parent *thread*); within ``poll_s`` of its death a loop that saves on SIGTERM (vlp.train.preempt's
+    handler) is sent SIGTERM and saves like a preempted run; anything else (start-up, the final
+    eval), or a rank still stopping ``STOP_GRACE_S`` later, ends with one line, status 1. No-op
+    without a launcher. First refuses a process not in its launcher's world (`check_launched_world`)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     check_launched_world()

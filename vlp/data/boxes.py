@@ -1,11 +1,7 @@
-"""RandomResizedCrop's boxes without torch ops: torch's CPU generator replayed in Python.
-
-A loader worker seeds torch's CPU generator once per batch (vlp.data.worker), and the crop-first
-decoder (vlp.data.decode) draws each image's box as ``RandomResizedCrop.get_params`` does: about
-a dozen one-element torch ops per image, ~0.1 ms, a tenth of the JPEG decode. ``TorchDraws``
-replays that generator instead: torch's mt19937 seeded as ``torch.manual_seed`` seeds it (the
-seed's low 32 bits through the reference initialisation) is Python's own Mersenne Twister with
-that state, and ``crop_box`` repeats get_params' arithmetic on its draws:
+"""RandomResizedCrop's boxes without torch ops: torch's CPU generator replayed in Python
+(docs/data-path.md, "Crop boxes without torch ops"). torch's mt19937 seeded as
+``torch.manual_seed`` seeds it is Python's Mersenne Twister with that state, and ``crop_box``
+repeats get_params' arithmetic on its draws:
 
   uniform_(lo, hi) on float32   u = (x & 0xFFFFFF) / 2**24,  u * (hi - lo) + lo  in float32,
                                 with one rounding (a fused multiply-add) or two, as torch's
@@ -13,10 +9,8 @@ that state, and ``crop_box`` repeats get_params' arithmetic on its draws:
   randint(0, n)                 x % n
   exp of a float32              torch's own exp, on one element (the only torch op left)
 
-So the boxes, and the draws the generator makes, are get_params' bit for bit: the worker's
-output for a seed does not change. ``probe`` checks the replay against torch once per process
-(both float32 forms) and turns it off when neither reproduces torch; then the decoder draws with
-get_params as before.
+So the boxes and the draws consumed are get_params' bit for bit. ``probe`` checks the replay
+against torch once per process and turns it off when neither float32 form reproduces torch.
 """
 
 from __future__ import annotations

@@ -1,34 +1,20 @@
 """Image bytes -> transformed tensor, with a train-time JPEG fast path that keeps the augmentation.
 
-The default train transform (open_clip's ``image_transform(is_train=True)``) starts with a
-``RandomResizedCrop``: a random box of the full image, resized to the output size. Decoding
-the whole JPEG at full resolution to keep ~1/5 of its pixels after the resize is most of a
-loader worker's time. ``CropFirst`` reverses the order: it reads the image size from the
-JPEG header (PIL opens lazily), draws the crop box with the transform's own
-``RandomResizedCrop.get_params`` on that (W, H) (the same torch RNG draws as the plain
-transform: the boxes are identical for the same RNG state; in a stream, after ``use_seed``,
-the draws are replayed in Python, vlp.data.boxes: the same boxes), then decodes at the smallest
-libjpeg DCT scale 1/s (s in 1, 2, 4, 8) at which the box still covers at least the output
-size on both sides, and resamples the box (mapped to fractional coordinates of the reduced
-image) to the output size with the same PIL filter. So only the pixels inside the box are
-resampled differently (DCT-domain downscale + a smaller filter instead of one large filter);
-s = 1 is bit-identical to the plain transform. The transforms after the crop run unchanged.
-``bench/augment_equivalence.py`` measures how close the outputs are.
-
-Everything else (non-JPEG images, transforms that do not start with a RandomResizedCrop,
-such as eval's Resize + CenterCrop, or an explicit ``decode_size``) takes the plain path:
-``decode_rgb`` then the transform.
+``CropFirst`` (a transform that starts with a ``RandomResizedCrop``, open_clip's train
+transform) reads the image size from the JPEG header, draws the crop box with the transform's
+own ``RandomResizedCrop.get_params`` on that (W, H) (replayed in Python in a stream,
+vlp.data.boxes: the same boxes), then decodes at the smallest libjpeg DCT scale 1/s (s in 1, 2,
+4, 8) at which the box still covers the output size on both sides, and resamples the box
+(mapped to the reduced image) to the output size with the same PIL filter. Only the pixels
+inside the box are resampled differently; s = 1 is bit-identical to the plain transform
+(``bench/augment_equivalence.py`` measures how close). Everything else (non-JPEG images, other
+transforms, an explicit ``decode_size``) takes the plain path: ``decode_rgb`` then the transform.
 
 Every decoded image becomes RGB through ``to_rgb``, which scales 16-bit greyscale (PIL modes
-I;16 and I, e.g. a 16-bit PNG) to 8 bits instead of letting ``convert('RGB')`` clip every value
-above 255 to white. 16-bit RGB(A) PNGs need nothing: PIL opens them as RGB(A), keeping the high
-byte of each sample.
+I;16 and I) to 8 bits instead of letting ``convert('RGB')`` clip every value above 255 to white.
 
-What a decoder's ``finish`` returns is set by ``output`` (vlp/data/device.py has the device
-half): "float" the whole transform (a float tensor); "uint8" the transform up to its ToTensor
-as uint8 (H, W, 3), ToTensor + Normalize left to the device; "region" the decoded pixels
-covering the crop box and the box in them; "jpeg" the JPEG bytes and the box (the device
-decodes them; what nvjpeg is not given, PNG or CMYK, comes as a region). A transform that
+What a decoder's ``finish`` returns is set by ``output`` (docs/data-path.md): "float", "uint8",
+"region" or "jpeg" (what nvjpeg is not given, PNG or CMYK, comes as a region). A transform that
 cannot be split so (no ToTensor + Normalize tail, another filter) takes the nearest output
 that it can: ``decoder.output`` says which.
 """

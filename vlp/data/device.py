@@ -1,21 +1,8 @@
 """The device half of the image path: what loader workers ship (uint8) -> the model's float input.
 
-A worker's job is bytes -> uint8 pixels. Float conversion, normalisation and, where chosen, the
-resize run where the model runs, inside the step (docs/data-path.md). What a worker ships is
-set by the stream's ``image_output`` (vlp.data.decode.image_decoder):
-
-  float   the whole transform in the worker: float32 (b, 3, H, W) (the path before uint8).
-  uint8   the crop already resized to the output size: uint8 (b, H, W, 3); the device does
-          ToTensor + Normalize with the same float ops, so the result is bit-identical.
-  region  the decoded pixels covering the crop box (a JPEG decoded at its DCT scale) and the box
-          in fractional coordinates of that region, packed (``PackedImages``); the device
-          resamples the box to the output size with PIL's filter and PIL's 8-bit rounding
-          (``resample``), then normalises. Within 1-2 uint8 levels of the worker's PIL resize.
-  jpeg    (data.decode=gpu) the JPEG bytes and the crop box; the device decodes them in one
-          batched call (nvjpeg: ``torchvision.io.decode_jpeg(list, device='cuda')``), crops,
-          resamples and normalises. What the worker's header check says nvjpeg is not given
-          (PNG, CMYK, ...) arrives as a region; a JPEG the batched call cannot read is decoded
-          on the CPU; both are counted (``DeviceImages.counts``).
+What a worker ships is the stream's ``image_output`` (vlp.data.decode.image_decoder): 'float',
+'uint8', 'region' or 'jpeg'; docs/data-path.md tells what each leaves to the device, how exact
+it is and the counted GPU decode fallbacks (``DeviceImages.counts``).
 
 Only ``data`` of a PackedImages (and boxes, sizes) travels to the device; the offsets stay on
 the host, so unpacking needs no device sync. JPEG bytes stay on the host too: nvjpeg reads

@@ -6,27 +6,21 @@ when one dies on its own.
     note_shard(url)                                             # a worker, as it opens a shard
     board.failure(error)                                        # main: "loader worker 1 (pid N) ..."
 
-Signals. SLURM (preemption, scancel, `--signal=USR1@N`), timeout(1), `kill -- -PGID` and Ctrl-C
-signal every process of the run, loader workers included. The main process handles SIGTERM,
-SIGUSR1 and SIGINT: it stops at the next step boundary and saves (vlp.train.preempt), and the
-save still needs the workers (their batch memory, torch's liveness checks). So a worker ignores
-all three: the run's own shutdown ends it (torch tells it to stop, or it sees its parent gone),
-and it never outlives the main process: the kernel SIGKILLs it when the process that made it ends
-(Linux PR_SET_PDEATHSIG), beside torch's own check of the parent every 5 s, and the main process
+Signals and deaths as docs/reliability.md ("How a run stops") tells them. A worker ignores
+SIGTERM, SIGUSR1 and SIGINT: the main process takes them, stops at the next step boundary and
+saves (vlp.train.preempt), and the save still needs the workers. It never outlives the main
+process: the kernel SIGKILLs it when that process ends (PR_SET_PDEATHSIG), and the main process
 SIGKILLs the ones still running as it exits (`end_workers`: multiprocessing's SIGTERM at exit is
 ignored, and its join would wait forever). Every loader that uses `start_worker` calls
 `end_workers_at_exit` as it starts them.
 
-A worker that dies on its own (SIGKILL from the OOM killer, a segfault in a decoder) surfaces in
-the main process wherever a batch was crossing from it: torch's RuntimeError naming its pid
-(waiting on the queue), a ConnectionResetError / ConnectionRefusedError / EOFError while a
-batch's shared storage is passed by file descriptor from the dying worker (torch's
-`rebuild_storage_fd`), or "Pin memory thread exited unexpectedly" (the pinning thread died of
-that same error). `Board.receive` wraps the loader's iterator at that crossing: any error there
-is `WorkerDied` with one line naming the worker, its pid, how it ended and the shard it was
-reading (each worker writes its pid and the shard it opens to a shared board) when a worker of
-the loader has died (waited for up to DEATH_WAIT_S: a dead worker's sockets close just before
-the kernel shows it dead); with every worker alive the error is raised as it is.
+A worker that dies on its own surfaces in the main process wherever a batch was crossing from
+it: torch's RuntimeError naming its pid, a ConnectionResetError / ConnectionRefusedError /
+EOFError from `rebuild_storage_fd`, or "Pin memory thread exited unexpectedly". `Board.receive`
+wraps that crossing: any error there is `WorkerDied`, one line naming the worker, its pid, how it
+ended and the shard it was reading (from the shared board), when a worker of the loader has died
+(waited for up to DEATH_WAIT_S: a dead worker's sockets close just before the kernel shows it
+dead); with every worker alive the error is raised as it is.
 """
 
 from __future__ import annotations

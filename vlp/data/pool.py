@@ -1,18 +1,15 @@
-"""Batch memory a loader worker reuses: shared-memory buffers lent to the main process.
-
-A worker's batch reaches the main process through shared memory. A fresh segment for every
-batch costs the worker ~4.5 ms per 5.5 MB batch (creating it, then faulting in and zeroing its
-1,350 pages): ~0.14 ms an image, a tenth of the worker's work. So each worker keeps up to
-``SLOTS`` segments and writes a batch into one the main process no longer uses:
+"""Batch memory a loader worker reuses: shared-memory buffers lent to the main process, as a
+fresh segment per batch costs the worker a tenth of its work (docs/data-path.md, "Batch memory
+reused"):
 
 * ``Leases`` (made by the main process, inherited by its workers): a shared in-use flag per
   (worker, slot).
 * ``BufferPool.alloc`` (in a worker): a tensor in a free slot's segment, flagged in use; no free
-  slot: a fresh segment, not lent (as before).
+  slot: a fresh segment, not lent.
 * ``Leased``: a worker's batch images with the slots they use. Unpickled in the main process it
   is the images themselves, and each slot's storage there gets a finalizer that clears its flag
-  when the last tensor on it is gone (after the pin copy on CUDA, after the step on CPU; views
-  keep the storage alive), so a worker never writes over pixels still in use.
+  when the last tensor on it is gone (views keep the storage alive), so a worker never writes
+  over pixels still in use.
 """
 
 from __future__ import annotations

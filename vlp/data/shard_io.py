@@ -13,12 +13,10 @@
 
 Remote specs are read through ``ShardStream``: a forward-only, bounded-memory reader (a 1 MiB
 buffer that keeps the last 64 KiB for tarfile's short backward seeks). A failed open or read is
-retried with exponential backoff; a retry reopens the source and continues at the same byte
-offset (seeking where the source can, reading through the consumed bytes where it cannot), so
-the bytes delivered, hence the samples, are exactly those of an uninterrupted read (on HTTP
-and pipe: a retry re-reads the shard up to where it broke: shards of ~1 GB keep that cheap).
-A source that still fails raises ``ShardReadError``; a permanent error (not found, no
-permission, a missing fsspec backend, HTTP 4xx) is not retried.
+retried as docs/data.md ("Flaky networks") says, continuing at the same byte offset (seeking
+where the source can, reading through the consumed bytes where it cannot); a source that still
+fails raises ``ShardReadError``; a permanent error (not found, no permission, a missing fsspec
+backend, HTTP 4xx) is not retried.
 """
 
 from __future__ import annotations

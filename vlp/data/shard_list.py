@@ -201,21 +201,13 @@ def _metadata_location(spec: str) -> tuple[str, str] | None:
 
 def shard_sizes(paths: list[str], num_samples: int | None = None, *, retry: Retry = Retry(),
                 tables: Tables | None = None) -> list[int]:
-    """Samples per shard, from metadata only for remote shards:
-
-    1. ``sizes.json`` beside the shards ({name: samples}; what vlp.data.write writes);
-    2. img2dataset's ``<name>_stats.json`` beside each shard (its "successes" count);
-    3. local shards only: counted from the tar (headers only);
-    4. ``num_samples`` (data.num_samples): the shards whose size is still unknown share what is
-       left of it equally (remainder to the first). This is an assumption, not a count: in
-       split mode a shard shorter than its share leaves its worker short (the worker refills
-       by re-reading its range: a few repeats), and samples past a longer shard's share are
-       not used. Layout, determinism, exact resume and equal per-rank batches still hold
-       (they depend on the sizes used, not on the true ones). Resampled mode reads whole
-       shards and only uses the total. Sequential (eval) mode is then not "every sample
-       once": a shorter shard gives short batches, a longer one's tail is not read.
-    Remote shards never get counted (that would read the whole dataset at start): without
-    1, 2 or 4 this raises a one-line ValueError saying which to provide.
+    """Samples per shard, from metadata only for remote shards, in the order docs/data.md
+    ("Sizes") gives: ``sizes.json`` beside the shards, img2dataset's ``<name>_stats.json``, for
+    local shards a count from the tar headers, then ``num_samples`` shared equally (remainder to
+    the first) by the shards still unknown: an assumption, not a count; layout, determinism,
+    exact resume and equal per-rank batches still hold, as they depend on the sizes used.
+    Sequential (eval) mode is then not "every sample once". Without any of these a remote shard
+    raises a one-line ValueError saying which to provide.
 
     Each directory's sizes.json is read (remote: fetched, with ``retry``) once, cached in
     ``tables`` (Tables; shared with expand_sources by make_loader); one pass over the paths.

@@ -9,30 +9,19 @@
     for batch in loader.epochs(epoch, start_batch):  # training: all epochs, one set of workers
         ...  # batch["epoch"], batch["index"] say where it is
 
-How an epoch is laid out (all of it is a pure function of seed, epoch, rank, worker):
+How an epoch is laid out is a pure function of seed, epoch, rank and worker (docs/design.md,
+"Stream": split and resampled mode, validity, resume). ``sequential`` (eval): no shuffle; ranks
+own contiguous near-equal ranges (every sample once over all ranks, so per-rank ``num_batches``
+may differ by one: run eval on rank 0 or gather without per-batch collectives); the last batch
+may be partial; batches keep file order.
 
-* ``split``: the shard list is shuffled with (seed, epoch), identically on every rank, and read
-  as one virtual sequence of N samples (sizes from sizes.json). Rank r owns the contiguous
-  range [r*P, (r+1)*P) with P = num_batches * batch_per_device, so every rank yields exactly
-  ``num_batches`` batches and no sample is used twice, even with uneven shards or fewer shards
-  than ranks x workers. Within a rank, batch j belongs to worker j % num_workers; each worker
-  reads its own contiguous sub-range through a seeded shuffle buffer. If skipped (bad)
-  samples leave a worker short, it re-reads its range (a few duplicates instead of a hang).
-* ``resampled``: every worker draws shards with replacement (per-source weights), forever;
-  each rank takes exactly ``num_batches`` batches per epoch.
-* ``sequential`` (eval): no shuffle; ranks own contiguous near-equal ranges (every sample once
-  over all ranks, so per-rank ``num_batches`` may differ by one: run eval on rank 0 or gather
-  without per-batch collectives); the last batch may be partial; batches keep file order.
-
-Bad samples are skipped and counted by kind (``SKIP_KINDS``); each batch's ``skipped`` holds
-what its worker skipped since its previous batch, and ``Loader.stats`` sums them.
-``start_batch=n`` skips the first n batches without decoding them: samples without caption or
-image header are dropped before shuffling; an image that fails to decode after the shuffle is
-replaced by the stream's next sample, and skipped batches make the same replacements from a
-cheap check (``image_decodes``: JPEG entropy decoding at 1/8 scale), so a resumed epoch
-yields exactly the batches the uninterrupted one would have. An exact resume needs the same
-num_workers, world_size and batch_per_device. To go on under another layout, ``Loader.rest_of_epoch``
-names the pieces of the epoch not consumed yet (each batch carries its worker's), and
+Bad samples are skipped and counted by kind (corrupt_image, missing_caption, missing_image,
+bad_member, bad_shard); each batch's ``skipped`` holds what its worker skipped since its previous
+batch, and ``Loader.stats`` sums them.
+``start_batch=n`` skips the first n batches without decoding them, making the same replacements
+as decoding would, so a resumed epoch yields exactly the uninterrupted one's batches (same
+num_workers, world_size and batch_per_device). To go on under another layout,
+``Loader.rest_of_epoch`` names the pieces of the epoch not consumed yet, and
 ``make_loader(pieces=...)`` reads them as the rest of that epoch (vlp/checkpoint/resume.py).
 
 Rooms: the epoch layout is vlp.data.layout, a worker's reading vlp.data.worker, and this module
@@ -56,7 +45,6 @@ from vlp.data.tars import IMAGE_EXTS, TEXT_EXTS, read_shard, warn_bad_shard
 from vlp.data.lifecycle import Board, start_worker
 from vlp.data.worker import EpochDataset
 
-SKIP_KINDS = ("corrupt_image", "missing_caption", "missing_image", "bad_member", "bad_shard")
 MODES = ("split", "resampled", "sequential")
 
 
@@ -226,35 +214,20 @@ def make_loader(data: DataConfig, *, transform: Callable | None, tokenize: Calla
                 seed: int = 0, rank: int = 0, world_size: int = 1, epoch: int = 0, start_batch: int = 0,
                 pieces: list[tuple[int, int, int]] | None = None, drop_last: bool = True,
                 image_output: str = "float", pin_memory: bool = False) -> Loader:
-    """Build the batch stream of one rank over ``data.train_shards`` (brace spec, '::' joins
-    sources) as the data section says: batch_per_device, num_workers, mode, shuffle_buffer,
-    num_samples, weights, decode_size, io_retries, io_backoff_s (vlp/config/keys.py). The rest is
-    this run's and this rank's:
+    """Build the batch stream of one rank over ``data.train_shards`` as the data section says
+    (batch_per_device, num_workers, mode, shuffle_buffer, num_samples, weights, decode_size,
+    io_retries, io_backoff_s: vlp/config/keys.py). The rest is this run's and this rank's:
 
-    data.mode:   'split' | 'resampled' | 'sequential' (module docstring).
     transform:   PIL image -> tensor; None: images are only checked (``image_decodes``, so the
                  same samples are used and replaced as with decoding) and each batch's "image"
                  is an empty (b, 0) tensor: for training on cached features (vlp.train.feature_cache).
-    data.train_shards: each element a local path, an fsspec URL or 'pipe:COMMAND'
-                 (vlp.data.shard_io); remote shards are streamed, never downloaded whole.
-    data.num_samples: samples per epoch over all ranks (default: total from sizes.json); also what
-                 remote shards without sizes.json / *_stats.json are laid out by
-                 (shard_list.shard_sizes: equal shares, an assumption).
     drop_last:   split mode only; False pads ranks by wrapping around (a few repeats) and
                  keeps a partial last batch.
     start_batch: skip this many batches of ``epoch`` (resume); see ``Loader.set_epoch``.
-    data.weights: resampled mode: per-source weights, e.g. '1::2' (each shard of a source is
-                 drawn with its source's weight, like open_clip's upsampling factors).
-    data.decode_size: None (default): a transform that starts with a RandomResizedCrop takes the
-                 crop-first JPEG decode (vlp/data/decode.py: the same crop boxes, the DCT
-                 scale chosen from the box). An int forces the older whole-image DCT downscale
-                 keeping both sides >= it, the box then drawn on the downscaled image.
     pieces:      split mode: read these (shard index, begin, end) pieces as the epoch instead
                  of all shards (the rest of an epoch begun under another layout; see
                  ``Loader.rest_of_epoch``: explicit pieces, or its compact form with SEQ
                  pieces and headers, expanded here against the shards' sizes).
-    data.io_retries, data.io_backoff_s: a failed shard open or read is retried this often, waiting
-                 io_backoff_s * 2**k, continuing at the same byte; then it counts 'bad_shard'.
     image_output: what "image" holds: 'float' (the whole transform in the worker), 'uint8',
                  'region' or 'jpeg' (vlp/data/device.py: the rest runs on the device,
                  ``image_decoder(...).device_part()``).

@@ -1,18 +1,11 @@
-"""open_clip's CLIP tokenizer, faster per caption and with the same ids (a loader worker tokenizes
-every caption it ships; open_clip's ``SimpleTokenizer`` spends ~0.07 ms on each: ftfy, html
-unescaping, byte encoding and a vocabulary lookup per word, a torch op per row).
+"""open_clip's CLIP tokenizer, faster per caption and with the same ids (docs/data-path.md,
+"Tokenizer"). ``fast_tokenizer(tokenize)`` wraps an open_clip ``SimpleTokenizer`` with its default
+cleaning ('lower', no reduction); anything else is returned as is.
 
-``fast_tokenizer(tokenize)`` wraps an open_clip ``SimpleTokenizer`` with its default cleaning
-('lower', no reduction); anything else is returned as is. The wrapper gives the same ids:
-
-* cleaning: a caption made only of printable ASCII, tabs and newlines, without '&', is what
-  ftfy and html.unescape leave unchanged (ftfy's fixes touch only non-ASCII text, control
-  characters, line breaks other than '\\n' and HTML entities), so only the whitespace cleaning
-  and lower-casing run; any other caption takes open_clip's own cleaning;
-* each word's ids are cached (open_clip caches the BPE merge, not the ids);
-* the rows are written through numpy, one tensor at the end.
-
-tests/data/test_tokens.py checks the ids against open_clip's on awkward captions.
+Same ids because a caption of printable ASCII, tabs and newlines without '&' is what ftfy and
+html.unescape leave unchanged (ftfy's fixes touch only non-ASCII text, control characters, line
+breaks other than '\\n' and HTML entities): only the whitespace cleaning and lower-casing run on
+it; any other caption takes open_clip's own cleaning (tests/data/test_tokens.py).
 """
 
 from __future__ import annotations

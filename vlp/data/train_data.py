@@ -67,11 +67,8 @@ def image_output(decode: str, device: torch.device) -> str:
 
 
 class DeviceFeed:
-    """Moves a step's micro-batches to the device: pinned host memory (the loader's pin thread),
-    copies issued on a side stream with non_blocking, the compute stream waiting on them. The
-    CPU runs ahead of the device (one host sync per step, vlp.train.loop), so the copy of step
-    k+1's batch overlaps step k's backward on the device. No batch is taken from the stream
-    early: the data position a checkpoint records stays the consumed one. On CPU: a passthrough."""
+    """Moves a step's micro-batches to the device on a side stream, the compute stream waiting on
+    them; no batch taken from the stream early (docs/data-path.md, "Transfer"). On CPU: a passthrough."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)

@@ -172,10 +172,10 @@ def evaluate_checkpoint(checkpoint: Optional[str] = None, model_name: Optional[s
 
 class StopBetweenBatches:
     """Ctrl-C while `vlp eval` runs its suite: SIGINT sets a flag that the suite reads before every
-    task and batch (`stop()` raises KeyboardInterrupt there: vlp.cli's one line, status 130).
-    Python's own handler raises wherever the main thread is, and some places print the exception
-    and drop it: a loader worker's fork (logging's at-fork handler), a finalizer; the eval then went
-    on to its end. A second Ctrl-C raises at once. Off the main thread it installs nothing."""
+    task and batch (`stop()` raises KeyboardInterrupt there: vlp.cli's one line, status 130), as
+    Python's own handler raises wherever the main thread is, also where the exception is printed
+    and dropped (a worker's fork, a finalizer). A second Ctrl-C raises at once. Off the main thread
+    it installs nothing."""
 
     def __init__(self):
         self.count, self.previous = 0, None

@@ -11,16 +11,15 @@ class folder reached from another) and a file counted once; only regular files a
 FIFO cannot hang the eval).
 
 ImageNet labels: `imagenet_synsets.txt` (next to this file) lists the 1000 ILSVRC2012 wnids in
-the standard sorted order; line i is open_clip's IMAGENET_CLASSNAMES[i] (n01440764 = tench, ...,
-n15075141 = toilet paper). Taken from public LOC_synset_mapping.txt / imagenet_class_index.json
-copies (three independent repositories agree on all 1000 wnids, in order).
+the standard sorted order (public LOC_synset_mapping.txt copies); line i is open_clip's
+IMAGENET_CLASSNAMES[i].
 
 Shards: plain tar files in webdataset layout (members "<key>.<ext>", a sample's members
 adjacent), read with the training stream's reader (vlp.data.tars). Image ext: any of
 IMAGE_EXTS. Classification label: "cls" (an integer as text, CLIP_benchmark's layout).
 Retrieval captions: "txt" (or the training stream's other caption members), one caption per
-non-empty line (CLIP_benchmark's wds retrieval layout). This is the one retrieval reader: the
-trainer, `vlp eval` and the benchmarks all read eval shards through it.
+non-empty line (CLIP_benchmark's wds retrieval layout). This is the one retrieval reader
+(docs/design.md, "Eval data").
 """
 from __future__ import annotations
 

@@ -20,11 +20,6 @@ RETRIEVAL_COLUMNS = [
 CLASSIFICATION_COLUMNS = [("top-1", "top1"), ("top-5", "top5"), ("mean per-class recall", "mean_per_class_recall")]
 
 
-def write_json(results: dict[str, Any], path: str) -> str:
-    atomic_write(path, json.dumps(results, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
-    return path
-
-
 def _fmt(key: str, value) -> str:
     if value is None:
         return "–"
@@ -61,12 +56,8 @@ def _skipped_cell(skipped: dict) -> str:
     return f"{total} ({kinds})" if total else "0"
 
 
-def write_markdown(results: dict[str, Any], path: str) -> str:
-    atomic_write(path, markdown_tables(results))
-    return path
-
-
-def write_reports(results: dict[str, Any], out_dir: str) -> tuple[str, str]:
-    """Write out_dir/metrics.json and out_dir/metrics.md; returns both paths."""
-    return (write_json(results, os.path.join(out_dir, "metrics.json")),
-            write_markdown(results, os.path.join(out_dir, "metrics.md")))
+def write_reports(results: dict[str, Any], out_dir: str) -> None:
+    """Write out_dir/metrics.json and out_dir/metrics.md."""
+    atomic_write(os.path.join(out_dir, "metrics.json"),
+                 json.dumps(results, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    atomic_write(os.path.join(out_dir, "metrics.md"), markdown_tables(results))

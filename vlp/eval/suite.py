@@ -188,9 +188,7 @@ def run_eval_suite(
     zeroshot_classification_templates.txt when it has one), "simple", a file, or a list. Shard
     class names default to classnames.txt beside/above the shards.
     Metrics are fractions in [0, 1] (metrics.json, the returned dict); metrics.md shows percent.
-    Retrieval shards are read by eval's one reader, vlp.eval.datasets.ShardRetrieval (an image and a
-    caption member per sample, one caption per line: CLIP_benchmark's wds layout; every sample
-    once, in shard order), the same for `vlp eval`, the trainer and the benchmarks.
+    Retrieval shards are read by eval's one reader (vlp.eval.datasets.ShardRetrieval).
 
     Returns {name: {"task", "metrics", "clip_benchmark", sizes...}}; out_dir=None writes nothing.
     `stop()` is called before every task and batch; what it raises ends the suite, nothing written.

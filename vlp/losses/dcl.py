@@ -1,24 +1,13 @@
 """DCL, the decoupled contrastive loss (Yeh et al. 2022, "Decoupled Contrastive Learning",
 arXiv 2110.06848): InfoNCE with the positive taken out of the denominator.
 
-For local anchor i with positive column p = offset + i and margins d_ij = t * (s_ij - s_ip) over
-the negatives j != p of the gathered batch (image->text and text->image, averaged):
-
-    DCL_i = -log( e^{t s_ip} / sum_{j != p} e^{t s_ij} ) = logsumexp_{j != p} d_ij = v_i
-
-So DCL is the mean of FlatNCE's statistic v_i, and its gradient, mean_i grad v_i, is FlatNCE's
-gradient exactly (FlatNCE = mean_i exp(v_i - v_i.detach()), value 1): DCL is FlatNCE's gradient
-as a plain loss, with a value that moves (it can be negative: log(B - 1) - DCL is a
-leave-one-out bound on the mutual information). grad InfoNCE_i = sigma(v_i) grad DCL_i: InfoNCE's
-gradient is DCL's damped by the positive's probability, the "negative-positive coupling" the
-paper removes. Cross-modal negatives only (CLIP's two directions), as FlatNCE here.
+DCL_i = logsumexp_{j != p} d_ij = v_i, so DCL's gradient is FlatNCE's exactly: DCL is FlatNCE's
+gradient as a plain loss, with a value that moves (docs/losses.md, "DCL"). Cross-modal negatives
+only (CLIP's two directions), as FlatNCE here.
 
 ``scale_grad`` as FlatNCE: "same", t gets DCL's own gradient mean_i E_w[s_ij - s_ip], which does
 not calibrate a temperature; "split" (the default mode, vlp.losses.temperature), t gets
 InfoNCE's. The reported ``loss`` is DCL's value; "infonce" is in the metrics as for every loss.
-
-Usage: ``loss, metrics = dcl_loss(img_b, txt_b, img_B, txt_B, logit_scale, offset=o,
-scale_grad="split")``
 """
 
 from __future__ import annotations

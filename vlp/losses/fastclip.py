@@ -4,30 +4,16 @@ of Optimization Techniques to Accelerate CLIP Training with Limited Resources", 
 2407.01445; the estimator of Yuan et al. 2022, arXiv 2202.12387; the robust temperature
 objective of Qiu et al. 2023, arXiv 2305.11965).
 
-With tau = 1/t the global temperature and, for anchor i of either direction (margins
-d_ij = s_ij - s_ip over the B - 1 gathered negatives, v_i = logsumexp_j t d_ij as everywhere),
-
-    g_i(w, tau) = mean_{j != p} exp(d_ij / tau) = exp(v_i) / (B - 1)
-    F(w, tau)   = tau * mean_i log g_i + tau * rho          (mean over both directions' anchors)
-
-F is minimised in the encoders w and in tau. The all-data g_i is estimated by SogCLR's per-sample
-moving average u_i <- (1 - gamma) u_i + gamma g_i (vlp/losses/sogclr.py; same state, same
-sharding, same gamma schedule), which gives the stochastic gradients
-
-    grad_w   = tau * mean_i (g_i / u_i) grad_w v_i = tau * (SogCLR's gradient)
-    dF/dt    = mean_i [ (1/t) (g_i / u_i) dv_i/dt - (log u_i + rho) / t^2 ]      (t = 1/tau)
-
+F(w, tau) = tau * mean_i log g_i + tau * rho with tau = 1/t, minimised in the encoders and in
+tau, g_i estimated by SogCLR's moving average (same state, sharding and gamma schedule): the
+objective, its stochastic gradients and the hyperparameters are docs/losses.md's ("FastCLIP-v3").
 They are the gradients of the surrogate S = (1/t.detach()) mean_i w_i v_i + (mean_i log u_i +
-rho) / t with w_i = g_i / u_i and u_i detached: FastCLIP's own loss function. With gamma = 1
-(u = g) both are the exact gradients of F (tests/losses/test_fastclip.py checks it against
-autograd of F in float64). ``rho`` (loss.rho) sets where tau settles: dF/dtau = 0 when
-E_i[log g_i] + rho = E_i,w[d_ij / tau], larger rho, smaller tau.
+rho) / t with w_i = g_i / u_i and u_i detached: FastCLIP's own loss function; with gamma = 1 they
+are the exact gradients of F (tests/losses/test_fastclip.py).
 
-The temperature is the model's logit_scale (stored as log t, clamped to [1, max_logit_scale],
-trained by the run's optimizer with the model's learning rate): `loss.temperature` learnable
-(the default) or fixed; FastCLIP trains tau itself with its own learning rate. The reported
-``loss`` is InfoNCE's value (as SogCLR's); "fastclip_objective" is the estimate
-tau * (mean_i log u_i + rho) of F.
+The temperature is the model's logit_scale (log t, clamped to [1, max_logit_scale], trained by
+the run's optimizer): `loss.temperature` learnable (the default) or fixed. The reported ``loss``
+is InfoNCE's value; "fastclip_objective" is the estimate tau * (mean_i log u_i + rho) of F.
 """
 
 from __future__ import annotations

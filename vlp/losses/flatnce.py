@@ -18,13 +18,8 @@ mean_i log(1 + e^{v_i}), gradient 1/n per anchor on v). Both directions averaged
 "split" -- features get FlatNCE's gradient, logit_scale gets InfoNCE's (FlatNCE's gradient
 w.r.t. t, mean_i E_w[s_ij - s_ip], does not calibrate a temperature). Implemented with one matmul
 and one log_softmax per direction: logits on t.detach(), the scale's gradient routed by
-``negative_lse_split`` from the (b, d) side of the matmul's backward.
-
-Shapes: img_local, txt_local (b, d); img_global, txt_global (B, d), L2-normalised, B >= 2;
-logit_scale t (0-d). Memory O(b * B); math in fp32 under autocast.
-
-Usage: ``loss, metrics = flatnce_loss(img_b, txt_b, img_B, txt_B, logit_scale,
-offset=positive_offset(b), scale_grad="split")``
+``negative_lse_split`` from the (b, d) side of the matmul's backward. Shapes and call as
+every loss (vlp.losses), B >= 2; memory O(b * B); math in fp32 under autocast.
 """
 
 from __future__ import annotations

@@ -3,13 +3,8 @@
 Local-loss form: the b local anchors of this rank against all B gathered candidates, positive of
 local row i at global column offset + i, cross-entropy averaged over rows and over both
 directions (image->text, text->image). Same value and gradients as open_clip
-``ClipLoss(local_loss=True, gather_with_grad=True)``.
-
-Shapes: img_local, txt_local (b, d); img_global, txt_global (B, d), L2-normalised;
-logit_scale t = exp(log_scale), 0-d tensor. Memory O(b * B); math in fp32 under autocast.
-
-Usage: ``loss, metrics = infonce_loss(img_b, txt_b, gather_with_grad(img_b),
-gather_with_grad(txt_b), logit_scale, offset=positive_offset(b))``
+``ClipLoss(local_loss=True, gather_with_grad=True)``. Shapes and call as every loss
+(vlp.losses); memory O(b * B); math in fp32 under autocast.
 """
 
 from __future__ import annotations

@@ -3,34 +3,18 @@ direction (Qiu et al. 2023, "Not All Semantics are Created Equal: Contrastive Se
 Learning with Automatic Temperature Individualization", arXiv 2305.11965), optimised with
 SogCLR's moving-average estimator (Yuan et al. 2022, arXiv 2202.12387).
 
-For anchor i of either direction (margins d_ij = s_ij - s_ip over the B - 1 gathered negatives)
-with its own temperature tau_i in [tau_min, tau_max]:
+Each anchor of either direction has its own temperature tau_i in [tau_min, tau_max], g_i is
+estimated by SogCLR's moving average, and each tau_i takes a momentum step on its own clipped
+gradient estimate G_i, as in the authors' CLIP code: the objective F, grad_w, G_i, the update of
+m_i and tau_i, the first visit's values and the differences from the authors' code are
+docs/losses.md's ("iSogCLR"). With gamma = 1 grad_w and G_i are the exact gradients of F
+(tests/losses/test_isogclr.py).
 
-    g_i(w, tau_i) = mean_{j != p} exp(d_ij / tau_i) = exp(v_i) / (B - 1),  v_i = logsumexp_j d_ij / tau_i
-    F(w, tau)     = mean_i [ tau_i log g_i + tau_i rho ]          (mean over both directions)
-
-g_i is estimated by u_i <- (1 - gamma) u_i + gamma g_i (as SogCLR); the stochastic gradients are
-
-    grad_w  = mean_i tau_i (g_i / u_i) grad_w v_i
-    G_i     = dF_i/dtau_i = log u_i + rho - (g_i / u_i) sum_j p_ij d_ij / tau_i
-
-(p_i: the softmax over the negatives at tau_i). Each tau_i takes a momentum step on its own
-clipped gradient estimate, as in the authors' CLIP code:
-
-    m_i   <- (1 - beta) m_i + beta clip(G_i, -5, 5)       (beta = 0.5)
-    tau_i <- clamp(tau_i - tau_lr * m_i, tau_min, tau_max)
-
-With gamma = 1 (u = g), grad_w and G_i are the exact gradients of F (tests/losses/test_isogclr.py
-checks them against autograd of F in float64). A sample seen for the first time starts at
-u_i = g_i, tau_i = tau (loss.tau, unset: 0.07), m_i = 0.
-
-State: per (sample, direction) log u, tau and m: 6 fp32 (24 bytes) a sample, sharded by owner rank
-as SogCLR's u (vlp/losses/sharded.py: O(N / world) a rank, three collectives a step, shards of any
-world size reload). The temperatures are updated in ``commit()`` (after the optimizer step).
-
-The model's logit_scale is not used by this loss (kept in the graph with a zero gradient; its
-default mode is fixed). The reported ``loss`` is InfoNCE's value at the per-sample temperatures;
-the metrics' "logit_scale" is the anchors' mean 1/tau_i, "isogclr_tau_*" their spread.
+State: per (sample, direction) log u, tau and m, sharded by owner rank as SogCLR's u
+(vlp/losses/sharded.py). The temperatures are updated in ``commit()`` (after the optimizer step).
+The model's logit_scale is not used by this loss (kept in the graph with a zero gradient). The
+reported ``loss`` is InfoNCE's value at the per-sample temperatures; the metrics'
+"logit_scale" is the anchors' mean 1/tau_i, "isogclr_tau_*" their spread.
 """
 
 from __future__ import annotations

@@ -1,30 +1,23 @@
 """Per-sample state of the moving-average losses (SogCLR's u, FastCLIP's u, iSogCLR's u and
 temperatures), sharded by owner rank; the one machinery vlp/losses/{sogclr,fastclip,isogclr}.py share.
 
-State: ``WIDTH`` fp32 columns per sample, keyed by the stream's stable ``sample_id`` (global
-position of the sample in the shard list, independent of world size, workers and epoch; int64,
-up to 2.3 B). Sample k lives on rank k % world at local row k // world, so a rank holds
-ceil(N / world) x WIDTH fp32 (O(N / world)). Column 0 is always a log u, -inf for "not seen
-yet" (a zero page of the table). Per optimizer step, under torch.distributed (payloads for a
-global batch B, b = anchors per rank, B = world x b, W = 4 x WIDTH bytes a sample):
+State: ``WIDTH`` fp32 columns per sample, keyed by the stream's stable ``sample_id`` (int64, up to
+2.3 B); sample k lives on rank k % world at local row k // world (docs/losses.md, "The per-sample
+state"). Column 0 is always a log u, -inf for "not seen yet" (a zero page of the table). Per
+optimizer step (B = world x b, W = 4 x WIDTH bytes a sample):
 
     lookup (each loss call)          all_gather of the ids        B x 8 bytes received per rank
                                      all_to_all, owners -> askers  b x W bytes (each gets its old row)
     commit (after the step)          all_to_all, askers -> owners  b x W bytes (each owner gets the
                                                                    new rows of the samples it holds)
 
-The gathered ids tell every rank who owns what, so the two all_to_alls need no size exchange:
-they move exactly the rows asked for. A lookup is a round trip (the owner must learn the ids
-before it can answer), so two is its floor. With accumulation the trainer calls the loss
-accum + 1 times a step, each a lookup (2 collectives), and commits once. Every rank computes
-its anchors' new rows itself from the old ones, so losses, gradients and state are
-bit-identical to a replicated table (tests/losses/test_sogclr_sharded.py). With world = 1 there
-is no collective and the shard is the whole table.
+The gathered ids tell every rank who owns what, so the two all_to_alls need no size exchange. A
+lookup is a round trip (the owner must learn the ids before it can answer), so two is its
+floor. With accumulation the trainer calls the loss accum + 1 times a step and commits once.
 
-Checkpoints: ``state_dict()`` is this rank's shard (its rows, the layout that names their ids);
-save one per rank. ``load_state_dict`` takes the shards of any saved world size and keeps the
-rows this rank owns in the current one; ``shards_needed`` says which saved ranks' files a rank
-must read (only its own when the world size is unchanged).
+Checkpoints: ``state_dict()`` is this rank's shard; ``load_state_dict`` takes the shards of any
+saved world size and keeps the rows this rank owns; ``shards_needed`` says which saved ranks'
+files a rank must read (only its own when the world size is unchanged).
 """
 
 from __future__ import annotations

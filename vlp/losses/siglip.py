@@ -11,12 +11,8 @@ equal open_clip's. The pair set {(i, j)} over all ranks is the whole B x B matri
 symmetric in image/text, so a text->image direction would add the same terms again: one direction
 is computed (the diagnostics still average both, the text->image logits under no_grad).
 
-Shapes: img_local, txt_local (b, d); img_global, txt_global (B, d), L2-normalised;
-logit_scale t and logit_bias (0-d; None means no bias). Init: ``siglip_init()`` (t = 10, bias =
--10). Memory O(b * B); math in fp32 under autocast.
-
-Usage: ``loss, metrics = siglip_loss(img_b, txt_b, img_B, txt_B, logit_scale, logit_bias,
-offset=positive_offset(b))``
+Shapes and call as every loss (vlp.losses); logit_bias None means no bias. Init:
+``siglip_init()``. Memory O(b * B); math in fp32 under autocast.
 """
 
 from __future__ import annotations

@@ -2,26 +2,14 @@
 (Yuan et al. 2022, "Provable Stochastic Optimization for Global Contrastive Learning: Small Batch
 Does Not Harm Performance", arXiv 2202.12387; Wei et al. 2024, FastCLIP, arXiv 2407.01445).
 
-For local anchor i (sample id k_i) in each direction, with margins d_ij = t * (s_ij - s_ip) over
-the B - 1 gathered negatives (v_i = logsumexp_j d_ij, as in FlatNCE):
+FlatNCE's gradient with anchor weights w_i = g_i / u_k, u_k the per-sample, per-direction moving
+average of g_i (docs/losses.md, "SogCLR": the update, the state, the hyperparameters). u is kept
+as log u (exp(v) overflows fp32 at t = 100); a sample seen for the first time starts at u = g_i
+(w_i = 1), instead of SogCLR's u = 0 (w_i = 1/gamma on the first visit). The reported loss value
+is InfoNCE's; ``scale_grad`` as FlatNCE.
 
-    g_i  = mean_j exp(d_ij) = exp(v_i) / (B - 1)
-    u_k  <- (1 - gamma) * u_k + gamma * g_i          (per sample, per direction; kept across steps)
-    grad = mean_i grad(g_i) / u_k = mean_i (g_i / u_k) * grad(v_i)
-
-So SogCLR is FlatNCE (grad v_i) with anchor weights w_i = g_i / u_k: with gamma = 1, u_k = g_i and
-w_i = 1 exactly, which is FlatNCE's gradient. A small gamma averages the normaliser over the
-epochs, the estimate of the *global* (all-data) denominator that makes small batches unbiased.
-u is kept as log u (exp(v) overflows fp32 at t = 100); a sample seen for the first time starts at
-u = g_i (w_i = 1), instead of SogCLR's u = 0 (w_i = 1/gamma on the first visit).
-
-The reported loss value is InfoNCE's (as FlatNCE); ``scale_grad`` as FlatNCE: "same" (t gets the
-SogCLR surrogate's gradient) or "infonce" (t gets InfoNCE's gradient).
-
-State: one log u per (sample, direction) (image->text, text->image), keyed by the stream's stable
-``sample_id``, sharded by owner rank: 8 bytes a sample, O(N / world) a rank, three collectives a
-step (vlp/losses/sharded.py, shared with FastCLIP and iSogCLR). ``load_state_dict`` also takes
-the replicated ``{"log_u": (N, 2), "step"}`` of earlier releases.
+State: sharded by owner rank (vlp/losses/sharded.py). ``load_state_dict`` also takes the
+replicated ``{"log_u": (N, 2), "step"}`` of earlier releases.
 """
 
 from __future__ import annotations

@@ -6,20 +6,10 @@ start, whether they train, which gradient they get and where they are clamped.
     # build_model: init_log_scale, init_logit_bias, trainable; the model carries it (model.temperature)
     # the trainer reads model.temperature: scale_grad (every loss call), clamp_() after each step
 
-The model stores log t (t = logit_scale = 1/tau) and returns t = exp(log t).
-
-Modes (`loss.temperature`):
-  learnable  log t is a parameter trained by the loss's own gradient;
-  fixed      t = 1/tau, never trained (also after loading pretrained weights);
-  split      (FlatNCE, SogCLR) the encoders get the loss's gradient, log t gets InfoNCE's:
-             FlatNCE's gradient w.r.t. t, mean_i E_w[s_ij - s_ip], does not calibrate a
-             temperature and drives t to the clamp (docs/training.md, "Losses and temperature").
-Unset: `split` for FlatNCE and SogCLR (best of the three on the small-batch grid), `learnable`
-otherwise (the loss's registry entry).
-
-Initial values when `loss.tau` is unset: CLIP's t = 1/0.07 (open_clip's default
-init_logit_scale) for the softmax losses, `siglip_init()` (t = 10, bias = -10) for SigLIP. A set
-`tau` always means t = 1/tau; SigLIP keeps its bias init either way.
+The model stores log t (t = logit_scale = 1/tau) and returns t = exp(log t). The modes
+(`loss.temperature`: learnable, fixed, split), their defaults and the initial values are
+docs/design.md's ("Temperature policy") and vlp/config/keys.py's. A set `tau` always means
+t = 1/tau; SigLIP keeps its bias init either way.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Each tower of a dual encoder as a frozen *stem* and a trainable *head*: tower(x) == head(stem(x)).
 
-LiT trains only the heads (and the temperature), so the stems' outputs can be computed once per
-sample and reused (vlp.train.feature_cache); `DualEncoder.forward(img, txt, features=True)`
-takes such stem outputs and runs only the heads.
+The towers split so, and what runs on the stems' outputs, are docs/design.md's ("Locked-tower
+feature cache"); the HF text stem's attention mask is tokens != pad id, as HFTextEncoder.forward.
 
     split = tower_split(model, "image")          # TowerSplit(stem, head, kind, tensor_names)
     check_cacheable(model)                        # one ValueError line unless both stems are frozen
     emb = F.normalize(split.head(split.stem(x)), dim=-1)   # == model.encode_image(x)
-
-Supported towers:
-  * a tower whose parameters are all frozen (an open_clip ViT or text transformer locked whole):
-    stem = the whole unnormalized tower (encode_image / encode_text, normalize=False), head = identity;
-  * open_clip's TimmModel image tower: stem = visual.trunk, head = visual.head;
-  * open_clip's HFTextEncoder: stem = transformer + pooler (attention mask: tokens != pad id, as
-    HFTextEncoder.forward), head = text.proj.
 """
 
 from __future__ import annotations

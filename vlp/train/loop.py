@@ -12,10 +12,7 @@ state registers it with the `Checkpointer` (vlp.checkpoint.checkpointer), which 
 them without calling back into the loop.
 
 One optimizer step sees `accum_steps` micro-batches per rank; the contrastive batch is
-per_device × world × accum (every micro-batch's anchors meet every other's features, see
-compute_gradients). Features are gathered across ranks with autograd (vlp.distributed), every
-anchor is contrasted with the global batch, and the strategy averages the per-rank gradients,
-which equals the gradient of the global mean loss.
+per_device × world × accum (docs/design.md, "Gather and gradient scale" and "Accumulation").
 """
 
 from __future__ import annotations

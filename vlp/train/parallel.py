@@ -3,25 +3,15 @@ knows nothing of ranks, so one model serves DDP, FSDP and a single process.
 
     model = apply_fsdp(model, device_type="cpu", precision="fp32")   # every rank, before the optimizer
 
-`train.parallel: ddp` leaves the model to Accelerate (DDP replicas). `fsdp` shards it with FSDP2
-`fully_shard`: one FSDP unit per transformer block of each tower, one per tower, and the root (the
-text embeddings, final norm and projections that live directly on the open_clip CLIP).
-Parameters become DTensor shards over a 1-D device mesh of all ranks, so each rank holds about
-1/world of the weights, gradients and AdamW state. The same code runs on CPU (gloo) and GPU (NCCL):
-Accelerate cannot do FSDP on CPU (with ACCELERATE_USE_CPU=1 it silently runs DDP), so the project
-shards the model itself and the tests exercise the path the GPUs run.
+`train.parallel: fsdp` shards it with FSDP2 `fully_shard` as docs/training-at-scale.md ("FSDP")
+tells: one unit per transformer block of each tower, one per tower, and the root. The same code
+runs on CPU (gloo) and GPU (NCCL): Accelerate cannot do FSDP on CPU, so the project shards the
+model itself and the tests exercise the path the GPUs run.
 
-FSDP2 cannot shard 0-d parameters (logit_scale, logit_bias): they stay plain tensors replicated on
-every rank (`ignored_params` of the root) and `sync_replicated_grads` averages their gradients, as
-DDP would. Clipping norms the two kinds of gradient together (`clip_grad_norm_`); fused AdamW and the
-in-place logit_scale clamp work on DTensor and plain parameters alike.
-
-Gradient semantics equal DDP's (vlp/distributed.py): FSDP2's reduce-scatter averages over ranks
-exactly as DDP's all-reduce does, so the factor `world` from the summing backward of the gather
-still cancels. Accumulation micro-steps skip the reduce-scatter with
-`set_requires_gradient_sync(False)` (the FSDP2 form of DDP's `no_sync`).
-
-The model module never imports torch.distributed; only the trainer calls this module.
+0-d parameters (logit_scale, logit_bias) stay plain tensors replicated on every rank
+(`ignored_params` of the root) and `sync_replicated_grads` averages their gradients, as DDP
+would; clipping norms the two kinds of gradient together. FSDP2's reduce-scatter averages over
+ranks as DDP's all-reduce does, so the gradient semantics of vlp/distributed.py hold.
 """
 
 from __future__ import annotations

@@ -14,33 +14,13 @@ A signal handler only sets a flag (no I/O, no collective inside a handler). Rank
 signal at different steps (or only some of them get it); `should_stop` takes the max of the
 flag over all ranks, so every rank stops after the same step and the checkpoint is collective.
 
-What the scheduler sees (`exit_status`, `Preempted.line`):
-* a plain process: exit status 75 (EX_TEMPFAIL, sysexits.h: "try again later"), not 124
-  (timeout(1)'s), 137/143 (killed by SIGKILL/SIGTERM), 1 (an error) or 2 (a user error);
-* a launched run (accelerate launch / torchrun) with $VLP_PREEMPT_MARKER set: the main process
-  writes the step to that file and every rank exits 0, so the launcher exits 0 too (it would
-  report any other status as its own failure: a ChildFailedError traceback and exit 1). The
-  file is the status: launch/slurm.sbatch requeues the job when it exists. Without the
-  variable a launched rank exits 75 and the launcher says it failed;
-* a rank that lost its peers (vlp.cli) exits 1; the main rank leaves "lost-peers" in the marker
-  (`mark_lost_peers`), so the batch script requeues that job too.
-Either way only the main process prints the `vlp: preempted ...` line: one per job.
-
-Ctrl-C (SIGINT) is the user's stop, not a scheduler's: the same save at the step boundary, then
-`vlp: interrupted at step N (SIGINT); saved ...` and exit status 130 (128 + SIGINT, as a shell
-reports a Ctrl-C); under a launcher with the marker, "interrupted N" in it and 0 (a batch script
-must not requeue a run its user stopped). A second Ctrl-C exits at once: 130, or 0 with
-"aborted" in the marker (vlp.train.interrupt).
-
-SIGHUP (the terminal or ssh session closed) is a stop too: the same save, then
-`vlp: hung up at step N (SIGHUP); saved ...` and exit status 129 (128 + SIGHUP, as a shell
-reports it); under a launcher with the marker, "hangup N" in it and 0 (no requeue). The output
-still bound to the closed terminal goes to /dev/null first (a write there fails with EIO). A run
-started under nohup keeps ignoring SIGHUP (`nohup`).
-
-The signals reach every process of the run when they are sent to its process group (SLURM,
-timeout(1), a terminal's Ctrl-C): the loader workers ignore them (vlp.data.lifecycle), so the
-save at the step boundary has its workers.
+Exit statuses and lines per signal and launcher are docs/reliability.md's tables ("How a run
+stops"): a plain process exits 75 (EX_TEMPFAIL: "try again later"), 130 on SIGINT, 129 on SIGHUP.
+A launched run with $VLP_PREEMPT_MARKER set writes its status to that file ("N", "interrupted N",
+"hangup N", "aborted", "lost-peers") and every rank exits 0, as the launcher would report any
+other status as its own failure; launch/slurm.sbatch requeues only on "N" and "lost-peers".
+Only the main process prints the `vlp: ...` line: one per job. A run started under nohup keeps
+ignoring SIGHUP (`nohup`).
 """
 
 from __future__ import annotations

@@ -3,28 +3,13 @@
     step = StaticStep(trainer)     # the Trainer's step when train.cuda_graphs is on
     metrics = step(micro_batches)  # what Trainer.train_step returns, the same weights to 1e-6
 
-The step is a function of static buffers and tensors that live on the device:
-
-- inputs: each micro-batch is copied into static device buffers (images after the device half of
-  the transform, tokens trimmed on the host as the eager step trims them: one buffer set, and one
-  graph, per text length, a multiple of 8 up to the context length; all graphs share one pool);
-- the learning rate: every param group's lr is a 0-d device tensor that the scheduler fills in
-  place (torch LambdaLR does so for tensor lrs), so the captured AdamW kernel reads this step's;
-- a non-finite loss (on any rank: one all-reduce inside the graph) sets `found_inf`, which fused
-  AdamW takes as GradScaler hands it over: its kernel returns before touching a weight or a
-  moment and the step counts are put back, so a skipped step leaves weights and optimizer state
-  bit-untouched (tests/train/test_static_step.py). Backward and clipping still run on the non-finite
-  values (their results are thrown away);
-- counts of skipped steps (total, in a row, the longest run) are device tensors, read on `sync`
-  steps only (log, checkpoint, eval and the last step): max_nonfinite (on the longest run since
-  the last sync) and, with > 1 rank, the preemption agreement act there.
-
-The graph covers the forward of both towers, the gather and the loss, backward (under DDP its
-gradient all-reduce), clipping, the optimizer step and the logit-scale clamp. Outside it: the
-copies into the buffers, the scheduler's lr fill, and a stateful loss's per-sample state (SogCLR,
-FastCLIP, iSogCLR): its rows are looked up before the step into a static buffer (`hold`, with the
-lookup's collectives) and committed after it, which reads the finite flag on the host (the one
-host read a step of these losses makes; the eager step makes it too).
+The step is a function of static buffers and device tensors with no host read, as the table
+in docs/performance.md ("Small per-GPU batches") tells part by part: inputs copied into one
+buffer set (and one graph) per trimmed text length, a 0-d device lr per group that the
+scheduler fills in place, a non-finite loss setting `found_inf` (all-reduced inside the graph)
+so fused AdamW leaves weights and moments bit-untouched, and skip counters read on `sync` steps
+only (log, checkpoint, eval and the last step). A stateful loss's rows are looked up before
+the step into a static buffer (`hold`) and committed after it.
 
 On CPU (and with `capture=False`) the same function runs eagerly with the same buffers, device lr
 and masked skip: that is what the CPU tests compare with Trainer.train_step. On CUDA the first

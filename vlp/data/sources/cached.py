@@ -1,11 +1,6 @@
 """The render cache shared by the packaged sources (openclipart, material_icons): each renders its
 pairs once per image size into ``<cache>/<name>/<size>px-<version tag>/`` (PNG files plus
-``index.json``), git-ignored, and reads them back per split.
-
-Splits are every packaged source's (vlp.data.sources.splits): a stable hash of the pair's *name* (its title
-or icon name, from which the caption is made) puts ~10 % in 'test' (= 'eval'), ~10 % in 'val'
-and the rest in 'fit' ('fit' + 'val' = 'train'). Captions are one per name, so the splits are
-disjoint by caption.
+``index.json``), git-ignored, and reads them back per split (vlp.data.sources.splits).
 """
 
 from __future__ import annotations

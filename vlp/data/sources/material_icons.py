@@ -1,17 +1,7 @@
-"""Material Icons: ~2.1k Google Material Design icons captioned with their designers' names for them.
-
-Debian's ``fonts-material-design-icons-iconfont`` (Apache-2.0) ships the icon font and the SCSS map
-from each icon's name ('beach_access', 'directions_bike', 'battery_charging_full') to its code
-point. Each icon is drawn black, centred on a white square; the caption is a template over the name
-read as words ("an icon of beach access"). Names are the designers' short descriptions of what the
-pictogram shows: a different kind of pair from clip-art titles or emoji names (monochrome UI
-pictograms, functional vocabulary). Offline; nothing is downloaded.
-
-Several names map to one glyph (aliases such as 'access_alarm' / 'alarm'): one pair per distinct
-drawing (hash of the rendered pixels), the first name in sort order kept, the others counted as
-'alias' in index.json; blank glyphs are counted as 'blank'.
-
-Usage::
+"""Material Icons: ~2.1k Google Material Design icons captioned with their designers' names for them
+(docs/datasets.md, "material_icons": the font, the caption templates, the aliases, why this set).
+Offline; nothing is downloaded. One pair per distinct drawing (hash of the rendered pixels), the
+first name in sort order kept, the others counted as 'alias' in index.json; blank glyphs as 'blank'.
 
     pairs = load_pairs("fit", image_size=64)   # 'fit' | 'val' | 'test' | 'train' | 'eval' | 'all'
 """
@@ -111,6 +101,3 @@ def load_pairs(split: str = "all", image_size: int = 64, cache_dir: str | os.Pat
     """Material Icons pairs of ``split`` sorted by icon name; Pair.meta holds name, icon, codepoint
     and split. Raises MissingPackage without the package."""
     return load_split(ensure_rendered(image_size, cache_dir, font_path, codepoints), split)
-
-
-LICENSE = "Material Icons: Apache License 2.0 (Google); Debian fonts-material-design-icons-iconfont"

@@ -1,18 +1,9 @@
-"""Openclipart: ~2.6k public-domain clip art drawings captioned with their human-written titles.
+"""Openclipart: ~2.6k public-domain clip art drawings captioned with their human-written titles,
+from Debian's ``openclipart-svg`` (metadata) and ``openclipart-png`` (renders), read offline.
 
-Debian's ``openclipart-svg`` ships the drawings with their metadata (dc:title, dc:description) under
-/usr/share/openclipart/svg/<category>/...; ``openclipart-png`` ships a PNG render of each at the same
-relative path under /usr/share/openclipart/png/. Both are read offline; nothing is downloaded.
-
-One pair per drawing: the SVG's content hash is the identity (the same file sits in several
-category folders, as copies or symlinks), its cleaned title the name, the PNG render squared on
-white at ``image_size`` px the image, and "clip art of <title>" (plus a short description where the
-author wrote a specific one) the caption. Skipped and counted in index.json: drawings without a
-usable title, blank renders, titles shared by more than ``COLLECTION_SIZE`` drawings (the name of a collection,
-not a caption: "Lemon SVG theme"), a title already taken by an earlier drawing (one pair per
-caption), renders too large to decode safely, and unreadable files.
-
-Usage::
+One pair per drawing (its SVG's content hash), its cleaned title the name, the PNG render squared
+on white at ``image_size`` px the image, "clip art of <title>" the caption; what is skipped and
+counted in index.json, and why, is docs/datasets.md's ("openclipart").
 
     pairs = load_pairs("fit", image_size=64)   # 'fit' | 'val' | 'test' | 'train' | 'eval' | 'all'
 """
@@ -192,6 +183,3 @@ def load_pairs(split: str = "all", image_size: int = 64, cache_dir: str | os.Pat
     """Openclipart pairs of ``split`` sorted by first path; Pair.meta holds name, title,
     description, category, path, sha1 and split. Raises MissingPackage without the packages."""
     return load_split(ensure_rendered(image_size, cache_dir, root), split)
-
-
-LICENSE = "Openclipart: public domain (Creative Commons Public Domain Dedication); Debian openclipart-svg/-png"

@@ -6,17 +6,8 @@ Each fully-qualified emoji without a skin-tone modifier that the font renders as
 drawn centred on a white square. Renders are cached as PNG files plus ``index.json`` under
 ``<cache>/openmoji/<size>px-<version hash>/`` so only the first call pays (~2 s).
 
-Usage::
-
-    pairs = load_pairs("train")          # list[Pair], ~1.7k
-    held_out = load_pairs("eval")        # ~10 %, disjoint by name
-
-For a study that tunes on held-out data (``vlp compare`` with ``grid.sweep``) the same names are
-also split three ways, deterministically and disjointly by the same name hash::
-
-    fit = load_pairs("fit")     # ~80 %: trained on      (fit + val == "train")
-    val = load_pairs("val")     # ~10 %: settings picked on
-    test = load_pairs("test")   # ~10 %: reported on      (test == "eval", unchanged)
+    pairs = load_pairs("train")          # list[Pair], ~1.7k; "eval": ~10 %, disjoint by name
+    fit = load_pairs("fit")              # "fit" + "val" == "train", "test" == "eval" (splits.py)
 """
 
 from __future__ import annotations
@@ -205,7 +196,3 @@ def load_pairs(
         image = (directory / "images" / f"{row['key']}.png").read_bytes()
         pairs.append(Pair(key=row["key"], image=image, caption=row["caption"], meta=meta))
     return pairs
-
-
-ATTRIBUTION = "All emojis designed by OpenMoji - the open-source emoji and icon project. " \
-    "License: CC BY-SA 4.0"
