@@ -9,6 +9,7 @@ is reported with its reason after grid.retries; bad executor settings are one li
 any submission. The `vlp compare` drivers fork from the pre-imported server (tests/support/forked.py:
 a real process each; the jobs are exec'd by SLURM). Skipped with the reason where SLURM is not
 installed; under CI=true that skip is a failure."""
+import contextlib
 import csv
 import json
 import os
@@ -23,7 +24,7 @@ import pytest
 import yaml
 
 import forked
-from slurm_cluster import SlurmCluster, missing
+from slurm_cluster import SlurmCluster, job_runs, missing
 from vlp_testing import REPO
 
 pytestmark = pytest.mark.multiproc  # the tier (docs/testing.md): every test here starts processes
@@ -136,6 +137,34 @@ def logged_step(folder: Path) -> int:
     return max(steps, default=0)
 
 
+def read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+@contextlib.contextmanager
+def held_past(out: Path, ids: dict[str, str], step: int):
+    """Each run's process stopped (SIGSTOP) as soon as its log passes `step`, for the block, then
+    continued: what the block does to the jobs lands mid-run however fast the rest of a run would
+    go (a 60-step run ends ~4 s after its step 12 on a quiet box; a requeue that came after its
+    result.json found it done)."""
+    pids = {n: wait_for(f"{n}'s run process", lambda i=i: job_runs(int(i)), 120)[0] for n, i in ids.items()}
+    stopped = []
+    try:
+        deadline = time.time() + 300
+        while len(stopped) < len(pids):
+            for n, pid in pids.items():
+                if pid not in stopped and logged_step(out / n) >= step:
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.append(pid)
+            assert time.time() < deadline, f"not every run past step {step} within 300 s"
+            time.sleep(0.02)
+        yield
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
 def test_a_tiny_grid_on_slurm_gives_the_local_table_one_job_per_run(cluster, tiny_shards, tmp_path, local_table):
     config = write_config(tmp_path, tiny_shards)
     proc = compare(cluster, config)
@@ -222,10 +251,14 @@ def test_one_job_scancelled_and_one_requeued_mid_run_give_the_same_table(cluster
     config, out = write_config(tmp_path, tiny_shards), tmp_path / "grid"
     running = driver(cluster, config, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for("both runs past a checkpoint", lambda: all(logged_step(out / n) >= 12 for n in RUNS))
-        cancelled, (requeued,) = submitted(out)["infonce_b8_s0"][0], submitted(out)["flatnce_b8_s0"]
-        subprocess.run(["scancel", cancelled], env=cluster.env, check=True)
-        subprocess.run(["scontrol", "requeue", requeued], env=cluster.env, check=True)
+        wait_for("both runs training", lambda: all(logged_step(out / n) >= 1 for n in RUNS))
+        ids = {n: submitted(out)[n][0] for n in RUNS}
+        with held_past(out, ids, step=12):  # each run stopped once past its first checkpoint
+            cancelled, requeued = ids["infonce_b8_s0"], ids["flatnce_b8_s0"]
+            subprocess.run(["scancel", cancelled], env=cluster.env, check=True)
+            subprocess.run(["scontrol", "requeue", requeued], env=cluster.env, check=True)
+            wait_for("SLURM's cancel and requeue reached the jobs", lambda: all(
+                "CANCELLED AT" in read(out / n / f"slurm-{ids[n]}.out") for n in RUNS), 120)
         status = wait_for("--status saying requeued 1",
                           lambda: f"| requeued 1 | {requeued} |" in compare(cluster, config, "--status").stdout, 120)
         cluster.release(int(requeued))

@@ -329,12 +329,21 @@ def _parent(pid: int) -> int:
         return 0
 
 
+def _top_pythons(job_id: int, keep=lambda env: True) -> list[int]:
+    python = {pid for pid, env in _environs().items() if env.get("SLURM_JOB_ID") == str(job_id) and keep(env)
+              and "python" in _cmdline(pid).split("\0")[0]}
+    return sorted(pid for pid in python if _parent(pid) not in python)
+
+
 def job_ranks(job_id: int) -> list[int]:
     """The pids of the job's training ranks: the processes whose launcher gave them a RANK, not
     their loader workers (children of a rank, with the rank's environment and command line)."""
-    python = {pid for pid, env in _environs().items() if env.get("SLURM_JOB_ID") == str(job_id) and "RANK" in env
-              and "TORCHELASTIC_RUN_ID" in env and "python" in _cmdline(pid).split("\0")[0]}
-    return sorted(pid for pid in python if _parent(pid) not in python)
+    return _top_pythons(job_id, lambda env: "RANK" in env and "TORCHELASTIC_RUN_ID" in env)
+
+
+def job_runs(job_id: int) -> list[int]:
+    """The pid of a one-process job's run (`python -m vlp.study.job`), not its loader workers."""
+    return _top_pythons(job_id)
 
 
 def job_processes(job_id: int) -> str:
