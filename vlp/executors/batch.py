@@ -8,10 +8,10 @@ run folders, from which a rerun re-attaches.
 A scheduler does three things (`Scheduler`): submit one run's job, poll the states of all the
 given jobs in one call, cancel jobs (and find a job by its name, output: where its log goes).
 Everything else is the same for any scheduler: this driver loop; the run folder's files
-(vlp.study.jobfiles); `--status` / `--cancel` (vlp.study.status); what a job runs (vlp.study.job).
+(vlp.executors.jobfiles); `--status` / `--cancel` (vlp.executors.status); what a job runs (vlp.executors.job).
 
 - a run's folder holds `job_spec.json` (what the job runs: the run's config, its val / test
-  specs; vlp.study.job reads it inside the job) and `job.json` (every job submitted for the run:
+  specs; vlp.executors.job reads it inside the job) and `job.json` (every job submitted for the run:
   its id, and how it ended once it did). The driver holds nothing else: killed and started again,
   it re-attaches to the job of every run whose last submission has not ended, and submits no run
   twice; a run done (result.json) is not walked at all (vlp.study.runs.plan_runs). The folders
@@ -47,18 +47,17 @@ from typing import Callable, Optional, Protocol
 from vlp.checkpoint.storage import RunFolder
 from vlp.config import ConfigError, from_dict
 from vlp.experiment import check
-from vlp.study.executor import Job
-from vlp.study.jobfiles import (SPEC_FILE, folder_name, has_result, job_name, live_id, read_record, spec_changed,
+from vlp.executors.jobfiles import (SPEC_FILE, folder_name, has_result, job_name, live_id, read_record, spec_changed,
                                 submissions, unrecorded, write_record, write_spec, write_submissions)
+from vlp.executors.jobstate import CONFIG_ERROR_EXIT, PENDING, RUNNING, Job, JobState
 from vlp.study.runs import run_dir
-from vlp.study.jobstate import CONFIG_ERROR_EXIT, PENDING, RUNNING, JobState
 from vlp.train.preempt import Preempted
 
 POLL_FAILURES = 5  # failed polls in a row before the driver gives up (its jobs run on)
 
 
 class Scheduler(Protocol):
-    """What a batch scheduler must do for the driver (vlp.study.slurm.Slurm)."""
+    """What a batch scheduler must do for the driver (vlp.executors.slurm.Slurm)."""
 
     name: str
 
@@ -114,7 +113,7 @@ class Track:
 
 
 class BatchExecutor:
-    """Runs a grid's jobs as scheduler jobs (module doc); used as vlp.study.executor.Executor is."""
+    """Runs a grid's jobs as scheduler jobs (module doc); used as any vlp.executors.Executor."""
 
     def __init__(self, grid, scheduler: Scheduler, sleep: Callable[[float], None] = time.sleep):
         self.grid, self.scheduler, self.sleep = grid, scheduler, sleep
@@ -328,24 +327,12 @@ def stopped_submitting(running: int, scheduler: str) -> Preempted:
         "Run the same command to re-attach, or add --cancel to cancel them"))
 
 
-# ---------------------------------------------------------------------------- which executor
+# ---------------------------------------------------------------------------- which scheduler
 def scheduler_of(grid) -> Scheduler:
     """The Scheduler that grid.executor names (only slurm today)."""
     if grid.executor == "slurm":
-        from vlp.study.slurm import Slurm  # its commands only where a grid asks for them
+        from vlp.executors.slurm import Slurm  # its commands only where a grid asks for them
 
         return Slurm(grid.slurm)
     raise ConfigError(f"config: grid.executor={grid.executor} has no scheduler: --status and --cancel "
                       "need a batch scheduler (grid.executor: slurm)")
-
-
-def executor_of(grid, acc):
-    """The Executor of grid.executor: local (vlp.study.executor) or a scheduler's (BatchExecutor)."""
-    if grid.executor == "local":
-        from vlp.study.executor import Executor
-
-        return Executor(grid, acc)
-    if acc.num_processes > 1:
-        raise ConfigError(f"config: grid.executor={grid.executor} submits each run as a job: run `vlp compare` "
-                          "itself as one process, not under accelerate launch")
-    return BatchExecutor(grid, scheduler_of(grid))

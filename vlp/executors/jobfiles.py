@@ -1,9 +1,9 @@
-"""What a run folder holds for a scheduler's job (vlp.study.batch), and the one reader and writer
+"""What a run folder holds for a scheduler's job (vlp.executors.batch), and the one reader and writer
 of each file, through the run folders' storage (vlp.checkpoint.storage.RunFolder: a local folder,
 or a bucket for grid.out_dir s3://... / gs://...):
 
     job_spec.json   what the job runs: the run's name, config, val / test specs, and "warm": true for
-                    a (data set, regime)'s feature-cache warm-up (vlp.study.job reads it)
+                    a (data set, regime)'s feature-cache warm-up (vlp.executors.job reads it)
     job.json        every job submitted for the run: {"name", "submitted", then "id", and once it
                     ended "state", "reason", "ended"}; the last one without "state" is in flight
     compare.json    the run's record (vlp.study.runs.run_one; a job that ended without one gets a
@@ -24,11 +24,11 @@ from vlp.study.runs import stale_key
 SPEC_FILE = "job_spec.json"
 JOBS_FILE = "job.json"
 RECORD_FILE = "compare.json"  # vlp.study.runs.run_one's record: what the report reads
-RESULT_FILE = "result.json"  # the Trainer's (a warm-up's: vlp.study.executor.warm_one): the run is done
+RESULT_FILE = "result.json"  # the Trainer's (a warm-up's: vlp.study.runs.warm_one): the run is done
 
 
 def write_spec(folder: RunFolder, job) -> None:
-    """job_spec.json: what the job runs (vlp.study.job), from a vlp.study.executor.Job."""
+    """job_spec.json: what the job runs (vlp.executors.job), from a vlp.executors.Job."""
     spec = {"run": job.run.name, "config": job.cfg.to_dict(), "specs": job.specs,
             "keep_checkpoints": job.keep_checkpoints, "warm": job.warm}
     folder.write_bytes(SPEC_FILE, json.dumps(spec, indent=1).encode())

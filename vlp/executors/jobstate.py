@@ -1,13 +1,29 @@
-"""A scheduler's job as the batch executor sees it (vlp.study.batch): its state and the phase the
-driver acts on. Shared by the driver and every scheduler (vlp.study.slurm)."""
+"""What passes between the study and an executor, and between the batch executor and a scheduler:
+a Job (one run to execute) and a JobState (a scheduler's job as the driver sees it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "failed"
-CONFIG_ERROR_EXIT = 2  # vlp.study.job's exit status for a config error: the driver does not retry it
+CONFIG_ERROR_EXIT = 2  # vlp.executors.job's exit status for a config error: the driver does not retry it
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run to execute, picklable: its run (name, arm) and config, the val / test specs it is
+    ranked on (None: trained only), the grid's retries and checkpoint policy; ``index``: its
+    1-based place among its grid's runs (the progress line); ``warm``: a (data set, regime)'s
+    feature-cache warm-up instead of a run (vlp.study.runs.train_job runs either)."""
+
+    run: Any
+    cfg: Any
+    specs: Optional[dict] = None
+    retries: int = 1
+    keep_checkpoints: bool = True
+    index: int = 0
+    warm: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,18 @@
-"""One run of a grid or a study: its config, whether it is already done, running it (with
-retries), and the embedded data both use.
-
-The run room: vlp.study.executor runs many of these (in this process or in worker processes);
-vlp.study.compare (the plain grid) and vlp.study.study (the tuned study) drive it.
+"""One run of a grid or a study: its config, whether it is already done, what running it does
+(`train_job`, with retries; an executor in vlp.executors calls it where it decides), and the
+embedded data the runs use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch
 import yaml
 
 from vlp.config import Config, ConfigError, from_dict, global_batch, set_dotted, steps_for
@@ -21,8 +21,9 @@ from vlp.experiment import check
 from vlp.locations import is_url
 from vlp.checkpoint.storage import RunFolder
 from vlp.study.grid import flatten
+from vlp.study.plan import SPLITS
 from vlp.checkpoint import resume as resume_rules
-from vlp.train.preempt import Preempted
+from vlp.train.preempt import Preempted, stop_if_asked
 
 # Keys that may change between a finished run and a rerun without making the run stale: the
 # resume rules table's keys that do not change results (vlp.checkpoint.resume.RESUME_RULES).
@@ -116,6 +117,89 @@ def run_one(run, cfg: Config, accelerator, train: Callable, retries: int = 1, ke
             folder.remove("checkpoints", tree=True)
     accelerator.wait_for_everyone()
     return record
+
+
+def train_job(job, accelerator) -> dict:
+    """What an executor runs for a vlp.executors.Job: train its run (and rank its val / test items
+    where job.specs), or build its (data set, regime)'s feature caches (job.warm); its record."""
+    specs = job.specs
+    train = (lambda c, a: train_and_rank(c, a, specs)) if specs is not None else train_only
+    if job.warm:
+        train = lambda c, a: warm_one(c, a, specs)  # noqa: E731
+    return run_one(job.run, job.cfg, accelerator, train, job.retries, job.keep_checkpoints)
+
+
+def train_only(cfg, accelerator) -> dict:
+    from vlp.train.loop import Trainer  # heavy (open_clip, the models); imported when a run starts
+
+    try:
+        trainer = Trainer(cfg, accelerator=accelerator)
+        stop_if_asked()  # a Ctrl-C while it was built: no run (vlp.train.preempt.GridStop)
+        return trainer.train()
+    finally:
+        accelerator.free_memory()  # drop the prepared model/optimizer before the next run
+
+
+def train_and_rank(cfg, accelerator, specs: dict[str, str]) -> dict:
+    """Train one run and rank its val and test items at every budget point (train.eval_every)
+    and at the end: eval_points.json and eval_items.json (vlp.study.ranking)."""
+    from vlp.study.ranking import RankingTrainer  # heavy (the Trainer, open_clip): a run needs it
+
+    try:
+        trainer = RankingTrainer(cfg, accelerator=accelerator, specs=specs)
+        stop_if_asked()
+        return trainer.train()
+    finally:
+        accelerator.free_memory()
+
+
+def warm_caches(bases: dict, grid, acc) -> None:
+    """Build the locked-tower feature caches (data.feature_cache) of every (data set, regime) here,
+    before any run; the runs (and worker processes, from the cache folder) only read them."""
+    for tree, specs in bases.values():
+        cfg = check(from_dict(copy.deepcopy(tree)))
+        if cfg.data.feature_cache:
+            with threads(grid.workers if acc.num_processes == 1 else torch.get_num_threads()):
+                build_caches(cfg, specs, acc)
+
+
+def warm_one(cfg, accelerator, specs: dict) -> dict:
+    """One (data set, regime)'s caches as a job of its own (a batch scheduler's warm-up job; its
+    folder is cfg.train.output_dir): then result.json says they are built."""
+    t0 = time.time()
+    build_caches(cfg, specs, accelerator)
+    if accelerator.is_main_process:
+        with RunFolder(cfg.train.output_dir).file("result.json") as path:
+            path.write_text(json.dumps({"feature_cache": cfg.data.feature_cache, "warm_time_s": time.time() - t0}))
+    return {}
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """torch's intra-op threads raised to ``n`` inside (the workers' cores are idle meanwhile)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(before, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def build_caches(cfg, specs: dict, acc) -> None:
+    """One regime's caches: its training shards' stem outputs (every rank) and its val and test
+    sets' (main process)."""
+    from vlp.models.model import build_model  # heavy (open_clip, the towers), as above
+    from vlp.data.train_data import TrainData
+    from vlp.train.feature_cache import retrieval_features, training_features
+
+    model, tokenizer, transform, eval_t = build_model(cfg.model, cfg.loss, data_cfg=cfg.data)
+    plan = TrainData(cfg, transform, tokenizer, acc.process_index, acc.num_processes).loader.plan
+    training_features(cfg, model, transform, tokenizer, plan, acc.device)  # collective: every rank
+    if acc.is_main_process:
+        folder = None if cfg.data.feature_cache == "memory" else cfg.data.feature_cache
+        for split in SPLITS:
+            retrieval_features(model, tokenizer, eval_t, specs[split], acc.device, cfg.eval.batch_size, folder)
+    acc.wait_for_everyone()
 
 
 def embedded_shards(base: dict, acc, splits: tuple[str, ...], root: Path) -> Optional[dict[str, str]]:

@@ -1,6 +1,6 @@
-"""The driver of `vlp compare`: it decides which runs run next; an Executor (vlp.study.executor)
-runs them. A plain grid is a study with no sweep and no seeds rule: every arm's one setting (the
-base config) with each seed, trained and evaluated by the Trainer (data.eval_shards). A tuned
+"""The driver of `vlp compare`: it decides which runs run next; an executor (vlp.executors) runs
+them where grid.executor says. A plain grid is a study with no sweep and no seeds rule: every
+arm's one setting (the base config) with each seed, trained and evaluated by the Trainer (data.eval_shards). A tuned
 study (grid.sweep) tunes every arm with the same budget, selects on val, reports on test:
 
     arm      = data set × regime × loss × optimizer × per-GPU batch (vlp.study.plan.Arm)
@@ -19,7 +19,7 @@ study (grid.sweep) tunes every arm with the same budget, selects on val, reports
     price    = grid.accum_price: the batch b·k as k accumulated micro-batches of b, timed
     report   = study.md (sweep, final, verdicts, the map, cost), study.json and the figures
 
-vlp.study.plan says which runs (pure), vlp.study.executor runs them, vlp.study.rows / report
+vlp.study.plan says which runs (pure), vlp.study.runs what a run does, vlp.study.rows / report
 report them; this module walks the steps. Runs: <out_dir>/<Run.name>/ (Trainer files; a tuned study's also eval_items.json, the 1-based rank
 of every val and test query in both directions, from which all its metrics and bootstraps are
 computed). Reruns skip done runs (result.json, and eval_items.json where ranked).
@@ -41,9 +41,8 @@ from vlp.config import ConfigError, set_dotted
 from vlp.data.shard_list import sizes_from_spec
 from vlp.distributed import broadcast_object
 from vlp.data.sources import parse_packaged
-from vlp.study.batch import executor_of
 from vlp.study.adaptive import more_seed_runs, open_arms, seeds_of_look, sizes_of
-from vlp.study.executor import Executor, Job
+from vlp.executors import Executor, Job, executor_of
 from vlp.study.plan import Run, arms_of, final_runs, groups_of, price_runs, select_best, sweep_runs
 from vlp.study.report import STUDY_METRICS, test_rows, write_report
 from vlp.study.rows import final_table, run_row
@@ -202,7 +201,7 @@ def run_study(base: dict, bases: dict, grid, acc, report_only: bool = False) -> 
     runs in the same order; with grid.workers > 1 (one process) runs go to worker processes.
     `bases`: regime_bases(base, grid, acc)."""
     plain = {arm: () for arm in arms_of(grid)} if not grid.sweep else None
-    with executor_of(grid, acc) as executor:  # local, or a scheduler's jobs (vlp.study.batch)
+    with executor_of(grid, acc) as executor:  # local, or a scheduler's jobs (vlp.executors.batch)
         if grid.sweep and not report_only:  # here, or a job per (data set, regime) before its runs
             executor.warm(bases)
         walk = StudyWalk(grid, acc, bases, executor, report_only)
