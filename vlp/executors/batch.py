@@ -1,37 +1,11 @@
-"""A grid's runs as jobs of a batch scheduler (SLURM today; Ray or Kubernetes would be another
-`Scheduler`): the driver loop that submits, watches and resubmits them, and what it keeps in the
-run folders, from which a rerun re-attaches.
+"""A grid's runs as jobs of a batch scheduler (grid.executor: slurm; Ray or Kubernetes would be
+another `Scheduler`): the driver loop that submits, polls and resubmits them. It holds nothing but
+the run folders' files (vlp.executors.jobfiles), so a rerun re-attaches to the jobs in flight and
+submits no run twice; docs/map.md, "The map on a cluster", tells the whole behaviour.
 
-    with BatchExecutor(grid, scheduler) as ex:        # vlp.study.study runs it as any Executor
-        ex.run([Job(run, cfg, specs), ...], total=len(all_runs), on_done=callback)
-
-A scheduler does three things (`Scheduler`): submit one run's job, poll the states of all the
-given jobs in one call, cancel jobs (and find a job by its name, output: where its log goes).
-Everything else is the same for any scheduler: this driver loop; the run folder's files
-(vlp.executors.jobfiles); `--status` / `--cancel` (vlp.executors.status); what a job runs (vlp.executors.job).
-
-- a run's folder holds `job_spec.json` (what the job runs: the run's config, its val / test
-  specs; vlp.executors.job reads it inside the job) and `job.json` (every job submitted for the run:
-  its id, and how it ended once it did). The driver holds nothing else: killed and started again,
-  it re-attaches to the job of every run whose last submission has not ended, and submits no run
-  twice; a run done (result.json) is not walked at all (vlp.study.runs.plan_runs). The folders
-  are reached through the run folders' storage (vlp.checkpoint.storage.RunFolder): grid.out_dir
-  may be a bucket; the scheduler keeps its own files (script, output) on a local file system.
-- each regime's jobs have its resources (grid.slurm.regimes; the scheduler's `processes` is the
-  world of its runs), every set checked before anything is submitted.
-- a (data set, regime) whose config caches the locked towers' features in a folder
-  (data.feature_cache) gets a warm-up job of its own first (`warm`: <out_dir>/warm_<regime>/,
-  re-attached and retried as a run's); its runs are submitted once it is done, and are failed
-  with its reason when it fails for good. The driver computes nothing itself.
-- results come from the run folder, as for a local run: the job writes result.json and
-  compare.json (vlp.study.runs.run_one); a job that ended without writing a record (killed,
-  timed out, out of memory, its node lost) gets a failed compare.json with the scheduler's reason
-  once its retries are spent, so the report names the cell's reason.
-- a failed job is resubmitted up to grid.retries times (one line each); a config error inside
-  the job (exit status 2) is not. The driver polls once per grid.slurm.poll_s for all its jobs,
-  keeps at most grid.slurm.max_in_flight submitted, and never waits on a single run.
-- Ctrl-C stops submitting: the jobs already submitted run on (one line; the same command
-  re-attaches, `vlp compare --cancel` cancels them).
+    with BatchExecutor(grid, scheduler) as ex:   # as any vlp.executors.Executor
+        ex.warm(bases)                           # a warm-up job per (data set, regime) with a cache folder
+        ex.run(jobs, total=n, on_done=callback)
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""One run of a grid inside a scheduler's job (vlp.executors.batch): what `vlp compare` would have run
-in its own process, from the run folder's job_spec.json.
+"""One run of a grid inside a scheduler's job (vlp.executors.batch), from its folder's job_spec.json:
 
-    python -m vlp.executors.job RUN_FOLDER                       # one CPU process (1 node, 0 GPUs); or s3://b/grid/run
-    python -m accelerate.commands.launch ... -m vlp.executors.job RUN_FOLDER   # per node, as launch/slurm.sbatch
+    python -m vlp.executors.job RUN_FOLDER      # or s3://b/grid/run; per node under accelerate launch
 
-It trains (and ranks) the run once (vlp.executors.local.run_job, no retry here: the driver
-resubmits a failed job), writing result.json and compare.json as a local run does. A folder whose
-job_spec.json says "warm" is a (data set, regime)'s feature-cache warm-up instead: it builds the
-caches of data.feature_cache (vlp.study.runs.warm_one) and writes the same two files. Exit status:
-0 done, 1 failed (compare.json says why), 2 a config error (not retried), a preemption's own
-status (saved; the driver resubmits and the run resumes from its checkpoint).
+It runs the job once (vlp.executors.local.run_job, no retry: the driver resubmits), writing
+result.json and compare.json as a local run does. Exit status: 0 done, 1 failed (compare.json
+says why), 2 a config error (not retried), a preemption's own status (the run resumes).
 """
 
 from __future__ import annotations

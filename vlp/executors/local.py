@@ -59,15 +59,9 @@ def _process_accelerator():
 
 
 def die_with_parent(parent: int) -> None:
-    """A worker's initializer: ask the kernel to SIGKILL this worker when its parent ends
-    (Linux PR_SET_PDEATHSIG), and end now if the parent already has.
-
-    SIGKILL, not SIGTERM: inside a run the Trainer handles SIGTERM as a preemption (vlp.train.
-    preempt: save at the next step, raise Preempted), which run_one counts as a failed attempt
-    and retries, so a SIGTERMed worker went on training for a whole run after `vlp compare` was
-    killed. A killed run loses at most its last checkpoint interval: the next `vlp compare`
-    resumes it (train.resume=latest) and removes stale temp files. Ctrl-C reaches the whole
-    process group as before."""
+    """A worker's initializer: the kernel SIGKILLs this worker when its parent ends (Linux
+    PR_SET_PDEATHSIG; SIGKILL, as a run takes SIGTERM for a preemption: docs/map.md), and it ends
+    now if the parent already has."""
     if not sys.platform.startswith("linux"):
         return
     try:

@@ -1,19 +1,12 @@
-"""The SLURM scheduler of vlp.executors.batch (grid.executor: slurm): each run of a grid is one SLURM
-job with the resources of grid.slurm, or its regime's own (grid.slurm.regimes).
+"""The SLURM scheduler of vlp.executors.batch: each run one SLURM job with the resources of
+grid.slurm, or its regime's own (docs/map.md, "The map on a cluster").
 
     sbatch --parsable --job-name=vlp-<run> --output=<logs>/slurm-%j.out ... <logs>/job.sh
-    <logs>: the run folder; for a grid.out_dir in a bucket, <grid.slurm.log_dir>/<bucket path>/<run>
-            (SLURM writes its output to a file system; the job reads and writes the run in the bucket)
     job.sh: one node, <= 1 GPU: python -m vlp.executors.job <run folder or URL>
             otherwise:         srun, one `accelerate launch -m vlp.executors.job <run>` per node
-                               (the launcher of launch/slurm.sbatch, one process per GPU)
-    states: sacct (one call for all the jobs) where accounting is on, else squeue (one line says so)
 
 Pure functions build the sbatch line and the script and read sinfo, sacct and squeue; the class
-`Slurm` runs the commands. Before anything is submitted `check` refuses, in one line, a partition
-the cluster lacks, GPUs asked of a partition without any, more nodes than it has, and anything
-`sbatch --test-only` refuses (an account, a QOS, a time over the partition's limit), for each
-distinct set of resources the grid's regimes ask for.
+`Slurm` runs the commands.
 """
 
 from __future__ import annotations

@@ -132,12 +132,7 @@ def train_job(job, accelerator) -> dict:
 def train_only(cfg, accelerator) -> dict:
     from vlp.train.loop import Trainer  # heavy (open_clip, the models); imported when a run starts
 
-    try:
-        trainer = Trainer(cfg, accelerator=accelerator)
-        stop_if_asked()  # a Ctrl-C while it was built: no run (vlp.train.preempt.GridStop)
-        return trainer.train()
-    finally:
-        accelerator.free_memory()  # drop the prepared model/optimizer before the next run
+    return trained(lambda: Trainer(cfg, accelerator=accelerator), accelerator)
 
 
 def train_and_rank(cfg, accelerator, specs: dict[str, str]) -> dict:
@@ -145,12 +140,17 @@ def train_and_rank(cfg, accelerator, specs: dict[str, str]) -> dict:
     and at the end: eval_points.json and eval_items.json (vlp.study.ranking)."""
     from vlp.study.ranking import RankingTrainer  # heavy (the Trainer, open_clip): a run needs it
 
+    return trained(lambda: RankingTrainer(cfg, accelerator=accelerator, specs=specs), accelerator)
+
+
+def trained(build: Callable, accelerator) -> dict:
+    """``build()``'s trainer trained; no run when a stop came while it was built (GridStop)."""
     try:
-        trainer = RankingTrainer(cfg, accelerator=accelerator, specs=specs)
+        trainer = build()
         stop_if_asked()
         return trainer.train()
     finally:
-        accelerator.free_memory()
+        accelerator.free_memory()  # drop the prepared model/optimizer before the next run
 
 
 def warm_caches(bases: dict, grid, acc) -> None:

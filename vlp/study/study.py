@@ -1,30 +1,12 @@
-"""The driver of `vlp compare`: it decides which runs run next; an executor (vlp.executors) runs
-them where grid.executor says. A plain grid is a study with no sweep and no seeds rule: every
-arm's one setting (the base config) with each seed, trained and evaluated by the Trainer (data.eval_shards). A tuned
-study (grid.sweep) tunes every arm with the same budget, selects on val, reports on test:
-
-    arm      = data set × regime × loss × optimizer × per-GPU batch (vlp.study.plan.Arm)
-    sweep    = the same settings grid for every arm (per optimizer: an AdamW lr range is not a
-               LARS one; per regime if it has its own), run with grid.seeds: val metric per setting
-    select   = per arm, the setting with the best mean val metric over those seeds
-    extend   = grid.sweep_bounds: an arm selected at an edge gets the next value beyond it (x3, /3)
-               with the same seeds, and is selected again, until interior or at a bound
-    datasets = grid.datasets: every (data set, regime) is its own table, on that set's fit/val/test
-               (a packaged set, or your own shards: vlp.study.userdata)
-    points   = grid.budget_points: val and test ranked at evenly spaced points of every run
-    final    = the selected setting per arm with grid.final_seeds (a sweep run with the same
-               setting and seed is reused, not rerun): test metrics
-    seeds    = grid.seeds_until: a paired Δ still open after the final seeds gets more seeds, up
-               to a maximum (vlp.study.adaptive; every interval corrected for the planned looks)
-    price    = grid.accum_price: the batch b·k as k accumulated micro-batches of b, timed
-    report   = study.md (sweep, final, verdicts, the map, cost), study.json and the figures
+"""The driver of `vlp compare`: it decides which runs run next, and an executor (vlp.executors)
+runs them where grid.executor says. A plain grid is a study with no sweep and no seeds rule: every
+arm's one setting with each seed, evaluated by the Trainer. A tuned study (grid.sweep): sweep,
+extend at the edges (vlp.study.tuning) and select on val, final seeds, more seeds where a verdict is
+open (vlp.study.adaptive), price runs, report on test (docs/map.md tells each step).
 
 vlp.study.plan says which runs (pure), vlp.study.runs what a run does, vlp.study.rows / report
-report them; this module walks the steps. Runs: <out_dir>/<Run.name>/ (Trainer files; a tuned study's also eval_items.json, the 1-based rank
-of every val and test query in both directions, from which all its metrics and bootstraps are
-computed). Reruns skip done runs (result.json, and eval_items.json where ranked).
-Data: data.train_shards 'openmoji' trains on the OpenMoji 'fit' names, selects on 'val' and reports
-on 'test' (= the demo's held-out 'eval' names; vlp/data/sources/openmoji.py).
+report them; this module walks the steps. Reruns skip done runs (result.json, and eval_items.json
+where ranked).
 """
 
 from __future__ import annotations
