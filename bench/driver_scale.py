@@ -134,6 +134,8 @@ def main() -> None:
     grid = read_grid({"losses": ["infonce"], "batch_per_device": [8], "seeds": [0], "out_dir": str(out),
                       "executor": "slurm", "slurm": {"max_in_flight": runs, "poll_s": 1}})
     made = jobs(out, runs)
+    from vlp.executors import batch, slurm  # noqa: F401  (the driver's code, loaded before the baseline)
+
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
     # the first driver, killed mid-map (as by SIGKILL: nothing more is written), then a second one

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
 import yaml
 
 from vlp.config import Config, ConfigError, from_dict, global_batch, set_dotted, steps_for
@@ -156,6 +155,8 @@ def trained(build: Callable, accelerator) -> dict:
 def warm_caches(bases: dict, grid, acc) -> None:
     """Build the locked-tower feature caches (data.feature_cache) of every (data set, regime) here,
     before any run; the runs (and worker processes, from the cache folder) only read them."""
+    import torch  # heavy: only a process that builds caches needs it
+
     for tree, specs in bases.values():
         cfg = check(from_dict(copy.deepcopy(tree)))
         if cfg.data.feature_cache:
@@ -177,6 +178,8 @@ def warm_one(cfg, accelerator, specs: dict) -> dict:
 @contextlib.contextmanager
 def threads(n: int):
     """torch's intra-op threads raised to ``n`` inside (the workers' cores are idle meanwhile)."""
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(max(before, n))
     try:
