@@ -12,7 +12,7 @@ from lit_fixtures import bert_dir, timm_json  # noqa: F401  (fixtures: a tiny Li
 from jobs_here import JobsHere
 from vlp.config import ConfigError
 from vlp.executors import local
-from vlp.study import runs as study_runs, tables
+from vlp.study import tables
 from vlp.study.rows import final_table
 from vlp.study.compare import run_grid
 from vlp.study.grid import parse_grid
@@ -74,7 +74,7 @@ def test_on_a_batch_scheduler_the_lit_caches_are_a_job_before_the_runs(study_sha
 
     here = JobsHere()
     monkeypatch.setattr(batch, "scheduler_of", lambda grid: Slurm(grid.slurm, cwd=tmp_path, run=here))
-    monkeypatch.setattr(study_runs, "warm_caches", lambda *a: pytest.fail("the driver built the caches itself"))
+    monkeypatch.setattr(local, "warm_caches", lambda *a: pytest.fail("the driver built the caches itself"))
     out = tmp_path / "map"
     lit = _grid(out, timm_json, bert_dir).regimes["lit"]["set"]
     grid = parse_grid({"losses": ["infonce"], "batch_per_device": [8], "seeds": [0], "optimizers": ["adamw"],

@@ -315,6 +315,28 @@ def set_dotted(tree: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{a: {b: 1}, 'c.d': 2} -> {'a.b': 1, 'c.d': 2} (overrides may come nested from the CLI)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def stale_key(saved: dict, current: dict) -> Optional[str]:
+    """First dotted key whose value differs between a run's saved config and the current one, but
+    for the keys that do not change results (their resume rule); keys only one side has are
+    ignored: a field added to Config later keeps old runs valid."""
+    a, b = flatten(saved), flatten(current)
+    for key in sorted(set(a) & set(b)):
+        if (key not in KEYS or KEYS[key].resume.results) and a[key] != b[key]:
+            return f"{key}: {a.get(key)!r} then, {b.get(key)!r} now"
+    return None
+
+
 def load_yaml(text: str, source: str = "config") -> Any:
     """Parse YAML like yaml.safe_load, but a mapping with a duplicate key is a ConfigError
     '<source>: duplicate key 'lr' on line 9 (first on line 4)' (for config, suite and compare files)."""

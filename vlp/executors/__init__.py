@@ -1,7 +1,8 @@
-"""Where a grid's runs run (docs/design.md, The map): the study decides what runs next and hands
-an executor its Jobs; the executor runs each one (vlp.study.runs.train_job) in this process or
-local worker processes (vlp.executors.local), or as a batch scheduler's job (vlp.executors.batch;
-SLURM: vlp.executors.slurm). The study imports only this module; the table is the same either way.
+"""Where a grid's runs run (docs/design.md, Studies): the study decides what runs next and hands
+an executor its Jobs, each with its work (vlp.study.runs.train_job); the executor runs them in this
+process or local worker processes (vlp.executors.local), or as a batch scheduler's jobs
+(vlp.executors.batch; SLURM: vlp.executors.slurm). The study imports only this module, and
+nothing here imports the study; the table is the same either way.
 
     with executor_of(grid, acc) as ex:
         ex.warm(bases)                           # each (data set, regime)'s feature caches, first

@@ -21,10 +21,10 @@ from typing import Callable, Optional, Protocol
 from vlp.checkpoint.storage import RunFolder
 from vlp.config import ConfigError, from_dict
 from vlp.experiment import check
+from vlp.locations import join
 from vlp.executors.jobfiles import (SPEC_FILE, folder_name, has_result, job_name, live_id, read_record, spec_changed,
                                 submissions, unrecorded, write_record, write_spec, write_submissions)
 from vlp.executors.jobstate import CONFIG_ERROR_EXIT, PENDING, RUNNING, Job, JobState
-from vlp.study.runs import run_dir
 from vlp.train.preempt import Preempted
 
 POLL_FAILURES = 5  # failed polls in a row before the driver gives up (its jobs run on)
@@ -116,7 +116,7 @@ class BatchExecutor:
             if cfg.data.feature_cache in (None, "memory"):
                 continue
             name = "_".join(["warm", *(part for part in table if part)])
-            cfg.train.output_dir = run_dir(self.grid.out_dir, name)
+            cfg.train.output_dir = join(self.grid.out_dir, name)
             job = Job(SimpleNamespace(name=name, arm=SimpleNamespace(regime=table[1])), cfg, specs,
                       self.grid.retries, warm=True)
             self.warmups[table] = Track(job, RunFolder(cfg.train.output_dir), table)

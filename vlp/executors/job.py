@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 from vlp.checkpoint.storage import RunFolder
 from vlp.config import ConfigError, from_dict
-from vlp.executors.jobfiles import SPEC_FILE
+from vlp.executors.jobfiles import SPEC_FILE, work_named
 from vlp.executors.jobstate import CONFIG_ERROR_EXIT, Job
 
 
@@ -32,7 +32,8 @@ def read_job(folder: str):
         raise ConfigError(f"job: cannot read {str(folder).rstrip('/')}/{SPEC_FILE}: {e}") from None
     cfg = check(from_dict(copy.deepcopy(spec["config"])))
     return Job(SimpleNamespace(name=spec["run"]), cfg, spec.get("specs"), retries=0,
-               keep_checkpoints=spec.get("keep_checkpoints", True), warm=spec.get("warm", False))
+               keep_checkpoints=spec.get("keep_checkpoints", True), warm=spec.get("warm", False),
+               work=work_named(spec.get("work")))
 
 
 def main(argv: list[str]) -> int:

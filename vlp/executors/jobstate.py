@@ -4,7 +4,7 @@ a Job (one run to execute) and a JobState (a scheduler's job as the driver sees 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "failed"
 CONFIG_ERROR_EXIT = 2  # vlp.executors.job's exit status for a config error: the driver does not retry it
@@ -14,8 +14,9 @@ CONFIG_ERROR_EXIT = 2  # vlp.executors.job's exit status for a config error: the
 class Job:
     """One run to execute, picklable: its run (name, arm) and config, the val / test specs it is
     ranked on (None: trained only), the grid's retries and checkpoint policy; ``index``: its
-    1-based place among its grid's runs (the progress line); ``warm``: a (data set, regime)'s
-    feature-cache warm-up instead of a run (vlp.study.runs.train_job runs either)."""
+    1-based place among its grid's runs (the progress line); ``work``: what runs it, a module-level
+    ``work(job, accelerator)`` (vlp.study.runs.train_job; a scheduler's job finds it by name);
+    ``warm``: a (data set, regime)'s feature-cache warm-up instead of a run (no work of its own)."""
 
     run: Any
     cfg: Any
@@ -24,6 +25,7 @@ class Job:
     keep_checkpoints: bool = True
     index: int = 0
     warm: bool = False
+    work: Optional[Callable] = None
 
 
 @dataclass(frozen=True)

@@ -9,28 +9,59 @@ independent run, so the results do not depend on the number of workers, only the
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
+import json
 import multiprocessing
 import os
 import signal
 import sys
+import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Optional
 
-from vlp.config import global_batch, steps_for
+from vlp.checkpoint.storage import RunFolder
+from vlp.config import from_dict, global_batch, steps_for
 from vlp.executors.jobstate import Job
-from vlp.study import runs
-from vlp.train.preempt import SIGNALS, GridStop, Preemption, grid_stopped, stop_if_asked
+from vlp.experiment import check
+from vlp.train.preempt import SIGNALS, GridStop, Preempted, Preemption, grid_stopped, stop_if_asked
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def run_job(job: Job, accelerator=None) -> dict:
-    """One job in this process (vlp.study.runs.train_job); its record. A worker process uses one
-    Accelerator of its own for all its runs. A Ctrl-C that came before: no run, KeyboardInterrupt."""
+    """One job in this process (its work, or its caches: warm_one); its record. A worker process
+    uses one Accelerator of its own for all its runs. A Ctrl-C that came before: no run."""
     stop_if_asked()
-    return runs.train_job(job, accelerator or _process_accelerator())
+    return run_one(job, accelerator or _process_accelerator(), warm_one if job.warm else job.work)
+
+
+def run_one(job: Job, accelerator, work: Callable) -> dict:
+    """``work(job, accelerator)``, retried on exceptions up to job.retries times; writes the run's
+    record, compare.json (main process), and returns it."""
+    t0 = time.time()
+    status, error, attempts = "failed", "", 0
+    for attempts in range(1, job.retries + 2):
+        try:
+            work(job, accelerator)
+            status, error = "ok", ""
+            break
+        except Preempted:  # saved; the grid stops here and a rerun resumes this run (train.resume=latest)
+            raise
+        except Exception as e:  # noqa: BLE001 - a crashed run must not stop the grid
+            error = (f"{type(e).__name__}: {e}".splitlines() or [""])[0][:300]
+            if accelerator.is_main_process:
+                print(f"[compare] {job.run.name}: attempt {attempts} failed: {error}", flush=True)
+    record = {"status": status, "error": error, "attempts": attempts, "wall_time_s": time.time() - t0}
+    if accelerator.is_main_process:
+        folder = RunFolder(job.cfg.train.output_dir)  # a local folder or a bucket
+        with folder.file("compare.json") as path:
+            path.write_text(json.dumps(record, indent=2))
+        if status == "ok" and not job.keep_checkpoints:
+            folder.remove("checkpoints", tree=True)
+    accelerator.wait_for_everyone()
+    return record
 
 
 def start_resource_tracker() -> None:
@@ -99,7 +130,7 @@ class LocalExecutor:
 
     def warm(self, bases: dict) -> None:
         """The feature caches of every (data set, regime), built here before any run (warm_caches)."""
-        runs.warm_caches(bases, self.grid, self.acc)
+        warm_caches(bases, self.grid, self.acc)
 
     def __enter__(self) -> "LocalExecutor":
         return self
@@ -166,3 +197,44 @@ class LocalExecutor:
             self.pool = ProcessPoolExecutor(self.grid.workers, mp_context=multiprocessing.get_context("spawn"),
                                             initializer=start_worker, initargs=(os.getpid(),))
         return self.pool
+
+
+# ---------------------------------------------------------------------------- feature caches
+def warm_caches(bases: dict, grid, acc) -> None:
+    """Build the locked-tower feature caches (data.feature_cache) of every (data set, regime) here,
+    before any run; the runs (and worker processes, from the cache folder) only read them."""
+    import torch  # heavy: only a process that builds caches needs it
+
+    from vlp.train.feature_cache import build_caches
+
+    for tree, specs in bases.values():
+        cfg = check(from_dict(copy.deepcopy(tree)))
+        if cfg.data.feature_cache:
+            with threads(grid.workers if acc.num_processes == 1 else torch.get_num_threads()):
+                build_caches(cfg, specs, acc)
+
+
+def warm_one(job: Job, accelerator) -> dict:
+    """One (data set, regime)'s caches as a job of its own (a batch scheduler's warm-up job; its
+    folder is cfg.train.output_dir): then result.json says they are built."""
+    from vlp.train.feature_cache import build_caches
+
+    t0, cfg = time.time(), job.cfg
+    build_caches(cfg, job.specs, accelerator)
+    if accelerator.is_main_process:
+        with RunFolder(cfg.train.output_dir).file("result.json") as path:
+            path.write_text(json.dumps({"feature_cache": cfg.data.feature_cache, "warm_time_s": time.time() - t0}))
+    return {}
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """torch's intra-op threads raised to ``n`` inside (the workers' cores are idle meanwhile)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(before, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

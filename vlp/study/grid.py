@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from vlp.config import ConfigError, read_grid
+from vlp.config import ConfigError, flatten, read_grid
 from vlp.config.rules import listed
 from vlp.config.grid_keys import GridConfig
 from vlp.config.keys import OPTIMIZERS
@@ -184,14 +184,3 @@ def _check_groups(spec: GridConfig) -> None:
                 outside = [v for v in values.get(key, []) if not isinstance(v, (int, float)) or not lo <= v <= hi]
                 if outside:
                     raise ConfigError(f"config: grid.sweep_bounds.{key}=[{lo:g}, {hi:g}] excludes swept value(s) {outside}")
-
-
-def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    """{a: {b: 1}, 'c.d': 2} -> {'a.b': 1, 'c.d': 2} (overrides may come nested from the CLI)."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out

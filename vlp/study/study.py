@@ -28,7 +28,7 @@ from vlp.executors import Executor, Job, executor_of
 from vlp.study.plan import Run, arms_of, final_runs, groups_of, price_runs, select_best, sweep_runs
 from vlp.study.report import STUDY_METRICS, test_rows, write_report
 from vlp.study.rows import final_table, run_row
-from vlp.study.runs import embedded_shards, plan_runs, run_config
+from vlp.study.runs import embedded_shards, plan_runs, run_config, train_job
 from vlp.study.tuning import extension_runs, tried_settings
 from vlp.study.userdata import user_specs
 
@@ -137,7 +137,8 @@ class StudyWalk:
         acc.print(f"[compare] {len(runs)} runs ({len(runs) - len(todo)} already done) -> {out.path()}")
         if todo and not self.report_only:
             self.executor.run([Job(r, cfgs[r.name], self.bases[r.arm.table][1] if ranked else None, grid.retries,
-                                   grid.keep_checkpoints, i) for i, r in todo], total=len(runs), on_done=self.on_done)
+                                   grid.keep_checkpoints, i, work=train_job) for i, r in todo],
+                              total=len(runs), on_done=self.on_done)
         return self.rows(runs, ranked)
 
     def rows(self, runs: list[Run], ranked: bool) -> list[dict]:
