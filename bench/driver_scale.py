@@ -4,13 +4,13 @@ holding 1,000 runs in flight, by simulation (the loopback cluster holds a few jo
     OMP_NUM_THREADS=1 python bench/driver_scale.py                  # 1,000 runs, 1,000 in flight
     OMP_NUM_THREADS=1 python bench/driver_scale.py --runs 200 --quick
 
-What is real: the driver loop (vlp.study.batch.BatchExecutor: submissions, one poll per round,
+What is real: the driver loop (vlp.executors.batch.BatchExecutor: submissions, one poll per round,
 job.json / job_spec.json / compare.json in each run folder, re-attach), the SLURM scheduler class
-(vlp.study.slurm.Slurm: the sbatch line and job script it writes, the sacct call it makes and the
+(vlp.executors.slurm.Slurm: the sbatch line and job script it writes, the sacct call it makes and the
 parse of its answer) and real run configs (each Job carries a vlp Config, as the study's do). What
 is simulated: the SLURM commands themselves (`SimulatedSlurm` answers sbatch / sacct / sinfo as the
 controller would, each job pending for a few rounds, running for a few more, then writing its run
-folder's result.json and compare.json as `vlp.study.job` does) and the wait between polls (0 s).
+folder's result.json and compare.json as `vlp.executors.job` does) and the wait between polls (0 s).
 
 Figures: the driver's CPU seconds and peak RSS for the whole map, CPU per poll round with every
 run in flight, the SLURM calls it made by kind, the bytes of the largest sacct command line
@@ -35,7 +35,7 @@ from bench._common import figure, header, scratch  # noqa: E402
 
 
 class SimulatedSlurm:
-    """What slurmctld / slurmdbd would answer to the driver's commands (a `run` for vlp.study.slurm.Slurm)."""
+    """What slurmctld / slurmdbd would answer to the driver's commands (a `run` for vlp.executors.slurm.Slurm)."""
 
     def __init__(self, pending_rounds: int, running_rounds: int):
         self.pending_rounds, self.running_rounds = pending_rounds, running_rounds
@@ -57,7 +57,7 @@ class SimulatedSlurm:
         if "--test-only" in cmd:
             return ""
         job_id = str(1000 + len(self.jobs))
-        folder = Path(cmd[-1]).parent  # the job script, last (vlp.study.slurm.sbatch_args), in the run folder
+        folder = Path(cmd[-1]).parent  # the job script, last (vlp.executors.slurm.sbatch_args), in the run folder
         name = next(a.split("=", 1)[1] for a in cmd if a.startswith("--job-name="))
         self.jobs[job_id] = {"folder": folder, "name": name, "polls": 0, "state": "PENDING"}
         return f"{job_id}\n"
@@ -89,7 +89,7 @@ def jobs(out: Path, runs: int) -> list:
     from types import SimpleNamespace
 
     from vlp.config import from_dict
-    from vlp.study.executor import Job
+    from vlp.executors import Job
     from vlp.util import load_yaml
 
     base = load_yaml((Path(__file__).resolve().parent.parent / "configs" / "demo.yaml").read_text())
@@ -102,8 +102,8 @@ def jobs(out: Path, runs: int) -> list:
 
 def drive(grid, all_jobs: list, sim: SimulatedSlurm) -> tuple[float, int]:
     """One driver over `all_jobs`: (CPU seconds, runs it saw end)."""
-    from vlp.study.batch import BatchExecutor
-    from vlp.study.slurm import Slurm
+    from vlp.executors.batch import BatchExecutor
+    from vlp.executors.slurm import Slurm
 
     done = []
     cpu0 = time.process_time()
@@ -134,6 +134,8 @@ def main() -> None:
     grid = read_grid({"losses": ["infonce"], "batch_per_device": [8], "seeds": [0], "out_dir": str(out),
                       "executor": "slurm", "slurm": {"max_in_flight": runs, "poll_s": 1}})
     made = jobs(out, runs)
+    from vlp.executors import batch, slurm  # noqa: F401  (the driver's code, loaded before the baseline)
+
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
     # the first driver, killed mid-map (as by SIGKILL: nothing more is written), then a second one

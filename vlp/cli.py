@@ -121,8 +121,8 @@ def cmd_compare(args) -> int:
 
     base, grid = load_compare_config(args.config or DEFAULT_CONFIG, args.overrides, quick=args.quick, once=True)
     if args.status or args.cancel:  # the grid's scheduler jobs: nothing trains, nothing is submitted
-        from vlp.study.batch import scheduler_of
-        from vlp.study.status import cancel_study, study_status
+        from vlp.executors.batch import scheduler_of
+        from vlp.executors.status import cancel_study, study_status
 
         scheduler = scheduler_of(grid)
         print(study_status(grid, scheduler) if args.status else
@@ -130,7 +130,7 @@ def cmd_compare(args) -> int:
         return 0
     result = run_grid(base, grid, report_only=args.report_only)
     if grid.executor != "local":  # a scheduler's failed cells: the report is written, the status says so
-        from vlp.study.status import exit_on_failures
+        from vlp.executors.status import exit_on_failures
 
         line = exit_on_failures(result["sweep"] + result["final"] + result["price"])
         if line:

@@ -3,6 +3,7 @@
 - ``is_url(spec)``: it has a scheme ('s3://b/k', 'file:///d/x.tar', 'https://h/x.tar');
 - ``is_local(spec)``: it names this machine's file system (a plain path, or a 'file://' URL);
 - ``is_streamed(spec)``: it is read as a stream, not opened as a local file ('pipe:COMMAND', a URL);
+- ``join(base, name)``: ``name`` inside ``base``, a folder or a URL;
 - ``filesystem(url)``: fsspec's (filesystem, path inside it); ``has_backend`` / ``missing_backend``:
   whether the URL's scheme can be opened here, and what to install where it cannot.
 """
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 PIPE = "pipe:"  # 'pipe:COMMAND': the stdout of a shell command (vlp.data.shard_io)
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -24,6 +26,11 @@ def is_url(spec) -> bool:
 def is_local(spec) -> bool:
     """A plain path or a 'file://' URL; not a URL that fsspec reaches on another machine."""
     return not is_url(spec) or str(spec).startswith("file://")
+
+
+def join(base, name: str) -> str:
+    """``name`` inside ``base``: a path or a URL ('s3://b/grid' + 'run' -> 's3://b/grid/run')."""
+    return f"{str(base).rstrip('/')}/{name}" if is_url(base) else str(Path(base) / name)
 
 
 def is_streamed(spec: str) -> bool:

@@ -310,9 +310,9 @@ def test_compare_grid_on_slurm_in_a_bucket(s3, tiny_shards, tmp_path, monkeypatc
     tests/support/jobs_here.py): the driver writes each run's job_spec.json and job.json to the
     bucket, the job reads its spec from the run's URL and writes its run there; the job script and
     SLURM's output go to a local folder, slurm-logs/<bucket>/<path>/<run> under the working directory."""
-    from vlp.study import batch, status
+    from vlp.executors import batch, status
     from vlp.study.compare import load_compare_config, run_grid
-    from vlp.study.slurm import Slurm
+    from vlp.executors.slurm import Slurm
 
     monkeypatch.chdir(tmp_path)
     here = JobsHere()
@@ -327,7 +327,7 @@ def test_compare_grid_on_slurm_in_a_bucket(s3, tiny_shards, tmp_path, monkeypatc
     assert len(rows) == 2 and ",ok," in rows[1], rows
     assert here.submitted() == [f"{url}/infonce_b16_s0"]
     logs = tmp_path / "slurm-logs" / url[5:] / "infonce_b16_s0"
-    assert f"-m vlp.study.job {url}/infonce_b16_s0" in (logs / "job.sh").read_text()
+    assert f"-m vlp.executors.job {url}/infonce_b16_s0" in (logs / "job.sh").read_text()
     (sbatch,) = [c for c in here.calls if c[0] == "sbatch" and "--test-only" not in c]
     assert f"--output={logs}/slurm-%j.out" in sbatch and sbatch[-1] == str(logs / "job.sh")
     jobs = json.loads(s3.fs().cat_file(f"{url[5:]}/infonce_b16_s0/job.json"))["jobs"]

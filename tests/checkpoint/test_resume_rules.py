@@ -28,9 +28,9 @@ def test_the_table_is_read_from_the_declarations():
 
 
 def test_the_old_lists_are_views_of_the_table():
-    from vlp.study import runs
+    from vlp import config
 
-    assert set(runs.HARMLESS_KEYS) == {"train.resume", "train.output_dir", "train.checkpoint_every",
+    assert set(config.HARMLESS_KEYS) == {"train.resume", "train.output_dir", "train.checkpoint_every",
                                           "train.keep_last", "train.log_every", "eval.batch_size", "train.break_lock",
                                           "train.save_final"}
     assert {"model.name", "model.hf_text_dir", "model.lock_image", "model.lock_image_unlocked_groups",

@@ -1,5 +1,5 @@
-"""The batch executor's driver loop (vlp/study/batch.py, with jobfiles.py and status.py) against a
-fake scheduler, and the SLURM scheduler's pure parts (vlp/study/slurm.py): the sbatch line and script, sinfo / sacct / squeue
+"""The batch executor's driver loop (vlp/executors/batch.py, with jobfiles.py and status.py) against a
+fake scheduler, and the SLURM scheduler's pure parts (vlp/executors/slurm.py): the sbatch line and script, sinfo / sacct / squeue
 read, the settings refused. In-process and fast; the real cluster: tests/study/test_slurm_map.py."""
 import json
 import re
@@ -13,10 +13,10 @@ from vlp.checkpoint.storage import RunFolder
 from vlp.config import ConfigError, read_grid
 from vlp.study.compare import load_compare_config
 from vlp.study.grid import parse_grid
-from vlp.study import jobfiles, slurm, status
-from vlp.study.batch import BatchExecutor
-from vlp.study.jobstate import DONE, FAILED, PENDING, RUNNING, JobState
-from vlp.study.executor import Job
+from vlp.executors import jobfiles, slurm, status
+from vlp.executors.batch import BatchExecutor
+from vlp.executors.jobstate import DONE, FAILED, PENDING, RUNNING, JobState
+from vlp.executors import Job
 from vlp_testing import REPO
 
 
@@ -192,7 +192,7 @@ def test_the_sbatch_line_and_the_job_script(tmp_path):
     assert "srun --kill-on-bad-exit=1" in script and "VLP_PROCS_PER_NODE=8" in script and "ACCELERATE_USE_CPU" not in script
     one = slurm.job_script(read_grid({"losses": ["infonce"], "batch_per_device": [8], "seeds": [0]}).slurm,
                            tmp_path / "a b", "/venv/bin/python")
-    assert one.rstrip().endswith(f"exec /venv/bin/python -m vlp.study.job '{tmp_path / 'a b'}'")
+    assert one.rstrip().endswith(f"exec /venv/bin/python -m vlp.executors.job '{tmp_path / 'a b'}'")
 
 
 def test_a_failed_poll_is_one_line_and_polled_again(tmp_path, capsys):
@@ -244,7 +244,7 @@ def test_a_regime_has_job_resources_of_its_own_and_a_world_of_its_own(tmp_path):
     a, b = answers.calls
     assert {"--gpus-per-node=1", "--time=30", "--partition=gpu"} <= set(a) and "--exclusive" not in a
     assert {"--gpus-per-node=8", "--time=600", "--exclusive"} <= set(b)
-    assert (tmp_path / "a" / "job.sh").read_text().rstrip().endswith(f"-m vlp.study.job {tmp_path / 'a'}")
+    assert (tmp_path / "a" / "job.sh").read_text().rstrip().endswith(f"-m vlp.executors.job {tmp_path / 'a'}")
     assert "VLP_PROCS_PER_NODE=8" in (tmp_path / "b" / "job.sh").read_text()
     ex = BatchExecutor(grid, sched)
     assert (ex.world_of("lit"), ex.world_of("scratch")) == (1, 8)  # each run's global batch follows its job
@@ -262,7 +262,7 @@ def test_a_run_folder_in_a_bucket_keeps_its_script_and_output_in_a_local_folder(
     sched.submit(folder, "vlp-a")
     (cmd,) = answers.calls
     assert f"--output={logs}/slurm-%j.out" in cmd and cmd[-1] == str(logs / "job.sh")
-    assert (logs / "job.sh").read_text().rstrip().endswith("-m vlp.study.job s3://bucket/grid/a")
+    assert (logs / "job.sh").read_text().rstrip().endswith("-m vlp.executors.job s3://bucket/grid/a")
     elsewhere = slurm.Slurm(grid_of(tmp_path, log_dir="/shared/logs").slurm, cwd=tmp_path)
     assert elsewhere.logs(folder) == Path("/shared/logs/bucket/grid/a")
     assert elsewhere.logs(RunFolder(tmp_path / "a")) == tmp_path / "a"  # a local run folder keeps them

@@ -8,7 +8,8 @@ import yaml
 
 from vlp_testing import REPO
 from vlp.eval.keys import EVAL_KEYS
-from vlp.study import executor, plots
+from vlp.study import plots
+from vlp.study import runs as study_runs
 from vlp.study.compare import load_compare_config, run_grid
 from vlp.study.grid import parse_grid
 from vlp.config import steps_for
@@ -77,7 +78,7 @@ def test_tiny_grid_end_to_end_then_rerun_skips_everything(tiny_shards, tmp_path,
     def no_training(*args, **kwargs):
         raise AssertionError("a finished run was trained again")
 
-    monkeypatch.setattr(executor, "train_only", no_training)
+    monkeypatch.setattr(study_runs, "train_only", no_training)
     (out / "runs.csv").unlink()
     rows_again = run_grid(_base(tiny_shards), grid)["final"]
     assert rows_again == rows
@@ -110,7 +111,7 @@ def _fake_train(calls, fail=lambda cfg: False):
 
 def test_crashed_run_is_retried_once_then_recorded_and_grid_continues(tiny_shards, tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(executor, "train_only", _fake_train(
+    monkeypatch.setattr(study_runs, "train_only", _fake_train(
         calls, fail=lambda cfg: cfg.loss.name == "flatnce" and cfg.data.batch_per_device == 8))
     grid = _grid(tmp_path / "cmp")  # grid.retries unset: one retry
     rows = run_grid(_base(tiny_shards), grid)["final"]
@@ -129,7 +130,7 @@ def test_crashed_run_is_retried_once_then_recorded_and_grid_continues(tiny_shard
 
 
 def test_rerun_with_a_changed_budget_refuses_to_mix_results(tiny_shards, tmp_path, monkeypatch):
-    monkeypatch.setattr(executor, "train_only", _fake_train([]))
+    monkeypatch.setattr(study_runs, "train_only", _fake_train([]))
     grid = _grid(tmp_path / "cmp", losses=["infonce"], seeds=[0])
     run_grid(_base(tiny_shards), grid)
     with pytest.raises(ConfigError, match=r"infonce_b4_s0 was run with another config \(train.samples: 32"):
@@ -305,7 +306,7 @@ def test_a_worker_dies_with_its_parent_even_when_it_ignores_sigterm(tmp_path):
     parent = subprocess.Popen([PYTHON, "-c", (
         "import multiprocessing, os, signal, sys, time\n"
         "from concurrent.futures import ProcessPoolExecutor\n"
-        "from vlp.study.executor import die_with_parent\n"
+        "from vlp.executors.local import die_with_parent\n"
         "pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context('spawn'),\n"
         "                           initializer=die_with_parent, initargs=(os.getpid(),))\n"
         "pool.submit(signal.signal, signal.SIGTERM, signal.SIG_IGN).result()\n"

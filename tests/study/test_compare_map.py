@@ -11,7 +11,8 @@ from test_compare_study import study_shards  # noqa: F401  (fixture: tiny fit / 
 from lit_fixtures import bert_dir, timm_json  # noqa: F401  (fixtures: a tiny LiT model)
 from jobs_here import JobsHere
 from vlp.config import ConfigError
-from vlp.study import executor, tables
+from vlp.executors import local
+from vlp.study import tables
 from vlp.study.rows import final_table
 from vlp.study.compare import run_grid
 from vlp.study.grid import parse_grid
@@ -58,7 +59,7 @@ def test_tiny_map_two_regimes_workers_report_and_rerun(study_shards, tmp_path, t
     def no_training(*args, **kwargs):
         raise AssertionError("a finished run was trained again")
 
-    monkeypatch.setattr(executor, "run_job", no_training)
+    monkeypatch.setattr(local, "run_job", no_training)
     again = run_grid(base, grid)
     assert again["best"] == result["best"] and again["final"] == result["final"]
 
@@ -66,14 +67,14 @@ def test_tiny_map_two_regimes_workers_report_and_rerun(study_shards, tmp_path, t
 def test_on_a_batch_scheduler_the_lit_caches_are_a_job_before_the_runs(study_shards, tmp_path, timm_json, bert_dir,
                                                                       monkeypatch):
     """grid.executor=slurm (SLURM's commands answered here, tests/support/jobs_here.py): lit's feature
-    caches are built by a job of their own (warm_lit/, `vlp.study.job` reading its job_spec.json),
+    caches are built by a job of their own (warm_lit/, `vlp.executors.job` reading its job_spec.json),
     with the regime's resources (grid.slurm.regimes.lit), before its run's job."""
-    from vlp.study import batch
-    from vlp.study.slurm import Slurm
+    from vlp.executors import batch
+    from vlp.executors.slurm import Slurm
 
     here = JobsHere()
     monkeypatch.setattr(batch, "scheduler_of", lambda grid: Slurm(grid.slurm, cwd=tmp_path, run=here))
-    monkeypatch.setattr(executor, "warm_caches", lambda *a: pytest.fail("the driver built the caches itself"))
+    monkeypatch.setattr(local, "warm_caches", lambda *a: pytest.fail("the driver built the caches itself"))
     out = tmp_path / "map"
     lit = _grid(out, timm_json, bert_dir).regimes["lit"]["set"]
     grid = parse_grid({"losses": ["infonce"], "batch_per_device": [8], "seeds": [0], "optimizers": ["adamw"],

@@ -6,7 +6,7 @@ import pytest
 
 import forked
 from vlp_testing import REPO
-from vlp.study import executor
+from vlp.study import runs as study_runs
 from vlp.study.compare import load_compare_config, run_grid
 from vlp.study.grid import parse_grid
 from vlp.study.plan import Arm, Run, final_runs, select_best, setting_tag, settings_for, sweep_runs
@@ -115,7 +115,7 @@ def test_tiny_study_end_to_end_picks_val_best_then_rerun_skips(study_shards, tmp
     def no_training(*args, **kwargs):
         raise AssertionError("a finished run was trained again")
 
-    monkeypatch.setattr(executor, "train_and_rank", no_training)
+    monkeypatch.setattr(study_runs, "train_and_rank", no_training)
     again = run_grid(base, grid)
     assert again["best"] == result["best"] and again["final"] == finals
 

@@ -1,6 +1,6 @@
 """`vlp compare` with grid.executor=slurm on a real 2-node SLURM cluster on 127.0.0.1 with accounting
 (tests/support/slurm_cluster.py: slurmdbd on a private MariaDB), and one without: each run is one
-job (vlp/study/slurm.py, vlp/study/batch.py). A tiny plain grid (2 runs of vlp-micro) gives the
+job (vlp/executors/slurm.py, vlp/executors/batch.py). A tiny plain grid (2 runs of vlp-micro) gives the
 local executor's runs.csv, and a tiny tuned study its study.json; so does a map with one job
 scancelled mid-run and the other requeued underneath the driver, and one whose driver is killed
 mid-map (SIGHUP, then SIGKILL) and started again (no run submitted twice). A run on two nodes is
@@ -382,7 +382,7 @@ def test_bad_executor_settings_are_one_line_before_anything_is_submitted(cluster
 def test_a_job_is_found_by_its_name(cluster, tmp_path, monkeypatch):
     """Slurm.find: what a rerun asks when the driver died before writing a job's id (sacct here)."""
     from vlp.config.grid_keys import SlurmConfig
-    from vlp.study.slurm import Slurm
+    from vlp.executors.slurm import Slurm
 
     monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
     monkeypatch.setenv("PATH", cluster.env["PATH"])

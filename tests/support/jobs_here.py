@@ -1,6 +1,6 @@
-"""SLURM's commands answered in this process, for the SLURM scheduler class (vlp.study.slurm.Slurm)
+"""SLURM's commands answered in this process, for the SLURM scheduler class (vlp.executors.slurm.Slurm)
 with real jobs and no cluster: `sbatch` runs the job at once, here, as the job script would
-(`python -m vlp.study.job ARG`: vlp.study.job.main([ARG])), and `sacct` answers with how it exited.
+(`python -m vlp.executors.job ARG`: vlp.executors.job.main([ARG])), and `sacct` answers with how it exited.
 
     here = JobsHere()
     monkeypatch.setattr(batch, "scheduler_of", lambda grid: Slurm(grid.slurm, cwd=tmp_path, run=here))
@@ -16,14 +16,14 @@ from pathlib import Path
 
 
 class JobsHere:
-    """A `run` for vlp.study.slurm.Slurm; ``calls``: every command, ``jobs``: id -> (exit status,
+    """A `run` for vlp.executors.slurm.Slurm; ``calls``: every command, ``jobs``: id -> (exit status,
     the job's argument, its script's folder)."""
 
     def __init__(self, sinfo: str = "main*|2|(null)\n"):
         self.sinfo, self.calls, self.jobs = sinfo, [], {}
 
     def __call__(self, cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-        from vlp.study import job
+        from vlp.executors import job
 
         self.calls.append(cmd)
         out = ""
@@ -31,7 +31,7 @@ class JobsHere:
             out = self.sinfo
         elif cmd[0] == "sbatch" and "--test-only" not in cmd:
             script = Path(cmd[-1])
-            arg = shlex.split(script.read_text().strip().splitlines()[-1])[-1]  # exec PYTHON -m vlp.study.job ARG
+            arg = shlex.split(script.read_text().strip().splitlines()[-1])[-1]  # exec PYTHON -m vlp.executors.job ARG
             job_id = str(len(self.jobs) + 1)
             self.jobs[job_id] = (job.main([arg]), arg, script.parent)
             out = f"{job_id}\n"

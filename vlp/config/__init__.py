@@ -165,6 +165,8 @@ def declared_keys(cls: type, prefix: str = "") -> Iterator[ConfigKey]:
 
 KEYS: dict[str, ConfigKey] = {k.name: k for k in declared_keys(Config)}
 """Every config key in section order, e.g. KEYS["data.batch_per_device"].rule."""
+HARMLESS_KEYS = tuple(name for name, k in KEYS.items() if not k.resume.results)
+"""Keys that may change between a finished run and a rerun without making it stale (stale_key)."""
 
 RULES: dict[str, Rule] = {name: k.rule for name, k in KEYS.items()}
 """What each key accepts: the validation table, read from the fields."""
@@ -313,6 +315,28 @@ def set_dotted(tree: dict, key: str, value: Any) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"config: override '{key}': '{part}' is not a section")
     node[parts[-1]] = value
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{a: {b: 1}, 'c.d': 2} -> {'a.b': 1, 'c.d': 2} (overrides may come nested from the CLI)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def stale_key(saved: dict, current: dict) -> Optional[str]:
+    """First dotted key whose value differs between a run's saved config and the current one, but
+    for HARMLESS_KEYS; keys only one side has are ignored: a field added to Config later keeps
+    old runs valid."""
+    a, b = flatten(saved), flatten(current)
+    for key in sorted(set(a) & set(b)):
+        if key not in HARMLESS_KEYS and a[key] != b[key]:
+            return f"{key}: {a.get(key)!r} then, {b.get(key)!r} now"
+    return None
 
 
 def load_yaml(text: str, source: str = "config") -> Any:

@@ -111,7 +111,7 @@ class SlurmResources:
 
 @dataclass
 class SlurmConfig(SlurmResources):
-    """`grid.slurm:` the resources of each run's SLURM job (grid.executor: slurm; vlp/study/slurm.py),
+    """`grid.slurm:` the resources of each run's SLURM job (grid.executor: slurm; vlp/executors/slurm.py),
     a regime's own where grid.slurm.regimes gives them, checked against the cluster (sinfo) before
     any job is submitted; and how the driver watches them."""
 
@@ -209,6 +209,6 @@ class GridConfig:
     executor: Literal["local", "slurm"] = key("local", ANY, PLAN)
     """Where the runs run: local (this process, or grid.workers worker processes) or slurm (each
     run one SLURM job with the resources of grid.slurm, or of its regime in grid.slurm.regimes;
-    vlp/study/slurm.py). The table is the same."""
+    vlp/executors/slurm.py). The table is the same."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     """grid.executor=slurm: each run's job resources (SlurmConfig)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from vlp.config import ConfigError, read_grid
+from vlp.config import ConfigError, flatten, read_grid
 from vlp.config.rules import listed
 from vlp.config.grid_keys import GridConfig
 from vlp.config.keys import OPTIMIZERS
@@ -68,6 +68,11 @@ def parse_grid(raw: Any) -> GridConfig:
     return spec
 
 
+def settable(key) -> bool:
+    """A dotted run key that a sweep or a regime may set: not one the grid sets, not the optimizer."""
+    return key not in SET_BY_GRID and key != "optim.name" and "." in str(key)
+
+
 def _check_sweep(sweep: dict, where: str) -> bool:
     """A sweep: dotted key -> values, or optimizer -> such a map; True for the latter."""
     per_optim = any(isinstance(v, dict) for v in sweep.values())
@@ -78,7 +83,7 @@ def _check_sweep(sweep: dict, where: str) -> bool:
         if not isinstance(table, dict):
             raise ConfigError(f"config: {at} must map dotted keys to lists of values, got {table!r}")
         for key, values in table.items():
-            if key in SET_BY_GRID or key == "optim.name" or "." not in str(key):
+            if not settable(key):
                 raise ConfigError(f"config: {at}.{key}: not a sweepable key (set by the grid, or not dotted)")
             if not isinstance(values, list) or not values or len(values) != len(set(map(repr, values))):
                 raise ConfigError(f"config: {at}.{key} must be a non-empty list without duplicates, got {values!r}")
@@ -104,7 +109,7 @@ def _parse_regimes(raw: Any) -> dict[str, dict]:
         sweep = table.pop("sweep", None)
         sets = flatten(table)
         for key in sets:
-            if key in SET_BY_GRID or key == "optim.name" or "." not in key:
+            if not settable(key):
                 raise ConfigError(f"config: grid.regimes.{name}.{key}: set by the grid, or not a dotted key")
         if sweep is not None:
             where = f"grid.regimes.{name}.sweep"
@@ -179,14 +184,3 @@ def _check_groups(spec: GridConfig) -> None:
                 outside = [v for v in values.get(key, []) if not isinstance(v, (int, float)) or not lo <= v <= hi]
                 if outside:
                     raise ConfigError(f"config: grid.sweep_bounds.{key}=[{lo:g}, {hi:g}] excludes swept value(s) {outside}")
-
-
-def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    """{a: {b: 1}, 'c.d': 2} -> {'a.b': 1, 'c.d': 2} (overrides may come nested from the CLI)."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out

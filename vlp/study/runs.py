@@ -1,39 +1,28 @@
-"""One run of a grid or a study: its config, whether it is already done, running it (with
-retries), and the embedded data both use.
-
-The run room: vlp.study.executor runs many of these (in this process or in worker processes);
-vlp.study.compare (the plain grid) and vlp.study.study (the tuned study) drive it.
+"""One run of a grid or a study: its config, whether it is already done, what running it does
+(`train_job`, a Job's work: an executor in vlp.executors calls it where it decides, with the
+grid's retries), and the embedded data the runs use.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import time
 from pathlib import Path
 from typing import Callable, Optional
 
 import yaml
 
-from vlp.config import Config, ConfigError, from_dict, global_batch, set_dotted, steps_for
-
+from vlp.config import Config, ConfigError, from_dict, global_batch, set_dotted, stale_key, steps_for
 from vlp.experiment import check
-from vlp.locations import is_url
+from vlp.locations import join
 from vlp.checkpoint.storage import RunFolder
-from vlp.study.grid import flatten
-from vlp.checkpoint import resume as resume_rules
-from vlp.train.preempt import Preempted
-
-# Keys that may change between a finished run and a rerun without making the run stale: the
-# resume rules table's keys that do not change results (vlp.checkpoint.resume.RESUME_RULES).
-HARMLESS_KEYS = tuple(k for k, rule in resume_rules.RESUME_RULES.items() if not rule.results)
+from vlp.train.preempt import stop_if_asked
 
 
 def run_config(base: dict, grid, run, world: int = 1) -> Config:
     """The Trainer config of one run: base + per-loss overrides + the grid's coordinates."""
     tree = copy.deepcopy(base)
     sets = {**dict(run.overrides), "loss.name": run.arm.loss, "data.batch_per_device": run.arm.batch_per_device,
-            "train.seed": run.seed, "train.output_dir": run_dir(grid.out_dir, run.name),
+            "train.seed": run.seed, "train.output_dir": join(grid.out_dir, run.name),
             "train.resume": "latest"}  # an unfinished run continues from its last checkpoint
     for key, value in sets.items():
         set_dotted(tree, key, value)
@@ -57,21 +46,6 @@ def run_config(base: dict, grid, run, world: int = 1) -> Config:
     return check(cfg)
 
 
-def run_dir(out_dir: str, name: str) -> str:
-    """The folder of run `name` in a grid's out_dir (a path, or a URL: s3://b/grid/run)."""
-    return f"{str(out_dir).rstrip('/')}/{name}" if is_url(out_dir) else str(Path(out_dir) / name)
-
-
-def stale_key(saved: dict, current: dict) -> Optional[str]:
-    """First dotted key whose value differs between a run's saved config and the current one
-    (keys only one side has are ignored: a field added to Config later keeps old runs valid)."""
-    a, b = flatten(saved), flatten(current)
-    for key in sorted(set(a) & set(b)):
-        if key not in HARMLESS_KEYS and a[key] != b[key]:
-            return f"{key}: {a.get(key)!r} then, {b.get(key)!r} now"
-    return None
-
-
 def plan_runs(runs: list, cfgs: dict[str, Config], out: RunFolder, items: bool = False) -> tuple[list[bool], str]:
     """(done flag per run, error) of the runs in `out` (a local folder or a bucket); a run folder
     written under another config is an error, so results of two configs are never mixed in one
@@ -91,31 +65,36 @@ def plan_runs(runs: list, cfgs: dict[str, Config], out: RunFolder, items: bool =
     return done, ""
 
 
-def run_one(run, cfg: Config, accelerator, train: Callable, retries: int = 1, keep_checkpoints: bool = True) -> dict:
-    """Train + eval one run (``train(cfg, accelerator)``), retrying on exceptions; writes
-    compare.json (main). Returns its record."""
-    t0 = time.time()
-    status, error, attempts = "failed", "", 0
-    for attempts in range(1, retries + 2):
-        try:
-            train(cfg, accelerator)
-            status, error = "ok", ""
-            break
-        except Preempted:  # saved; the grid stops here and a rerun resumes this run (train.resume=latest)
-            raise
-        except Exception as e:  # noqa: BLE001 - a crashed run must not stop the grid
-            error = (f"{type(e).__name__}: {e}".splitlines() or [""])[0][:300]
-            if accelerator.is_main_process:
-                print(f"[compare] {run.name}: attempt {attempts} failed: {error}", flush=True)
-    record = {"status": status, "error": error, "attempts": attempts, "wall_time_s": time.time() - t0}
-    if accelerator.is_main_process:
-        folder = RunFolder(cfg.train.output_dir)  # a local folder or a bucket
-        with folder.file("compare.json") as path:
-            path.write_text(json.dumps(record, indent=2))
-        if status == "ok" and not keep_checkpoints:
-            folder.remove("checkpoints", tree=True)
-    accelerator.wait_for_everyone()
-    return record
+def train_job(job, accelerator) -> dict:
+    """A run's work (vlp.executors.Job.work): train it, and rank its val / test items where
+    job.specs names them; the Trainer's result."""
+    if job.specs is None:
+        return train_only(job.cfg, accelerator)
+    return train_and_rank(job.cfg, accelerator, job.specs)
+
+
+def train_only(cfg, accelerator) -> dict:
+    from vlp.train.loop import Trainer  # heavy (open_clip, the models); imported when a run starts
+
+    return trained(lambda: Trainer(cfg, accelerator=accelerator), accelerator)
+
+
+def train_and_rank(cfg, accelerator, specs: dict[str, str]) -> dict:
+    """Train one run and rank its val and test items at every budget point (train.eval_every)
+    and at the end: eval_points.json and eval_items.json (vlp.study.ranking)."""
+    from vlp.study.ranking import RankingTrainer  # heavy (the Trainer, open_clip): a run needs it
+
+    return trained(lambda: RankingTrainer(cfg, accelerator=accelerator, specs=specs), accelerator)
+
+
+def trained(build: Callable, accelerator) -> dict:
+    """``build()``'s trainer trained; no run when a stop came while it was built (GridStop)."""
+    try:
+        trainer = build()
+        stop_if_asked()
+        return trainer.train()
+    finally:
+        accelerator.free_memory()  # drop the prepared model/optimizer before the next run
 
 
 def embedded_shards(base: dict, acc, splits: tuple[str, ...], root: Path) -> Optional[dict[str, str]]:

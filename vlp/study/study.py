@@ -1,30 +1,12 @@
-"""The driver of `vlp compare`: it decides which runs run next; an Executor (vlp.study.executor)
-runs them. A plain grid is a study with no sweep and no seeds rule: every arm's one setting (the
-base config) with each seed, trained and evaluated by the Trainer (data.eval_shards). A tuned
-study (grid.sweep) tunes every arm with the same budget, selects on val, reports on test:
+"""The driver of `vlp compare`: it decides which runs run next, and an executor (vlp.executors)
+runs them where grid.executor says. A plain grid is a study with no sweep and no seeds rule: every
+arm's one setting with each seed, evaluated by the Trainer. A tuned study (grid.sweep): sweep,
+extend at the edges (vlp.study.tuning) and select on val, final seeds, more seeds where a verdict is
+open (vlp.study.adaptive), price runs, report on test (docs/map.md tells each step).
 
-    arm      = data set × regime × loss × optimizer × per-GPU batch (vlp.study.plan.Arm)
-    sweep    = the same settings grid for every arm (per optimizer: an AdamW lr range is not a
-               LARS one; per regime if it has its own), run with grid.seeds: val metric per setting
-    select   = per arm, the setting with the best mean val metric over those seeds
-    extend   = grid.sweep_bounds: an arm selected at an edge gets the next value beyond it (x3, /3)
-               with the same seeds, and is selected again, until interior or at a bound
-    datasets = grid.datasets: every (data set, regime) is its own table, on that set's fit/val/test
-               (a packaged set, or your own shards: vlp.study.userdata)
-    points   = grid.budget_points: val and test ranked at evenly spaced points of every run
-    final    = the selected setting per arm with grid.final_seeds (a sweep run with the same
-               setting and seed is reused, not rerun): test metrics
-    seeds    = grid.seeds_until: a paired Δ still open after the final seeds gets more seeds, up
-               to a maximum (vlp.study.adaptive; every interval corrected for the planned looks)
-    price    = grid.accum_price: the batch b·k as k accumulated micro-batches of b, timed
-    report   = study.md (sweep, final, verdicts, the map, cost), study.json and the figures
-
-vlp.study.plan says which runs (pure), vlp.study.executor runs them, vlp.study.rows / report
-report them; this module walks the steps. Runs: <out_dir>/<Run.name>/ (Trainer files; a tuned study's also eval_items.json, the 1-based rank
-of every val and test query in both directions, from which all its metrics and bootstraps are
-computed). Reruns skip done runs (result.json, and eval_items.json where ranked).
-Data: data.train_shards 'openmoji' trains on the OpenMoji 'fit' names, selects on 'val' and reports
-on 'test' (= the demo's held-out 'eval' names; vlp/data/sources/openmoji.py).
+vlp.study.plan says which runs (pure), vlp.study.runs what a run does, vlp.study.rows / report
+report them; this module walks the steps. Reruns skip done runs (result.json, and eval_items.json
+where ranked).
 """
 
 from __future__ import annotations
@@ -41,13 +23,12 @@ from vlp.config import ConfigError, set_dotted
 from vlp.data.shard_list import sizes_from_spec
 from vlp.distributed import broadcast_object
 from vlp.data.sources import parse_packaged
-from vlp.study.batch import executor_of
 from vlp.study.adaptive import more_seed_runs, open_arms, seeds_of_look, sizes_of
-from vlp.study.executor import Executor, Job
+from vlp.executors import Executor, Job, executor_of
 from vlp.study.plan import Run, arms_of, final_runs, groups_of, price_runs, select_best, sweep_runs
 from vlp.study.report import STUDY_METRICS, test_rows, write_report
 from vlp.study.rows import final_table, run_row
-from vlp.study.runs import embedded_shards, plan_runs, run_config
+from vlp.study.runs import embedded_shards, plan_runs, run_config, train_job
 from vlp.study.tuning import extension_runs, tried_settings
 from vlp.study.userdata import user_specs
 
@@ -156,7 +137,8 @@ class StudyWalk:
         acc.print(f"[compare] {len(runs)} runs ({len(runs) - len(todo)} already done) -> {out.path()}")
         if todo and not self.report_only:
             self.executor.run([Job(r, cfgs[r.name], self.bases[r.arm.table][1] if ranked else None, grid.retries,
-                                   grid.keep_checkpoints, i) for i, r in todo], total=len(runs), on_done=self.on_done)
+                                   grid.keep_checkpoints, i, work=train_job) for i, r in todo],
+                              total=len(runs), on_done=self.on_done)
         return self.rows(runs, ranked)
 
     def rows(self, runs: list[Run], ranked: bool) -> list[dict]:
@@ -202,7 +184,7 @@ def run_study(base: dict, bases: dict, grid, acc, report_only: bool = False) -> 
     runs in the same order; with grid.workers > 1 (one process) runs go to worker processes.
     `bases`: regime_bases(base, grid, acc)."""
     plain = {arm: () for arm in arms_of(grid)} if not grid.sweep else None
-    with executor_of(grid, acc) as executor:  # local, or a scheduler's jobs (vlp.study.batch)
+    with executor_of(grid, acc) as executor:  # local, or a scheduler's jobs (vlp.executors.batch)
         if grid.sweep and not report_only:  # here, or a job per (data set, regime) before its runs
             executor.warm(bases)
         walk = StudyWalk(grid, acc, bases, executor, report_only)

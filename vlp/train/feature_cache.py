@@ -247,6 +247,21 @@ def obtain(key: str, folder: Optional[str], build: Callable[[], dict], names: tu
 
 
 # ----------------------------------------------------------------------------- entry points
+def build_caches(cfg, specs: dict, acc) -> None:
+    """A config's caches built ahead of its runs: its training shards' stem outputs (every rank)
+    and its eval sets' (``specs``: {split: shard spec}; main process)."""
+    from vlp.data.train_data import TrainData  # heavy (the loader), as the model below
+    from vlp.models.model import build_model
+
+    model, tokenizer, transform, eval_t = build_model(cfg.model, cfg.loss, data_cfg=cfg.data)
+    plan = TrainData(cfg, transform, tokenizer, acc.process_index, acc.num_processes).loader.plan
+    training_features(cfg, model, transform, tokenizer, plan, acc.device)  # collective: every rank
+    if acc.is_main_process:
+        folder = None if cfg.data.feature_cache == "memory" else cfg.data.feature_cache
+        for spec in specs.values():
+            retrieval_features(model, tokenizer, eval_t, spec, acc.device, cfg.eval.batch_size, folder)
+    acc.wait_for_everyone()
+
 
 def training_features(cfg, model, transform, tokenizer, plan, device) -> FeatureCache:
     """The training cache of `cfg.data.feature_cache` ("memory" or a folder) for the stream's

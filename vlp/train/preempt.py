@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -38,6 +39,7 @@ MARKER_ENV = "VLP_PREEMPT_MARKER"
 HUNG_UP = 129  # 128 + SIGHUP, as a shell reports it
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 STOPPED = {"SIGINT": "interrupted", "SIGHUP": "hung up"}  # the user's stops; the rest: "preempted"
+_GRID_STOP: list = []  # this process's stop watch while it runs a grid's runs (GridStop)
 
 
 def nohup() -> bool:
@@ -231,3 +233,42 @@ def exit_status(env=None, unlaunched: int = EXIT_PREEMPTED) -> int:
     the module docstring)."""
     env = os.environ if env is None else env
     return 0 if env.get(MARKER_ENV) and env.get("TORCHELASTIC_RUN_ID") else unlaunched
+
+
+class GridStop:
+    """A stop signal (Ctrl-C, SIGTERM, SIGUSR1) around a grid's runs, in the process that runs them
+    (`vlp compare`, or each local worker for its life). Inside a run's loop the Trainer takes it;
+    elsewhere (a run's start-up or final evaluation, between runs) it would be lost or kill the
+    process, so the signals only set a flag here and `stop_if_asked` raises where stopping loses
+    nothing: before a run, once its Trainer is built, after a run."""
+
+    def __enter__(self) -> Preemption:
+        stop = Preemption().install()
+        _GRID_STOP.append(stop)
+        return stop
+
+    def __exit__(self, *exc) -> None:
+        stop = _GRID_STOP.pop()
+        if stop.holds(signal.SIGINT):
+            stop.uninstall()
+        # else a run stopped for a Ctrl-C: its watch goes on counting (a second one exits at once)
+
+
+def stop_if_asked() -> None:
+    """Raise `grid_stopped` when a stop signal reached this process since its grid began (GridStop;
+    a run's own SIGINT handler left in place counts as asked)."""
+    if not _GRID_STOP or threading.current_thread() is not threading.main_thread():
+        return
+    stop = _GRID_STOP[-1]
+    if stop.requested or not stop.holds(signal.SIGINT):
+        raise grid_stopped(stop)
+
+
+def grid_stopped(stop: Preemption) -> BaseException:
+    """What a grid stopped between runs raises: KeyboardInterrupt for a Ctrl-C (exit 130), else
+    Preempted with one line saying that the finished runs are kept (exit 75)."""
+    if stop.received in (None, signal.SIGINT):  # None: a run's own handler took the Ctrl-C
+        return KeyboardInterrupt()
+    status, stopped = (HUNG_UP, "hung up") if stop.received == signal.SIGHUP else (EXIT_PREEMPTED, "preempted")
+    return Preempted(0, signame=stop.signame, status=status, line=(
+        f"{stopped} ({stop.signame}) between runs; the finished runs are kept: run the same command again to go on"))

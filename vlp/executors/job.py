@@ -1,15 +1,10 @@
-"""One run of a grid inside a scheduler's job (vlp.study.batch): what `vlp compare` would have run
-in its own process, from the run folder's job_spec.json.
+"""One run of a grid inside a scheduler's job (vlp.executors.batch), from its folder's job_spec.json:
 
-    python -m vlp.study.job RUN_FOLDER                       # one CPU process (1 node, 0 GPUs); or s3://b/grid/run
-    python -m accelerate.commands.launch ... -m vlp.study.job RUN_FOLDER   # per node, as launch/slurm.sbatch
+    python -m vlp.executors.job RUN_FOLDER      # or s3://b/grid/run; per node under accelerate launch
 
-It trains (and ranks) the run once (vlp.study.executor.run_job, no retry here: the driver
-resubmits a failed job), writing result.json and compare.json as a local run does. A folder whose
-job_spec.json says "warm" is a (data set, regime)'s feature-cache warm-up instead: it builds the
-caches of data.feature_cache (vlp.study.executor.warm_one) and writes the same two files. Exit status:
-0 done, 1 failed (compare.json says why), 2 a config error (not retried), a preemption's own
-status (saved; the driver resubmits and the run resumes from its checkpoint).
+It runs the job once (vlp.executors.local.run_job, no retry: the driver resubmits), writing
+result.json and compare.json as a local run does. Exit status: 0 done, 1 failed (compare.json
+says why), 2 a config error (not retried), a preemption's own status (the run resumes).
 """
 
 from __future__ import annotations
@@ -21,15 +16,14 @@ from types import SimpleNamespace
 
 from vlp.checkpoint.storage import RunFolder
 from vlp.config import ConfigError, from_dict
-from vlp.study.jobfiles import SPEC_FILE
-from vlp.study.jobstate import CONFIG_ERROR_EXIT
+from vlp.executors.jobfiles import SPEC_FILE, work_named
+from vlp.executors.jobstate import CONFIG_ERROR_EXIT, Job
 
 
 def read_job(folder: str):
     """The Job of job_spec.json in ``folder`` (a path, or a URL: s3://b/grid/run; written by
-    vlp.study.jobfiles.write_spec), its config checked."""
+    vlp.executors.jobfiles.write_spec), its config checked."""
     from vlp.experiment import check
-    from vlp.study.executor import Job
 
     try:
         run = RunFolder(folder)
@@ -38,17 +32,18 @@ def read_job(folder: str):
         raise ConfigError(f"job: cannot read {str(folder).rstrip('/')}/{SPEC_FILE}: {e}") from None
     cfg = check(from_dict(copy.deepcopy(spec["config"])))
     return Job(SimpleNamespace(name=spec["run"]), cfg, spec.get("specs"), retries=0,
-               keep_checkpoints=spec.get("keep_checkpoints", True), warm=spec.get("warm", False))
+               keep_checkpoints=spec.get("keep_checkpoints", True), warm=spec.get("warm", False),
+               work=work_named(spec.get("work")))
 
 
 def main(argv: list[str]) -> int:
     from accelerate import Accelerator
 
-    from vlp.study.executor import run_job
+    from vlp.executors.local import run_job
     from vlp.train.preempt import Preempted
 
     if len(argv) != 1:
-        print("usage: python -m vlp.study.job RUN_FOLDER", file=sys.stderr)
+        print("usage: python -m vlp.executors.job RUN_FOLDER", file=sys.stderr)
         return CONFIG_ERROR_EXIT
     try:
         job = read_job(argv[0])

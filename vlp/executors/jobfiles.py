@@ -1,37 +1,47 @@
-"""What a run folder holds for a scheduler's job (vlp.study.batch), and the one reader and writer
+"""What a run folder holds for a scheduler's job (vlp.executors.batch), and the one reader and writer
 of each file, through the run folders' storage (vlp.checkpoint.storage.RunFolder: a local folder,
 or a bucket for grid.out_dir s3://... / gs://...):
 
-    job_spec.json   what the job runs: the run's name, config, val / test specs, and "warm": true for
-                    a (data set, regime)'s feature-cache warm-up (vlp.study.job reads it)
+    job_spec.json   what the job runs: the run's name, config, val / test specs, its work by name
+                    ("vlp.study.runs:train_job"), or "warm": true for a (data set, regime)'s
+                    feature-cache warm-up (vlp.executors.job reads it)
     job.json        every job submitted for the run: {"name", "submitted", then "id", and once it
                     ended "state", "reason", "ended"}; the last one without "state" is in flight
-    compare.json    the run's record (vlp.study.runs.run_one; a job that ended without one gets a
+    compare.json    the run's record (vlp.executors.local.run_one; a job that ended without one gets a
                     failed record from the driver once its retries are spent)
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 from pathlib import Path
 from typing import Optional
 
 from vlp.checkpoint.storage import RunFolder
-from vlp.config import ConfigError
-from vlp.study.runs import stale_key
+from vlp.config import ConfigError, stale_key
 
 SPEC_FILE = "job_spec.json"
 JOBS_FILE = "job.json"
-RECORD_FILE = "compare.json"  # vlp.study.runs.run_one's record: what the report reads
-RESULT_FILE = "result.json"  # the Trainer's (a warm-up's: vlp.study.executor.warm_one): the run is done
+RECORD_FILE = "compare.json"  # vlp.executors.local.run_one's record: what the report reads
+RESULT_FILE = "result.json"  # the Trainer's (a warm-up's: vlp.executors.local.warm_one): the run is done
 
 
 def write_spec(folder: RunFolder, job) -> None:
-    """job_spec.json: what the job runs (vlp.study.job), from a vlp.study.executor.Job."""
+    """job_spec.json: what the job runs (vlp.executors.job), from a vlp.executors.Job."""
+    work = f"{job.work.__module__}:{job.work.__qualname__}" if job.work else None
     spec = {"run": job.run.name, "config": job.cfg.to_dict(), "specs": job.specs,
-            "keep_checkpoints": job.keep_checkpoints, "warm": job.warm}
+            "keep_checkpoints": job.keep_checkpoints, "warm": job.warm, "work": work}
     folder.write_bytes(SPEC_FILE, json.dumps(spec, indent=1).encode())
+
+
+def work_named(name: Optional[str]):
+    """The function a job_spec.json names as its work ('module:function' in vlp), or None."""
+    module, _, function = (name or "").partition(":")
+    if not name or not module.startswith("vlp."):
+        return None
+    return getattr(importlib.import_module(module), function)
 
 
 def read_json(folder: RunFolder, name: str) -> Optional[dict]:
@@ -45,7 +55,7 @@ def read_json(folder: RunFolder, name: str) -> Optional[dict]:
 
 def spec_changed(folder: RunFolder, job) -> Optional[str]:
     """The first key whose value differs between a job in flight's job_spec.json and the run's
-    config now (vlp.study.runs.stale_key), else None: a rerun re-attaches only to what it would submit."""
+    config now (vlp.config.stale_key), else None: a rerun re-attaches only to what it would submit."""
     saved = read_json(folder, SPEC_FILE)
     if not isinstance(saved, dict) or "config" not in saved:
         return None

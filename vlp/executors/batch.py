@@ -1,37 +1,11 @@
-"""A grid's runs as jobs of a batch scheduler (SLURM today; Ray or Kubernetes would be another
-`Scheduler`): the driver loop that submits, watches and resubmits them, and what it keeps in the
-run folders, from which a rerun re-attaches.
+"""A grid's runs as jobs of a batch scheduler (grid.executor: slurm; Ray or Kubernetes would be
+another `Scheduler`): the driver loop that submits, polls and resubmits them. It holds nothing but
+the run folders' files (vlp.executors.jobfiles), so a rerun re-attaches to the jobs in flight and
+submits no run twice; docs/map.md, "The map on a cluster", tells the whole behaviour.
 
-    with BatchExecutor(grid, scheduler) as ex:        # vlp.study.study runs it as any Executor
-        ex.run([Job(run, cfg, specs), ...], total=len(all_runs), on_done=callback)
-
-A scheduler does three things (`Scheduler`): submit one run's job, poll the states of all the
-given jobs in one call, cancel jobs (and find a job by its name, output: where its log goes).
-Everything else is the same for any scheduler: this driver loop; the run folder's files
-(vlp.study.jobfiles); `--status` / `--cancel` (vlp.study.status); what a job runs (vlp.study.job).
-
-- a run's folder holds `job_spec.json` (what the job runs: the run's config, its val / test
-  specs; vlp.study.job reads it inside the job) and `job.json` (every job submitted for the run:
-  its id, and how it ended once it did). The driver holds nothing else: killed and started again,
-  it re-attaches to the job of every run whose last submission has not ended, and submits no run
-  twice; a run done (result.json) is not walked at all (vlp.study.runs.plan_runs). The folders
-  are reached through the run folders' storage (vlp.checkpoint.storage.RunFolder): grid.out_dir
-  may be a bucket; the scheduler keeps its own files (script, output) on a local file system.
-- each regime's jobs have its resources (grid.slurm.regimes; the scheduler's `processes` is the
-  world of its runs), every set checked before anything is submitted.
-- a (data set, regime) whose config caches the locked towers' features in a folder
-  (data.feature_cache) gets a warm-up job of its own first (`warm`: <out_dir>/warm_<regime>/,
-  re-attached and retried as a run's); its runs are submitted once it is done, and are failed
-  with its reason when it fails for good. The driver computes nothing itself.
-- results come from the run folder, as for a local run: the job writes result.json and
-  compare.json (vlp.study.runs.run_one); a job that ended without writing a record (killed,
-  timed out, out of memory, its node lost) gets a failed compare.json with the scheduler's reason
-  once its retries are spent, so the report names the cell's reason.
-- a failed job is resubmitted up to grid.retries times (one line each); a config error inside
-  the job (exit status 2) is not. The driver polls once per grid.slurm.poll_s for all its jobs,
-  keeps at most grid.slurm.max_in_flight submitted, and never waits on a single run.
-- Ctrl-C stops submitting: the jobs already submitted run on (one line; the same command
-  re-attaches, `vlp compare --cancel` cancels them).
+    with BatchExecutor(grid, scheduler) as ex:   # as any vlp.executors.Executor
+        ex.warm(bases)                           # a warm-up job per (data set, regime) with a cache folder
+        ex.run(jobs, total=n, on_done=callback)
 """
 
 from __future__ import annotations
@@ -47,18 +21,17 @@ from typing import Callable, Optional, Protocol
 from vlp.checkpoint.storage import RunFolder
 from vlp.config import ConfigError, from_dict
 from vlp.experiment import check
-from vlp.study.executor import Job
-from vlp.study.jobfiles import (SPEC_FILE, folder_name, has_result, job_name, live_id, read_record, spec_changed,
+from vlp.locations import join
+from vlp.executors.jobfiles import (SPEC_FILE, folder_name, has_result, job_name, live_id, read_record, spec_changed,
                                 submissions, unrecorded, write_record, write_spec, write_submissions)
-from vlp.study.runs import run_dir
-from vlp.study.jobstate import CONFIG_ERROR_EXIT, PENDING, RUNNING, JobState
+from vlp.executors.jobstate import CONFIG_ERROR_EXIT, PENDING, RUNNING, Job, JobState
 from vlp.train.preempt import Preempted
 
 POLL_FAILURES = 5  # failed polls in a row before the driver gives up (its jobs run on)
 
 
 class Scheduler(Protocol):
-    """What a batch scheduler must do for the driver (vlp.study.slurm.Slurm)."""
+    """What a batch scheduler must do for the driver (vlp.executors.slurm.Slurm)."""
 
     name: str
 
@@ -114,7 +87,7 @@ class Track:
 
 
 class BatchExecutor:
-    """Runs a grid's jobs as scheduler jobs (module doc); used as vlp.study.executor.Executor is."""
+    """Runs a grid's jobs as scheduler jobs (module doc); used as any vlp.executors.Executor."""
 
     def __init__(self, grid, scheduler: Scheduler, sleep: Callable[[float], None] = time.sleep):
         self.grid, self.scheduler, self.sleep = grid, scheduler, sleep
@@ -143,7 +116,7 @@ class BatchExecutor:
             if cfg.data.feature_cache in (None, "memory"):
                 continue
             name = "_".join(["warm", *(part for part in table if part)])
-            cfg.train.output_dir = run_dir(self.grid.out_dir, name)
+            cfg.train.output_dir = join(self.grid.out_dir, name)
             job = Job(SimpleNamespace(name=name, arm=SimpleNamespace(regime=table[1])), cfg, specs,
                       self.grid.retries, warm=True)
             self.warmups[table] = Track(job, RunFolder(cfg.train.output_dir), table)
@@ -328,24 +301,12 @@ def stopped_submitting(running: int, scheduler: str) -> Preempted:
         "Run the same command to re-attach, or add --cancel to cancel them"))
 
 
-# ---------------------------------------------------------------------------- which executor
+# ---------------------------------------------------------------------------- which scheduler
 def scheduler_of(grid) -> Scheduler:
     """The Scheduler that grid.executor names (only slurm today)."""
     if grid.executor == "slurm":
-        from vlp.study.slurm import Slurm  # its commands only where a grid asks for them
+        from vlp.executors.slurm import Slurm  # its commands only where a grid asks for them
 
         return Slurm(grid.slurm)
     raise ConfigError(f"config: grid.executor={grid.executor} has no scheduler: --status and --cancel "
                       "need a batch scheduler (grid.executor: slurm)")
-
-
-def executor_of(grid, acc):
-    """The Executor of grid.executor: local (vlp.study.executor) or a scheduler's (BatchExecutor)."""
-    if grid.executor == "local":
-        from vlp.study.executor import Executor
-
-        return Executor(grid, acc)
-    if acc.num_processes > 1:
-        raise ConfigError(f"config: grid.executor={grid.executor} submits each run as a job: run `vlp compare` "
-                          "itself as one process, not under accelerate launch")
-    return BatchExecutor(grid, scheduler_of(grid))

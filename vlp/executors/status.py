@@ -1,6 +1,6 @@
 """`vlp compare --status` and `--cancel` for a grid run by a scheduler (grid.executor: slurm), and
 the one line of a grid that ended with failed cells: read from the run folders' job.json
-(vlp.study.jobfiles) and one call to the scheduler; nothing is submitted."""
+(vlp.executors.jobfiles) and one call to the scheduler; nothing is submitted."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import time
 from typing import Optional
 
 from vlp.checkpoint.storage import RunFolder
-from vlp.study.jobfiles import (JOBS_FILE, RESULT_FILE, folder_name, has_result, live_id, read_record, submissions,
+from vlp.executors.jobfiles import (JOBS_FILE, RESULT_FILE, folder_name, has_result, live_id, read_record, submissions,
                                 write_submissions)
-from vlp.study.jobstate import PENDING, RUNNING, JobState
+from vlp.executors.jobstate import PENDING, RUNNING, JobState
 
 
 def run_folders(out_dir) -> list[RunFolder]:

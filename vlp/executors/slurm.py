@@ -1,19 +1,12 @@
-"""The SLURM scheduler of vlp.study.batch (grid.executor: slurm): each run of a grid is one SLURM
-job with the resources of grid.slurm, or its regime's own (grid.slurm.regimes).
+"""The SLURM scheduler of vlp.executors.batch: each run one SLURM job with the resources of
+grid.slurm, or its regime's own (docs/map.md, "The map on a cluster").
 
     sbatch --parsable --job-name=vlp-<run> --output=<logs>/slurm-%j.out ... <logs>/job.sh
-    <logs>: the run folder; for a grid.out_dir in a bucket, <grid.slurm.log_dir>/<bucket path>/<run>
-            (SLURM writes its output to a file system; the job reads and writes the run in the bucket)
-    job.sh: one node, <= 1 GPU: python -m vlp.study.job <run folder or URL>
-            otherwise:         srun, one `accelerate launch -m vlp.study.job <run>` per node
-                               (the launcher of launch/slurm.sbatch, one process per GPU)
-    states: sacct (one call for all the jobs) where accounting is on, else squeue (one line says so)
+    job.sh: one node, <= 1 GPU: python -m vlp.executors.job <run folder or URL>
+            otherwise:         srun, one `accelerate launch -m vlp.executors.job <run>` per node
 
 Pure functions build the sbatch line and the script and read sinfo, sacct and squeue; the class
-`Slurm` runs the commands. Before anything is submitted `check` refuses, in one line, a partition
-the cluster lacks, GPUs asked of a partition without any, more nodes than it has, and anything
-`sbatch --test-only` refuses (an account, a QOS, a time over the partition's limit), for each
-distinct set of resources the grid's regimes ask for.
+`Slurm` runs the commands.
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from vlp.config import ConfigError
-from vlp.study.jobstate import DONE, FAILED, PENDING, RUNNING, JobState
+from vlp.executors.jobstate import DONE, FAILED, PENDING, RUNNING, JobState
 
 SCRIPT = "job.sh"
 OUTPUT = "slurm-{job}.out"  # in the run folder (or its local log folder), appended across a requeue
@@ -74,7 +67,7 @@ def parse_sacct(text: str) -> dict[str, JobState]:
 def parse_squeue(text: str, ids: list[str]) -> dict[str, JobState]:
     """`squeue -h --states=all -O JobID:|,State:|,Reason:|,exit_code:|` -> {id: state}; a job of
     ``ids`` no longer in the queue (it ended more than MinJobAge ago, and no accounting keeps it)
-    reads as ENDED: the run folder says how (vlp.study.batch)."""
+    reads as ENDED: the run folder says how (vlp.executors.batch)."""
     out = {}
     for line in text.splitlines():
         parts = [p.strip() for p in line.split("|")]
@@ -156,7 +149,7 @@ LAUNCH = ('trap "" USR1 TERM; export PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT
           'exec "$0" -m accelerate.commands.launch --multi_gpu --mixed_precision no --dynamo_backend no '
           '--num_machines "$SLURM_NNODES" --num_processes "$((SLURM_NNODES * VLP_PROCS_PER_NODE))" '
           '--machine_rank "$SLURM_NODEID" --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" '
-          '--rdzv_backend static --same_network -m vlp.study.job "$1"')
+          '--rdzv_backend static --same_network -m vlp.executors.job "$1"')
 """Each node's launcher, as launch/slurm.sbatch's (signals: the ranks save, the launcher outlives them)."""
 
 
@@ -164,7 +157,7 @@ def job_script(cfg, folder: str, python: str) -> str:
     """The batch script of one run's job: the run in one process (one node, at most one GPU), else
     one `accelerate launch` per node over srun, one process per GPU (one per node without GPUs, gloo)."""
     head = "#!/bin/bash\n# written by vlp compare (grid.executor: slurm); runs " + shlex.quote(str(folder)) + "\nset -euo pipefail\n"
-    run = f"{shlex.quote(python)} -m vlp.study.job {shlex.quote(str(folder))}"
+    run = f"{shlex.quote(python)} -m vlp.executors.job {shlex.quote(str(folder))}"
     if cfg.nodes == 1 and cfg.gpus_per_node <= 1:  # one process: no launcher, as a local run
         return head + f"exec {run}\n"
     return head + "\n".join([
@@ -195,7 +188,7 @@ def _said(proc: subprocess.CompletedProcess) -> str:
 
 
 class Slurm:
-    """vlp.study.batch.Scheduler for SLURM (module doc). ``run``: how a command is run (tests)."""
+    """vlp.executors.batch.Scheduler for SLURM (module doc). ``run``: how a command is run (tests)."""
 
     name = "slurm"
 
