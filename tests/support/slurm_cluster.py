@@ -342,7 +342,7 @@ def job_ranks(job_id: int) -> list[int]:
 
 
 def job_runs(job_id: int) -> list[int]:
-    """The pid of a one-process job's run (`python -m vlp.study.job`), not its loader workers."""
+    """The pid of a one-process job's run (`python -m vlp.executors.job`), not its loader workers."""
     return _top_pythons(job_id)
 
 
