@@ -5,7 +5,9 @@ or a bucket for grid.out_dir s3://... / gs://...):
     job_spec.json   what the job runs: the run's name, config, val / test specs, and "warm": true for
                     a (data set, regime)'s feature-cache warm-up (vlp.study.job reads it)
     job.json        every job submitted for the run: {"name", "submitted", then "id", and once it
-                    ended "state", "reason", "ended"}; the last one without "state" is in flight
+                    ended "state", "reason", "ended", and for a job that ended without the run
+                    done "failed": true and "why"}; the last one without "state" is in flight. The
+                    failed ones are the run's attempts that grid.retries counts, across drivers
     compare.json    the run's record (vlp.study.runs.run_one; a job that ended without one gets a
                     failed record from the driver once its retries are spent)
 """
@@ -64,6 +66,12 @@ def submissions(folder: RunFolder) -> list[dict]:
 
 def write_submissions(folder: RunFolder, scheduler: str, jobs: list[dict]) -> None:
     folder.write_bytes(JOBS_FILE, json.dumps({"scheduler": scheduler, "jobs": jobs}, indent=1).encode())
+
+
+def failed_attempts(jobs: list[dict]) -> list[dict]:
+    """The run's submissions that ended without the run done ("failed", written by the driver that
+    saw them end): what grid.retries counts, whichever driver submitted them."""
+    return [j for j in jobs if j.get("failed")]
 
 
 def live_id(jobs: list[dict]) -> Optional[str]:
