@@ -118,7 +118,7 @@ def test_a_rerun_of_the_driver_does_not_reset_the_retry_budget(tmp_path, monkeyp
     grid.retries=2: the driver is stopped after the run's first failure (its retry in flight), then
     run again, twice. In all the run is submitted 1 + grid.retries times; the rerun counts on from
     job.json ("retry 2 of 2"), reports the cell missing with its reason and exits 1; the third
-    driver submits nothing and says why."""
+    driver submits nothing and says why; with the run's config edited, its count starts afresh."""
     from vlp import cli
     from vlp.study import batch, plots
 
@@ -172,6 +172,11 @@ def test_a_rerun_of_the_driver_does_not_reset_the_retry_budget(tmp_path, monkeyp
             "(raise grid.retries, or delete its job.json, to retry it)") in third.out, third.out
     assert json.loads((out / "infonce_b8_s0" / "compare.json").read_text()) == record
     assert [j.get("failed") for j in json.loads((out / "infonce_b8_s0" / "job.json").read_text())["jobs"]] == [True] * 3
+
+    assert cli.main([*argv, "optim.lr=0.004"]) == 1  # the config edited: a fresh count of attempts
+    fourth = capsys.readouterr()
+    assert [i for _, i in fake.submitted] == ["100", "101", "102", "103", "104", "105"], fourth.out
+    assert json.loads((out / "infonce_b8_s0" / "compare.json").read_text())["error"].startswith("3 attempts, the last job 105")
 
 
 def test_a_config_error_in_the_job_is_not_retried(tmp_path):

@@ -30,8 +30,9 @@ Everything else is the same for any scheduler: this driver loop; the run folder'
 - a failed job is resubmitted up to grid.retries times (one line each); a config error inside
   the job (exit status 2) is not. The failed attempts are counted in job.json, not in the driver:
   killed and started again, a driver gives a run no more than grid.retries resubmissions in all,
-  and a run whose attempts are spent is reported failed (its reason) without a submission. The driver polls once per grid.slurm.poll_s for all its jobs,
-  keeps at most grid.slurm.max_in_flight submitted, and never waits on a single run.
+  and a run whose attempts are spent is reported failed (its reason) without a submission, until
+  its config is edited (a fresh count). The driver polls once per grid.slurm.poll_s for all its
+  jobs, keeps at most grid.slurm.max_in_flight submitted, and never waits on a single run.
 - Ctrl-C stops submitting: the jobs already submitted run on (one line; the same command
   re-attaches, `vlp compare --cancel` cancels them).
 """
@@ -176,7 +177,8 @@ class BatchExecutor:
             if on_done is not None:
                 on_done(t.job, record)
 
-        for t in [t for t in queue if len(failed_attempts(t.jobs)) > self.grid.retries]:
+        for t in [t for t in queue if len(failed_attempts(t.jobs)) > self.grid.retries
+                  and not spec_changed(t.folder, t.job)]:  # (an edited config: a fresh count)
             queue.remove(t)  # its attempts spent grid.retries under earlier drivers: failed, not submitted
             self._spent(t)
             if t.job.warm:
@@ -280,11 +282,13 @@ class BatchExecutor:
         return jobs
 
     def _submit(self, t: Track) -> str:
+        # failed attempts under another config than the run's now do not count against its retries
+        new_config = bool(failed_attempts(t.jobs)) and spec_changed(t.folder, t.job) is not None
         write_spec(t.folder, t.job)
         name = job_name(t.job.run.name, t.folder)
         # noted before the scheduler hears of it: a driver killed before the id is written finds
         # the job by its name (_recorded); a Ctrl-C waits until the id is written
-        t.jobs.append({"name": name, "submitted": time.time()})
+        t.jobs.append({"name": name, "submitted": time.time(), **({"new_config": True} if new_config else {})})
         write_submissions(t.folder, self.scheduler.name, t.jobs)
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
