@@ -24,7 +24,6 @@ import pytest
 import yaml
 
 import forked
-from lit_fixtures import bert_dir, timm_json  # noqa: F401  (fixtures: a tiny LiT model)
 from object_store import start_s3
 from slurm_cluster import SlurmCluster, missing
 from vlp_testing import REPO
@@ -186,11 +185,11 @@ def test_a_tiny_grid_on_slurm_gives_the_local_table_one_job_per_run(cluster, tin
 
 
 @pytest.fixture(scope="module")
-def study_config(tmp_path_factory, timm_json, bert_dir):
+def study_config(tmp_path_factory):
     """A tuned study's config (2 losses x 2 rates, seed 0 on val, then seeds 0 and 1 on test: two
     steps, six ranked runs) on tiny fit / val / test shards; its out_dir and its feature cache
-    given per run. Its one regime, lit, trains on locked towers' features cached in a folder
-    (a warm-up first) and has job resources of its own (grid.slurm.regimes: a 9-minute limit)."""
+    given per run. Its one regime, lit, trains on locked towers' features (vlp-micro's, locked:
+    cheaper than a pretrained LiT pair, the same path) cached in a folder (a warm-up first) and has job resources of its own (grid.slurm.regimes: a 9-minute limit)."""
     from vlp.data.sources.openmoji import load_pairs
     from vlp.data.write import write_shards
 
@@ -203,8 +202,7 @@ def study_config(tmp_path_factory, timm_json, bert_dir):
             "grid": {"losses": ["infonce", "sogclr"], "batch_per_device": [8], "seeds": [0], "final_seeds": [0, 1],
                      "optimizers": ["adamw"], "sweep": {"optim.lr": [1e-4, 3e-3]}, "test_shards": shards["test"],
                      "metric": "mean_R@10", "keep_checkpoints": False, "regimes": {"lit": {
-                         "model.name": timm_json, "model.hf_text_dir": bert_dir, "model.lock_image": True,
-                         "model.lock_text": True, "data.train_transform": "eval"}},
+                         "model.lock_image": True, "model.lock_text": True, "data.train_transform": "eval"}},
                      "slurm": {"poll_s": 0.5, "time": 10, "regimes": {"lit": {"time": 9}}}}}
 
 
