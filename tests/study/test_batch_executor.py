@@ -1,6 +1,7 @@
 """The batch executor's driver loop (vlp/executors/batch.py, with jobfiles.py and status.py) against a
 fake scheduler, and the SLURM scheduler's pure parts (vlp/executors/slurm.py): the sbatch line and script, sinfo / sacct / squeue
 read, the settings refused. In-process and fast; the real cluster: tests/study/test_slurm_map.py."""
+import csv
 import json
 import re
 import subprocess
@@ -105,6 +106,78 @@ def test_runs_are_submitted_polled_together_and_resubmitted_up_to_the_retries(tm
     assert "b: job 101 TIMEOUT (NonZeroExitCode); resubmitted (retry 1 of 1)" in text, text
     assert [s["state"] for s in json.loads((tmp_path / "b" / "job.json").read_text())["jobs"]] == ["TIMEOUT", "NODE_FAIL"]
     assert json.loads((tmp_path / "a" / "job_spec.json").read_text())["run"] == "a"
+
+
+class Killed(BaseException):
+    """The driver's process killed (SIGKILL) where this is raised: nothing of it runs after."""
+
+
+@pytest.mark.parametrize("stop", ["SIGKILL", "Ctrl-C"])
+def test_a_rerun_of_the_driver_does_not_reset_the_retry_budget(tmp_path, monkeypatch, capsys, stop):
+    """`vlp compare` (in this process, the fake scheduler its cluster) on a run that always fails,
+    grid.retries=2: the driver is stopped after the run's first failure (its retry in flight), then
+    run again, twice. In all the run is submitted 1 + grid.retries times; the rerun counts on from
+    job.json ("retry 2 of 2"), reports the cell missing with its reason and exits 1; the third
+    driver submits nothing and says why; with the run's config edited, its count starts afresh."""
+    from vlp import cli
+    from vlp.executors import batch
+    from vlp.study import plots
+
+    for figure in ("plot_curves", "plot_metric_vs_batch"):  # the report's tables are read; its figures cost seconds
+        monkeypatch.setattr(plots, figure, lambda *a, **k: None)
+    fake = FakeScheduler({"infonce_b8_s0": ["FAILED"] * 9})
+    polls, real = [], fake.poll
+
+    def poll(ids):  # the second poll: the driver dies (or is Ctrl-C'd) while job 101, the retry, is in flight
+        polls.append(ids)
+        if len(polls) == 2:
+            raise Killed() if stop == "SIGKILL" else KeyboardInterrupt()
+        return real(ids)
+
+    fake.poll = poll
+    monkeypatch.setattr(batch, "scheduler_of", lambda grid: fake)
+    out = tmp_path / "grid"
+    config = tmp_path / "compare.yaml"
+    config.write_text(json.dumps({
+        "model": {"name": "vlp-micro"}, "data": {"train_shards": str(tmp_path / "train-{0..1}.tar")},
+        "grid": {"losses": ["infonce"], "batch_per_device": [8], "seeds": [0], "out_dir": str(out), "retries": 2,
+                 "executor": "slurm", "slurm": {"poll_s": 0.2}}}))
+    argv = ["compare", "-c", str(config)]
+    if stop == "SIGKILL":
+        with pytest.raises(Killed):
+            cli.main(argv)
+    else:
+        assert cli.main(argv) == 130
+    first = capsys.readouterr()
+    assert "job 100 FAILED (NonZeroExitCode); resubmitted (retry 1 of 2)" in first.out, first.out
+    assert fake.submitted == [("infonce_b8_s0", "100"), ("infonce_b8_s0", "101")]
+
+    assert cli.main(argv) == 1
+    again = capsys.readouterr()
+    assert "re-attached to 1 submitted job(s): 101" in again.out, again.out
+    assert "job 101 FAILED (NonZeroExitCode); resubmitted (retry 2 of 2)" in again.out, again.out
+    assert [i for _, i in fake.submitted] == ["100", "101", "102"]  # 1 + grid.retries, across both drivers
+    record = json.loads((out / "infonce_b8_s0" / "compare.json").read_text())
+    assert record["status"] == "failed" and record["attempts"] == 3, record
+    assert record["error"] == "3 attempts, the last job 102 FAILED (NonZeroExitCode)", record
+    (error,) = [x for x in again.err.splitlines() if x.startswith("vlp: error:")]
+    assert "1 run(s) failed after grid.retries (infonce_b8_s0)" in error, again.err
+    assert f"Failed runs: infonce_b8_s0 ({record['error']})" in (out / "results.md").read_text()
+    with open(out / "runs.csv") as f:
+        assert [(r["run"], r["status"]) for r in csv.DictReader(f)] == [("infonce_b8_s0", "failed")]
+
+    assert cli.main(argv) == 1  # a third driver: the attempts are spent, nothing is submitted
+    third = capsys.readouterr()
+    assert len(fake.submitted) == 3 and "1 run(s) failed after grid.retries" in third.err, third.err
+    assert ("infonce_b8_s0: 3 failed attempts in its job.json spent grid.retries=2; not submitted again "
+            "(raise grid.retries, or delete its job.json, to retry it)") in third.out, third.out
+    assert json.loads((out / "infonce_b8_s0" / "compare.json").read_text()) == record
+    assert [j.get("failed") for j in json.loads((out / "infonce_b8_s0" / "job.json").read_text())["jobs"]] == [True] * 3
+
+    assert cli.main([*argv, "optim.lr=0.004"]) == 1  # the config edited: a fresh count of attempts
+    fourth = capsys.readouterr()
+    assert [i for _, i in fake.submitted] == ["100", "101", "102", "103", "104", "105"], fourth.out
+    assert json.loads((out / "infonce_b8_s0" / "compare.json").read_text())["error"].startswith("3 attempts, the last job 105")
 
 
 def test_a_config_error_in_the_job_is_not_retried(tmp_path):
@@ -378,6 +451,9 @@ def test_a_warm_up_that_fails_is_retried_then_fails_its_runs_with_its_reason(tmp
     record = json.loads((tmp_path / "a" / "compare.json").read_text())
     assert record["error"].startswith("its feature-cache warm-up warm_lit failed: 2 attempts, the last job 102 "
                                       "NODE_FAIL"), record
+    again, done = warm_drive(tmp_path, {}, {"a": "lit"})  # a later driver: its attempts spent (job.json), not submitted
+    assert again.submitted == [] and done == [("a", "failed")]
+    assert json.loads((tmp_path / "a" / "compare.json").read_text()) == record
 
 
 def test_a_warm_up_in_flight_is_reattached(tmp_path, capsys):

@@ -1,7 +1,8 @@
 """`vlp compare` with grid.executor=slurm on a real 2-node SLURM cluster on 127.0.0.1 with accounting
 (tests/support/slurm_cluster.py: slurmdbd on a private MariaDB), and one without: each run is one
-job (vlp/executors/slurm.py, vlp/executors/batch.py). A tiny plain grid (2 runs of vlp-micro) gives the
-local executor's runs.csv, and a tiny tuned study its study.json; so does a map with one job
+job (vlp/executors/slurm.py, vlp/executors/batch.py). A tiny plain grid (2 runs of vlp-micro), its out_dir in
+moto's S3 bucket, gives the local executor's runs.csv, and a tiny tuned study on a LiT regime (its
+feature caches built by a warm-up job first) its study.json; so does a map with one job
 scancelled mid-run and the other requeued underneath the driver, and one whose driver is killed
 mid-map (SIGHUP, then SIGKILL) and started again (no run submitted twice). A run on two nodes is
 one job of two processes. Ctrl-C leaves the jobs; --status and --cancel. A run that always fails
@@ -24,6 +25,7 @@ import pytest
 import yaml
 
 import forked
+from object_store import start_s3
 from slurm_cluster import SlurmCluster, job_runs, missing
 from vlp_testing import REPO
 
@@ -61,6 +63,21 @@ def cancel_what_a_test_leaves(request):
         subprocess.run(["scancel", "--user", str(os.getuid())], env=c.env, capture_output=True, timeout=60)
 
 
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 server in this process (tests/support/object_store.py), bucket `runs`: a grid.out_dir
+    that the driver and the jobs on the cluster reach through AWS_ENDPOINT_URL (env_of)."""
+    import logging
+
+    quiet = logging.getLogger("werkzeug")  # moto's request log
+    was, quiet.disabled = quiet.disabled, True
+    store = start_s3()
+    store.make_bucket("runs")
+    yield store
+    store.stop()
+    quiet.disabled = was
+
+
 def write_config(tmp: Path, shards: dict, **grid) -> Path:
     cfg = {"model": {"name": "vlp-micro"},
            "data": {"train_shards": shards["train"], "eval_shards": shards["eval"], "shuffle_buffer": 64},
@@ -74,13 +91,16 @@ def write_config(tmp: Path, shards: dict, **grid) -> Path:
     return path
 
 
-def env_of(c) -> dict:
-    return dict(c.env, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+def env_of(c, store=None) -> dict:
+    """The driver's environment (sbatch passes it on to the jobs): the cluster's, and the object
+    store's endpoint and keys where grid.out_dir is in its bucket."""
+    return dict(c.env, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+                **(store.env if store is not None else {}))
 
 
-def compare(c, config: Path, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+def compare(c, config: Path, *args: str, timeout: float = 400, store=None) -> subprocess.CompletedProcess:
     return forked.run([sys.executable, "-m", "vlp", "compare", "-c", str(config), *args], cwd=config.parent,
-                      env=env_of(c), capture_output=True, text=True, timeout=timeout)
+                      env=env_of(c, store), capture_output=True, text=True, timeout=timeout)
 
 
 def driver(c, config: Path, *args: str, **popen) -> forked.Popen:
@@ -165,25 +185,40 @@ def held_past(out: Path, ids: dict[str, str], step: int):
                 os.kill(pid, signal.SIGCONT)
 
 
-def test_a_tiny_grid_on_slurm_gives_the_local_table_one_job_per_run(cluster, tiny_shards, tmp_path, local_table):
-    config = write_config(tmp_path, tiny_shards)
-    proc = compare(cluster, config)
+def test_a_tiny_grid_on_slurm_gives_the_local_table_one_job_per_run(cluster, tiny_shards, tmp_path, local_table, s3):
+    """grid.out_dir in a bucket (moto's S3 on loopback): the driver writes each run's job files there,
+    each job reads its spec from its run's URL and trains into it; the job script and SLURM's output
+    are in a local folder (slurm-logs/<bucket>/<path>/<run> under the working directory)."""
+    url = s3.url("runs", f"grid-{tmp_path.name}")
+    config = write_config(tmp_path, tiny_shards, out_dir=url)
+    proc = compare(cluster, config, store=s3)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = tmp_path / "grid"
+    assert not (tmp_path / "grid").exists()
+    keys = set(s3.fs().find(url[5:]))
+    for name in ("runs.csv", "results.md", *(f"{run}/{f}" for run in RUNS for f in (
+            "job_spec.json", "job.json", "result.json", "compare.json", "log.jsonl"))):
+        assert f"{url[5:]}/{name}" in keys, (name, sorted(keys))
+    out = tmp_path / "grid"  # the bucket's files, fetched: what a user reads
+    s3.fs().get(url[5:], str(out), recursive=True)
     assert table(out) == local_table
     ids = submitted(out)
     assert sorted(ids) == ["flatnce_b8_s0", "infonce_b8_s0"] and all(len(v) == 1 for v in ids.values()), ids
     assert len(set(sacct_names(cluster, [i for v in ids.values() for i in v]))) == 2
     assert "accounting is off" not in proc.stdout
-    status = compare(cluster, config, "--status")
+    for run, (job,) in ids.items():
+        logs = tmp_path / "slurm-logs" / url[5:] / run
+        assert (logs / f"slurm-{job}.out").exists(), sorted(p.name for p in logs.parent.rglob("*"))
+        assert (logs / "job.sh").read_text().rstrip().endswith(f"-m vlp.executors.job {url}/{run}")
+    status = compare(cluster, config, "--status", store=s3)
     assert status.returncode == 0 and "2 done" in status.stdout, status.stdout + status.stderr
 
 
 @pytest.fixture(scope="module")
 def study_config(tmp_path_factory):
     """A tuned study's config (2 losses x 2 rates, seed 0 on val, then seeds 0 and 1 on test: two
-    steps, six ranked runs) on tiny fit / val / test shards; its out_dir given per run. Its one
-    regime has job resources of its own (grid.slurm.regimes: a 9-minute limit)."""
+    steps, six ranked runs) on tiny fit / val / test shards; its out_dir and its feature cache
+    given per run. Its one regime, lit, trains on locked towers' features (vlp-micro's, locked:
+    cheaper than a pretrained LiT pair, the same path) cached in a folder (a warm-up first) and has job resources of its own (grid.slurm.regimes: a 9-minute limit)."""
     from vlp.data.sources.openmoji import load_pairs
     from vlp.data.write import write_shards
 
@@ -195,8 +230,9 @@ def study_config(tmp_path_factory):
             "train": {"samples": 32}, "eval": {"batch_size": 64},
             "grid": {"losses": ["infonce", "sogclr"], "batch_per_device": [8], "seeds": [0], "final_seeds": [0, 1],
                      "optimizers": ["adamw"], "sweep": {"optim.lr": [1e-4, 3e-3]}, "test_shards": shards["test"],
-                     "metric": "mean_R@10", "keep_checkpoints": False, "regimes": {"scratch": {}},
-                     "slurm": {"poll_s": 0.5, "time": 10, "regimes": {"scratch": {"time": 9}}}}}
+                     "metric": "mean_R@10", "keep_checkpoints": False, "regimes": {"lit": {
+                         "model.lock_image": True, "model.lock_text": True, "data.train_transform": "eval"}},
+                     "slurm": {"poll_s": 0.5, "time": 10, "regimes": {"lit": {"time": 9}}}}}
 
 
 def study_numbers(out: Path):
@@ -211,21 +247,34 @@ def study_numbers(out: Path):
 def test_a_tiny_study_on_slurm_gives_the_local_study_json(cluster, study_config, tmp_path):
     """Ranked runs (train_and_rank with the val / test specs from job_spec.json) and a second step
     planned from the first's results (the final seeds): study.json as the local executor writes it.
-    Every job has its regime's time limit (grid.slurm.regimes.scratch.time), not grid.slurm's."""
-    outs = {}
+    The lit regime's feature caches are built by one job of their own (warm_lit/), which ended
+    before any of its runs started. Every job has its regime's time limit
+    (grid.slurm.regimes.lit.time), not grid.slurm's, the warm-up's too."""
+    outs, caches = {}, {}
     for executor in ("local", "slurm"):
         config = tmp_path / f"{executor}.yaml"
-        outs[executor] = tmp_path / executor
-        tree = {**study_config, "grid": {**study_config["grid"], "executor": executor, "out_dir": str(outs[executor])}}
+        outs[executor], caches[executor] = tmp_path / executor, tmp_path / f"features_{executor}"
+        lit = {**study_config["grid"]["regimes"]["lit"], "data.feature_cache": str(caches[executor])}
+        tree = {**study_config, "grid": {**study_config["grid"], "executor": executor, "out_dir": str(outs[executor]),
+                                         "regimes": {"lit": lit}}}
         config.write_text(yaml.safe_dump(tree))
         proc = compare(cluster, config)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert study_numbers(outs["slurm"]) == study_numbers(outs["local"])
     ids = submitted(outs["slurm"])
+    (warm,) = ids.pop("warm_lit")  # one warm-up job, submitted once
     assert len(ids) == 6 and all(len(v) == 1 for v in ids.values()), ids
     limits = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(i for v in ids.values() for i in v), "-o",
                              "Timelimit"], env=cluster.env, capture_output=True, text=True, check=True).stdout.split()
     assert limits == ["00:09:00"] * 6, limits
+    rows = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join([warm, *(i for v in ids.values() for i in v)]),
+                           "-o", "JobID,JobName,State,Timelimit,Start,End"], env=cluster.env, capture_output=True,
+                          text=True, check=True).stdout.splitlines()
+    jobs = {r.split("|")[0]: r.split("|")[1:] for r in rows}  # id: name, state, limit, start, end
+    assert jobs[warm][0].startswith("vlp-warm_lit-") and jobs[warm][1:3] == ["COMPLETED", "00:09:00"], jobs[warm]
+    assert all(jobs[warm][4] <= jobs[i][3] for v in ids.values() for i in v), jobs  # it ended before they started
+    built = json.loads((outs["slurm"] / "warm_lit" / "result.json").read_text())
+    assert built["feature_cache"] == str(caches["slurm"]) and list(caches["slurm"].glob("*.pt")), built
 
 
 def test_a_run_on_two_nodes_is_one_job_of_two_processes(cluster, tiny_shards, tmp_path):

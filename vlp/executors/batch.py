@@ -22,7 +22,7 @@ from vlp.checkpoint.storage import RunFolder
 from vlp.config import ConfigError, from_dict
 from vlp.experiment import check
 from vlp.locations import join
-from vlp.executors.jobfiles import (SPEC_FILE, folder_name, has_result, job_name, live_id, read_record, spec_changed,
+from vlp.executors.jobfiles import (SPEC_FILE, failed_attempts, folder_name, has_result, job_name, live_id, read_record, spec_changed,
                                 submissions, unrecorded, write_record, write_spec, write_submissions)
 from vlp.executors.jobstate import CONFIG_ERROR_EXIT, PENDING, RUNNING, Job, JobState
 from vlp.train.preempt import Preempted
@@ -77,13 +77,12 @@ def retried(state: JobState) -> bool:
 @dataclass
 class Track:
     """One run the driver walks (or a warm-up, ``job.warm``): its job, folder, the (data set,
-    regime) table whose warm-up it waits for, submissions and failures seen by this driver."""
+    regime) table whose warm-up it waits for, its submissions (job.json's, every driver's)."""
 
     job: Job
     folder: RunFolder
     table: tuple = ("", "")
     jobs: list = field(default_factory=list)
-    failures: int = 0
 
 
 class BatchExecutor:
@@ -148,6 +147,14 @@ class BatchExecutor:
             if on_done is not None:
                 on_done(t.job, record)
 
+        for t in [t for t in queue if len(failed_attempts(t.jobs)) > self.grid.retries
+                  and not spec_changed(t.folder, t.job)]:  # (an edited config: a fresh count)
+            queue.remove(t)  # its attempts spent grid.retries under earlier drivers: failed, not submitted
+            self._spent(t)
+            if t.job.warm:
+                self._warm_ended(t, t.jobs[-1].get("id", "-"))
+            else:
+                finish(t, t.jobs[-1].get("id", "-"))
         try:
             while queue or watching:
                 for t in [t for t in queue if t.table in self.warm_failed and not t.job.warm]:
@@ -245,11 +252,13 @@ class BatchExecutor:
         return jobs
 
     def _submit(self, t: Track) -> str:
+        # failed attempts under another config than the run's now do not count against its retries
+        new_config = bool(failed_attempts(t.jobs)) and spec_changed(t.folder, t.job) is not None
         write_spec(t.folder, t.job)
         name = job_name(t.job.run.name, t.folder)
         # noted before the scheduler hears of it: a driver killed before the id is written finds
         # the job by its name (_recorded); a Ctrl-C waits until the id is written
-        t.jobs.append({"name": name, "submitted": time.time()})
+        t.jobs.append({"name": name, "submitted": time.time(), **({"new_config": True} if new_config else {})})
         write_submissions(t.folder, self.scheduler.name, t.jobs)
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
@@ -266,22 +275,40 @@ class BatchExecutor:
         record = read_record(t.folder)  # the run's own word: a job that ended without one failed
         ok = record.get("status") == "ok" and has_result(t.folder)
         t.jobs[-1].update(state=state.state, reason=state.reason, ended=time.time())
+        if not ok:  # a failed attempt, counted against grid.retries by this driver and any later one
+            why = failure_line(state, record)
+            log = self.scheduler.output(t.folder, state.id)
+            if log.exists() and not record.get("error"):  # no word from the run itself: where to look
+                why += f"; its output: {log}"
+            t.jobs[-1].update(failed=True, why=why)
         write_submissions(t.folder, self.scheduler.name, t.jobs)
         if ok:
             return False
-        t.failures += 1
-        why = failure_line(state, record)
-        log = self.scheduler.output(t.folder, state.id)
-        if log.exists() and not record.get("error"):  # no word from the run itself: where to look
-            why += f"; its output: {log}"
-        if retried(state) and t.failures <= self.grid.retries:
+        failures = len(failed_attempts(t.jobs))
+        if retried(state) and failures <= self.grid.retries:
             print(f"[compare] {t.job.run.name}: job {state.id} {why}; resubmitted "
-                  f"(retry {t.failures} of {self.grid.retries})", flush=True)
+                  f"(retry {failures} of {self.grid.retries})", flush=True)
             return True
-        error = f"{t.failures} attempt{'s' * (t.failures > 1)}, the last job {state.id} {why}"
-        write_record(t.folder, {"status": "failed", "error": error[:300], "attempts": t.failures,
-                                "scheduler": self.scheduler.name, "wall_time_s": record.get("wall_time_s", 0.0)})
+        self._give_up(t, record.get("wall_time_s", 0.0))
         return False
+
+    def _give_up(self, t: Track, wall_time_s: float = 0.0) -> None:
+        """The run's failed compare.json: its attempts and why the last failed (from job.json, so a
+        later driver writes the same)."""
+        failed = failed_attempts(t.jobs)
+        n, last = len(failed), failed[-1]
+        error = f"{n} attempt{'s' * (n > 1)}, the last job {last.get('id', '-')} {last.get('why', last.get('state'))}"
+        write_record(t.folder, {"status": "failed", "error": error[:300], "attempts": n,
+                                "scheduler": self.scheduler.name, "wall_time_s": wall_time_s})
+
+    def _spent(self, t: Track) -> None:
+        """A run (or warm-up) whose failed attempts in job.json, submitted by earlier drivers, spent
+        grid.retries: one line, its failed record (re)written, nothing submitted."""
+        n = len(failed_attempts(t.jobs))
+        print(f"[compare] {t.job.run.name}: {n} failed attempt{'s' * (n > 1)} in its job.json spent grid.retries="
+              f"{self.grid.retries}; not submitted again (raise grid.retries, or delete its job.json, to retry it)",
+              flush=True)
+        self._give_up(t, read_record(t.folder).get("wall_time_s", 0.0))
 
 
 def regime_of(job: Job) -> str:

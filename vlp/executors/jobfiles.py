@@ -6,7 +6,10 @@ or a bucket for grid.out_dir s3://... / gs://...):
                     ("vlp.study.runs:train_job"), or "warm": true for a (data set, regime)'s
                     feature-cache warm-up (vlp.executors.job reads it)
     job.json        every job submitted for the run: {"name", "submitted", then "id", and once it
-                    ended "state", "reason", "ended"}; the last one without "state" is in flight
+                    ended "state", "reason", "ended", and for a job that ended without the run
+                    done "failed": true and "why"}; the last one without "state" is in flight. The
+                    failed ones are the run's attempts that grid.retries counts, across drivers,
+                    since the last submission with "new_config": true (the config was edited)
     compare.json    the run's record (vlp.executors.local.run_one; a job that ended without one gets a
                     failed record from the driver once its retries are spent)
 """
@@ -74,6 +77,14 @@ def submissions(folder: RunFolder) -> list[dict]:
 
 def write_submissions(folder: RunFolder, scheduler: str, jobs: list[dict]) -> None:
     folder.write_bytes(JOBS_FILE, json.dumps({"scheduler": scheduler, "jobs": jobs}, indent=1).encode())
+
+
+def failed_attempts(jobs: list[dict]) -> list[dict]:
+    """The run's submissions that ended without the run done ("failed", written by the driver that
+    saw them end) since its config last changed ("new_config"): what grid.retries counts, whichever
+    driver submitted them."""
+    since = max((i for i, j in enumerate(jobs) if j.get("new_config")), default=0)
+    return [j for j in jobs[since:] if j.get("failed")]
 
 
 def live_id(jobs: list[dict]) -> Optional[str]:
