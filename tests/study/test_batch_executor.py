@@ -461,3 +461,15 @@ def test_a_warm_up_in_flight_is_reattached(tmp_path, capsys):
     fake, done = warm_drive(tmp_path, {"warm_lit": ["run", "ok"], "a": ["ok"]}, {"a": "lit"}, reattach={"warm_lit": "7"})
     assert [name for name, _ in fake.submitted] == ["a"] and done == [("a", "ok")]
     assert "re-attached to 1 submitted job(s): 7" in capsys.readouterr().out
+
+
+def test_a_job_spec_names_its_work_in_vlp_or_is_one_line():
+    """job_spec.json's "work": a vlp function by name; none (a spec from before the field) is a run's
+    training; anything else is one ConfigError line (the job exits 2, not retried), never None."""
+    from vlp.study.runs import train_job
+
+    assert jobfiles.work_named("vlp.study.runs:train_job") is train_job
+    assert jobfiles.work_named(None) is train_job
+    for bad in ("os:system", "vlp.study.runs:nothing", "vlp.nowhere:f", "vlp.study.runs"):
+        with pytest.raises(ConfigError, match="names its work"):
+            jobfiles.work_named(bad)

@@ -39,12 +39,20 @@ def write_spec(folder: RunFolder, job) -> None:
     folder.write_bytes(SPEC_FILE, json.dumps(spec, indent=1).encode())
 
 
+OLD_WORK = "vlp.study.runs:train_job"  # a job_spec.json written before "work" was: a run's training
+
+
 def work_named(name: Optional[str]):
-    """The function a job_spec.json names as its work ('module:function' in vlp), or None."""
-    module, _, function = (name or "").partition(":")
-    if not name or not module.startswith("vlp."):
-        return None
-    return getattr(importlib.import_module(module), function)
+    """The function a job_spec.json names as its work ('module:function' in vlp); a spec without
+    one is a run's training (OLD_WORK). Any other name is one ConfigError line, not a retried run."""
+    name = name or OLD_WORK
+    module, _, function = name.partition(":")
+    try:
+        if module.startswith("vlp.") and function:
+            return getattr(importlib.import_module(module), function)
+    except (ImportError, AttributeError):
+        pass
+    raise ConfigError(f"job: {SPEC_FILE} names its work {name!r}: not a function of vlp ('vlp.module:function')")
 
 
 def read_json(folder: RunFolder, name: str) -> Optional[dict]:
